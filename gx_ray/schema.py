@@ -187,6 +187,7 @@ class Case:
     """
 
     case_id: str
+    """The case folder's name."""
     source: Path
     phases: dict[str, Path]
     """phase → NIfTI/MHA file or DICOM series folder."""
@@ -204,6 +205,11 @@ class Case:
     endoscopy: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     """Keys a reader did not recognise, kept verbatim."""
+    patient_id: str = ""
+    """The patient the case belongs to (splits are per patient); the case id when the data does not say."""
+
+    def __post_init__(self) -> None:
+        self.patient_id = self.patient_id or self.case_id
 
     def presence(self) -> dict[str, bool]:
         """Presence flag of every optional part."""
@@ -226,6 +232,7 @@ QC_REASONS: tuple[str, ...] = (
     "box_outside_volume",  # a box that does not lie within its phase's volume or the crop
     "misaligned",  # phases too far apart after registration
     "duplicate_patient",  # one patient id in two case folders
+    "preprocessing_failed",  # anything else that went wrong with this case; the message has the details
 )
 """Why a case is excluded; every :class:`CaseError` carries one."""
 

@@ -1,0 +1,118 @@
+"""The built-in demo cohort: procedural Gastric-X cases written in the release layout, one Ray task per case.
+
+Each case is drawn from its own seed (``[seed, index, modality]``), so case ``k`` is the same whether the
+cohort has 10 cases or 1000, and changing how one modality is rendered leaves the others' draws alone.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import ray
+import SimpleITK as sitk
+
+from gx_ray.data.demo.clinical import sample_clinical
+from gx_ray.data.demo.endoscopy import render_endoscopy
+from gx_ray.data.demo.findings import SignalStrength, sample_findings, sample_staging
+from gx_ray.data.demo.phantom import PhantomConfig, make_from_template, make_phantom
+from gx_ray.data.demo.text import make_reports, make_vqa
+from gx_ray.data.layouts import LAYOUTS, WRITERS, CaseContent
+from gx_ray.data.parallel import ordered_results
+from gx_ray.data.volumes import load_volume
+
+COHORT_FILE = "demo_cohort.json"
+_STREAMS = ("staging", "findings", "imaging", "clinical", "text", "vqa", "endoscopy")
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    cases: int = 48
+    seed: int = 0
+    signal: SignalStrength = field(default_factory=SignalStrength)
+    phantom: PhantomConfig = field(default_factory=PhantomConfig)
+    layout: str = "release"
+    dicom: bool = False
+    """Write CT phases as DICOM series folders instead of NIfTI files."""
+    template_ct: Path | None = None
+    template_labels: Path | None = None
+    """Build every case on this real CT and its TotalSegmentator labels instead of the phantom."""
+    endoscopy_size: int = 256
+    vqa_per_case: int = 8
+    missing_rate: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {self.layout!r}; valid: {', '.join(LAYOUTS)}")
+        if (self.template_ct is None) != (self.template_labels is None):
+            raise ValueError("--template and --template-labels go together")
+        if self.cases < 1:
+            raise ValueError(f"a demo cohort needs at least one case, got {self.cases}")
+
+
+def case_id_of(index: int) -> str:
+    return f"GXD{index:05d}"
+
+
+def generate_case(config: DemoConfig, index: int) -> CaseContent:
+    """Case ``index`` of the cohort, in memory."""
+    rng = {name: np.random.default_rng([config.seed, index, k]) for k, name in enumerate(_STREAMS)}
+    case_id = case_id_of(index)
+    staging = sample_staging(rng["staging"])
+    findings = sample_findings(rng["findings"], case_id, staging, config.signal)
+    if config.template_ct is not None:
+        ct = load_volume(config.template_ct, case_id, "template")
+        labels = load_volume(config.template_labels, case_id, "template labels")
+        imaging = make_from_template(rng["imaging"], findings, ct, labels, config.phantom)
+    else:
+        imaging = make_phantom(rng["imaging"], findings, config.phantom)
+    labs = sample_clinical(rng["clinical"], findings, config.missing_rate)
+    meta = {
+        "patient_id": case_id,
+        "sex": findings.sex,
+        "age": findings.age,
+        "ground_truth": {
+            "findings": json.loads(json.dumps(asdict(findings), default=str)),
+            "phase_offsets": imaging.phase_offsets,
+            "signal": asdict(config.signal),
+        },
+    }
+    return CaseContent(
+        case_id=case_id,
+        phases=imaging.phases,
+        organ_masks=imaging.organ_masks,
+        tumour_masks=imaging.tumour_masks,
+        boxes=imaging.boxes,
+        staging=staging,
+        labs=labs,
+        reports=make_reports(rng["text"], findings),
+        vqa=make_vqa(rng["vqa"], findings, config.vqa_per_case),
+        endoscopy=render_endoscopy(rng["endoscopy"], findings, config.endoscopy_size),
+        meta=meta,
+    )
+
+
+@ray.remote(num_cpus=1)
+def _write_case_task(root: Path, config: DemoConfig, index: int) -> str:
+    sitk.ProcessObject.SetGlobalDefaultNumberOfThreads(1)  # one core per task; Ray runs the others
+    content = generate_case(config, index)
+    WRITERS[config.layout](root, content, dicom=config.dicom)
+    return content.case_id
+
+
+def generate_cohort(root: Path, config: DemoConfig = DemoConfig()) -> list[str]:
+    """Write the demo cohort under ``root``; reuses a complete cohort written earlier with the same config."""
+    root = Path(root)
+    stamp = root / COHORT_FILE
+    wanted = json.dumps(asdict(config), default=str, sort_keys=True)
+    if stamp.is_file() and stamp.read_text() == wanted:
+        return [case_id_of(i) for i in range(config.cases)]
+    root.mkdir(parents=True, exist_ok=True)
+    stamp.unlink(missing_ok=True)
+    submit = partial(_write_case_task.remote, root, config)
+    ids = list(ordered_results(submit, range(config.cases), config.cases, "demo cohort"))
+    stamp.write_text(wanted)  # written last: its presence means the cohort is complete
+    return ids

@@ -1,0 +1,439 @@
+"""On-disk layouts of Gastric-X cases: one reader and one writer per layout, turning folders into `Case` records.
+
+Two layouts exist (their trees are below). Either may hold a phase as a volume file (``.nii.gz``, ``.nii``,
+``.mha``) or as a folder of DICOM slices, since hospitals export DICOM.
+
+**release** — the public Hugging Face release (``shared/seeds/README.md``), plus the paper's extras
+(``endoscopy/``, ``clinical/``, ``endoscopy_report``, boxes on every phase) that the demo cohort writes::
+
+    ROOT/imaging/<ID>/<phase>.nii.gz | <phase>/*.dcm     non_contrast, venous, delayed; arterial optional
+    ROOT/imaging/<ID>/<phase>_organ_mask.nii.gz          6 stomach, 7 aorta, 8 IVC, 9 portal/splenic vein, 10 pancreas
+    ROOT/imaging/<ID>/<phase>_tumor_mask.nii.gz          binary
+    ROOT/imaging/<ID>/bbox.json                          {"boxes": [{"class", "phase", "zyx_min", "zyx_max"}]}
+    ROOT/metadata/EN/<ID>.json, metadata/CN/<ID>.json    {"ct_report", "diagnosis", "meta": {...}, "vqa": [...]}
+    ROOT/endoscopy/<ID>.png, ROOT/clinical/<ID>.json     paper extras: RGB image, {"variables": {...}}
+
+**paper** — the full layout the paper describes (three box levels on every phase, 134 variables, three reports)::
+
+    ROOT/<ID>/ct/<phase>.nii.gz | ct/<phase>/*.dcm
+    ROOT/<ID>/boxes.json      {"<phase>": {"tumour" | "lymph_nodes" | "stomach": {"zyx_min", "zyx_max"}}}
+    ROOT/<ID>/clinical.json   {"patient_id", "variables": {...}}   (T/N/M are among the variables)
+    ROOT/<ID>/reports.json    {"en": {"ct_report", "endoscopy_report", "diagnosis_report"}, "zh": {...}}
+    ROOT/<ID>/vqa.json        {"en": [{"question", "answer", "category"}], "zh": [...]}
+    ROOT/<ID>/endoscopy.png
+
+Box corners on disk are ``zyx_min`` / ``zyx_max`` voxel indices of the box's own phase. The release does not
+document whether ``zyx_max`` is inclusive; :data:`BOX_MAX_INCLUSIVE` states the reading once, here, and
+both the reader and the writer use it. Unknown JSON keys are kept in ``Case.extra``; a missing required part
+or malformed annotation is a :class:`CaseError` naming the case, the file and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import SimpleITK as sitk
+from PIL import Image
+
+from gx_ray.data.volumes import VOLUME_SUFFIXES, write_dicom_series, write_volume
+from gx_ray.schema import (
+    BOX_LEVEL_ALIASES,
+    BOX_LEVELS,
+    LANGUAGES,
+    PHASE_ALIASES,
+    PHASES,
+    REQUIRED_PHASES,
+    Box,
+    Case,
+    CaseError,
+    Staging,
+    VQAItem,
+)
+
+LAYOUTS: tuple[str, ...] = ("release", "paper")
+BOX_MAX_INCLUSIVE = True
+"""``zyx_max`` names the last voxel inside the box (so the end-exclusive ``z1`` is ``zyx_max + 1``).
+Annotation tools that export voxel corners (ITK-SNAP, 3D Slicer ROI → index) give inclusive ends, and the
+release's boxes touch the mask's last slice, which an exclusive reading would cut off."""
+
+RELEASE_LANGUAGE_DIRS = {"en": "EN", "zh": "CN"}
+RELEASE_BOX_CLASS = {"tumour": "lesion", "lymph_nodes": "nodule", "stomach": "stomach_body"}
+RELEASE_DEFAULT_BOX_PHASE = "arterial"  # the release annotates the arterial phase only
+RELEASE_REPORT_KEYS = {
+    "ct_report": "ct_report",
+    "diagnosis": "diagnosis_report",
+    "endoscopy_report": "endoscopy_report",
+}
+_KNOWN_RELEASE_METADATA_KEYS = {*RELEASE_REPORT_KEYS, "meta", "vqa"}
+
+
+@dataclass
+class CaseContent:
+    """A case in memory, ready to be written in either layout (the demo generator builds these)."""
+
+    case_id: str
+    phases: dict[str, sitk.Image]
+    organ_masks: dict[str, sitk.Image] = field(default_factory=dict)
+    tumour_masks: dict[str, sitk.Image] = field(default_factory=dict)
+    boxes: list[Box] = field(default_factory=list)
+    staging: Staging | None = None
+    labs: dict[str, Any] = field(default_factory=dict)
+    reports: dict[str, dict[str, str]] = field(default_factory=dict)
+    vqa: dict[str, list[VQAItem]] = field(default_factory=dict)
+    endoscopy: np.ndarray | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Demographics, ground truth of a generated case and anything else worth keeping."""
+
+
+# --- shared pieces -----------------------------------------------------------------------------------
+
+
+def _load_json(path: Path, case_id: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CaseError(case_id, path, None, f"malformed JSON: {err}", "malformed_annotation") from err
+    if not isinstance(data, dict):
+        raise CaseError(case_id, path, None, "expected a JSON object at the top level", "malformed_annotation")
+    return data
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, ensure_ascii=False, sort_keys=True), encoding="utf-8")
+
+
+def _canonical(name: str, valid: tuple[str, ...], aliases: dict[str, str]) -> str | None:
+    key = name.strip().lower().replace("-", "_").replace(" ", "_")
+    key = aliases.get(key, key)
+    return key if key in valid else None
+
+
+def _find_volume(folder: Path, stem: str) -> Path | None:
+    for suffix in VOLUME_SUFFIXES:
+        if (folder / f"{stem}{suffix}").is_file():
+            return folder / f"{stem}{suffix}"
+    return folder / stem if (folder / stem).is_dir() else None
+
+
+def _find_phases(folder: Path, case_id: str) -> dict[str, Path]:
+    """Phase volumes of a case folder; a missing required phase is a CaseError."""
+    phases = {}
+    for phase in PHASES:
+        for stem in (phase, *(alias for alias, canonical in PHASE_ALIASES.items() if canonical == phase)):
+            if found := _find_volume(folder, stem):
+                phases[phase] = found
+                break
+    for phase in REQUIRED_PHASES:
+        if phase not in phases:
+            expected = folder / f"{phase}.nii.gz"
+            raise CaseError(case_id, expected, phase, f"required CT phase {phase!r} is missing", "missing_part")
+    return phases
+
+
+def _parse_box(entry: Any, case_id: str, path: Path, where: str, level: str, phase: str) -> Box:
+    if not isinstance(entry, dict) or "zyx_min" not in entry or "zyx_max" not in entry:
+        raise CaseError(case_id, path, where, "a box needs 'zyx_min' and 'zyx_max'", "malformed_annotation")
+    try:
+        lo = [int(v) for v in entry["zyx_min"]]
+        hi = [int(v) + (1 if BOX_MAX_INCLUSIVE else 0) for v in entry["zyx_max"]]
+        if len(lo) != 3 or len(hi) != 3:
+            raise ValueError("zyx_min and zyx_max need three coordinates each")
+        return Box(level, phase, (*lo, *hi))
+    except (TypeError, ValueError) as err:
+        raise CaseError(case_id, path, where, f"invalid box: {err}", "malformed_annotation") from err
+
+
+def _box_corners(box: Box) -> dict[str, list[int]]:
+    z0, y0, x0, z1, y1, x1 = box.zyx
+    end = 1 if BOX_MAX_INCLUSIVE else 0
+    return {"zyx_min": [z0, y0, x0], "zyx_max": [z1 - end, y1 - end, x1 - end]}
+
+
+def _staging_from(values: dict[str, Any], case_id: str, path: Path) -> Staging | None:
+    """T, N and M from a mapping whose keys may be spelled "T", "t_stage", "pT", "T Stage" ..."""
+    found: dict[str, Any] = {}
+    for key, value in values.items():
+        compact = re.sub(r"[\s_\-]", "", str(key)).lower()
+        for letter in "tnm":
+            if compact in (letter, f"{letter}stage", f"p{letter}", f"p{letter}stage") and value not in (None, ""):
+                found[letter] = value
+    if not found:
+        return None
+    if len(found) < 3:
+        missing = ", ".join(f"{letter.upper()} stage" for letter in "tnm" if letter not in found)
+        raise CaseError(case_id, path, missing, "staging is incomplete", "malformed_annotation")
+    try:
+        return Staging.parse(str(found["t"]), str(found["n"]), str(found["m"]))
+    except ValueError as err:
+        raise CaseError(case_id, path, "staging", str(err), "malformed_annotation") from err
+
+
+def _parse_vqa(items: Any, case_id: str, path: Path, where: str) -> list[VQAItem]:
+    if not isinstance(items, list):
+        raise CaseError(case_id, path, where, "expected a list of VQA items", "malformed_annotation")
+    parsed = []
+    for i, item in enumerate(items):
+        try:
+            parsed.append(VQAItem(str(item["question"]), str(item["answer"]), str(item["category"])))
+        except (KeyError, TypeError, ValueError) as err:
+            raise CaseError(case_id, path, f"{where}[{i}]", f"invalid VQA item: {err}", "malformed_annotation") from err
+    return parsed
+
+
+def _vqa_json(items: list[VQAItem]) -> list[dict[str, str]]:
+    return [{"question": v.question, "answer": v.answer, "category": v.category} for v in items]
+
+
+def _write_phases(folder: Path, content: CaseContent, dicom: bool) -> None:
+    for phase, image in content.phases.items():
+        if dicom:
+            # a stable series UID per case and phase: "2.25.<UUID as integer>" is DICOM's UUID-derived form
+            uid = f"2.25.{uuid.uuid5(uuid.NAMESPACE_OID, f'gx-ray/{content.case_id}/{phase}').int}"
+            write_dicom_series(image, folder / phase, uid, phase)
+        else:
+            write_volume(image, folder / f"{phase}.nii.gz")
+
+
+def _write_png(path: Path, rgb: np.ndarray) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(rgb).save(path, optimize=False)
+
+
+# --- release layout ----------------------------------------------------------------------------------
+
+
+def write_release_case(root: Path, content: CaseContent, dicom: bool = False) -> Path:
+    """Write one case in the release layout (plus the paper's extras); returns its imaging folder."""
+    cid = content.case_id
+    folder = root / "imaging" / cid
+    _write_phases(folder, content, dicom)
+    for phase, mask in content.organ_masks.items():
+        write_volume(mask, folder / f"{phase}_organ_mask.nii.gz")
+    for phase, mask in content.tumour_masks.items():
+        write_volume(mask, folder / f"{phase}_tumor_mask.nii.gz")
+    boxes = [{"class": RELEASE_BOX_CLASS[b.level], "phase": b.phase, **_box_corners(b)} for b in content.boxes]
+    _write_json(folder / "bbox.json", {"boxes": boxes})
+    meta = dict(content.meta)
+    if content.staging:
+        meta.update(T=content.staging.t, N=content.staging.n, M=content.staging.m, stage=content.staging.stage)
+    for lang, lang_dir in RELEASE_LANGUAGE_DIRS.items():
+        reports = content.reports.get(lang, {})
+        document = {key: reports[kind] for key, kind in RELEASE_REPORT_KEYS.items() if kind in reports}
+        document.update(meta=meta, vqa=_vqa_json(content.vqa.get(lang, [])))
+        _write_json(root / "metadata" / lang_dir / f"{cid}.json", document)
+    if content.endoscopy is not None:
+        _write_png(root / "endoscopy" / f"{cid}.png", content.endoscopy)
+    if content.labs:
+        _write_json(root / "clinical" / f"{cid}.json", {"variables": content.labs})
+    return folder
+
+
+def _read_release_boxes(path: Path, case_id: str) -> list[Box]:
+    data = _load_json(path, case_id)
+    entries = data.get("boxes")
+    if entries is None:  # also accept {"lesion": {...}, "nodule": [...], ...}
+        entries = [
+            {"class": name, **item}
+            for name, value in data.items()
+            for item in (value if isinstance(value, list) else [value])
+            if isinstance(item, dict)
+        ]
+    if not isinstance(entries, list):
+        raise CaseError(case_id, path, "boxes", "expected a list of boxes", "malformed_annotation")
+    boxes = []
+    for i, entry in enumerate(entries):
+        where = f"boxes[{i}]"
+        if not isinstance(entry, dict):
+            raise CaseError(case_id, path, where, "a box must be a JSON object", "malformed_annotation")
+        level = _canonical(str(entry.get("class", "")), BOX_LEVELS, BOX_LEVEL_ALIASES)
+        phase = _canonical(str(entry.get("phase", RELEASE_DEFAULT_BOX_PHASE)), PHASES, PHASE_ALIASES)
+        if level is None:
+            raise CaseError(
+                case_id, path, f"{where}.class", f"unknown box class {entry.get('class')!r}", "malformed_annotation"
+            )
+        if phase is None:
+            raise CaseError(
+                case_id, path, f"{where}.phase", f"unknown phase {entry.get('phase')!r}", "malformed_annotation"
+            )
+        boxes.append(_parse_box(entry, case_id, path, where, level, phase))
+    return boxes
+
+
+def read_release_case(root: Path, case_id: str) -> Case:
+    """Read one case of the release layout; raises CaseError naming the file and field on bad input."""
+    folder = root / "imaging" / case_id
+    phases = _find_phases(folder, case_id)
+    case = Case(case_id=case_id, source=folder, phases=phases)
+    for phase in phases:
+        if (mask := folder / f"{phase}_organ_mask.nii.gz").is_file():
+            case.organ_masks[phase] = mask
+        if (mask := folder / f"{phase}_tumor_mask.nii.gz").is_file():
+            case.tumour_masks[phase] = mask
+    if (bbox := folder / "bbox.json").is_file():
+        case.boxes = _read_release_boxes(bbox, case_id)
+    for lang, lang_dir in RELEASE_LANGUAGE_DIRS.items():
+        path = root / "metadata" / lang_dir / f"{case_id}.json"
+        if not path.is_file():
+            continue
+        data = _load_json(path, case_id)
+        reports = {kind: str(data[key]) for key, kind in RELEASE_REPORT_KEYS.items() if data.get(key)}
+        if reports:
+            case.reports[lang] = reports
+        if "vqa" in data:
+            case.vqa[lang] = _parse_vqa(data["vqa"], case_id, path, "vqa")
+        meta = data.get("meta") or {}
+        if not isinstance(meta, dict):
+            raise CaseError(case_id, path, "meta", "expected a JSON object", "malformed_annotation")
+        if case.staging is None:
+            case.staging = _staging_from(meta, case_id, path)
+        if meta.get("patient_id"):
+            case.patient_id = str(meta["patient_id"])
+        unknown = {k: v for k, v in data.items() if k not in _KNOWN_RELEASE_METADATA_KEYS}
+        case.extra[f"metadata/{lang_dir}"] = {"meta": meta, **unknown}
+    if (png := root / "endoscopy" / f"{case_id}.png").is_file():
+        case.endoscopy = png
+    if (clinical := root / "clinical" / f"{case_id}.json").is_file():
+        data = _load_json(clinical, case_id)
+        case.labs = dict(data.get("variables") or {})
+        case.extra.update({f"clinical/{k}": v for k, v in data.items() if k != "variables"})
+        if case.staging is None:
+            case.staging = _staging_from(case.labs, case_id, clinical)
+    return case
+
+
+def release_case_ids(root: Path) -> list[str]:
+    imaging = root / "imaging"
+    return sorted(p.name for p in imaging.iterdir() if p.is_dir()) if imaging.is_dir() else []
+
+
+# --- paper layout ------------------------------------------------------------------------------------
+
+
+def write_paper_case(root: Path, content: CaseContent, dicom: bool = False) -> Path:
+    """Write one case in the paper layout; returns its folder."""
+    folder = root / content.case_id
+    _write_phases(folder / "ct", content, dicom)
+    boxes: dict[str, dict[str, Any]] = defaultdict(dict)
+    for box in content.boxes:
+        boxes[box.phase][box.level] = _box_corners(box)
+    _write_json(folder / "boxes.json", boxes)
+    variables = dict(content.labs)
+    if content.staging and not _has_staging(variables):
+        variables.update(t_stage=content.staging.t, n_stage=content.staging.n, m_stage=content.staging.m)
+    _write_json(folder / "clinical.json", {"patient_id": content.case_id, "variables": variables, "meta": content.meta})
+    _write_json(folder / "reports.json", content.reports)
+    _write_json(folder / "vqa.json", {lang: _vqa_json(items) for lang, items in content.vqa.items()})
+    if content.endoscopy is not None:
+        _write_png(folder / "endoscopy.png", content.endoscopy)
+    return folder
+
+
+def _has_staging(values: dict[str, Any]) -> bool:
+    try:
+        return _staging_from(values, "", Path()) is not None
+    except CaseError:
+        return False
+
+
+def read_paper_case(root: Path, case_id: str) -> Case:
+    """Read one case of the paper layout; raises CaseError naming the file and field on bad input."""
+    folder = root / case_id
+    case = Case(case_id=case_id, source=folder, phases=_find_phases(folder / "ct", case_id))
+    if (path := folder / "boxes.json").is_file():
+        for phase_name, levels in _load_json(path, case_id).items():
+            phase = _canonical(phase_name, PHASES, PHASE_ALIASES)
+            if phase is None or not isinstance(levels, dict):
+                raise CaseError(
+                    case_id, path, phase_name, "expected a phase name → {level: box}", "malformed_annotation"
+                )
+            for level_name, entry in levels.items():
+                level = _canonical(level_name, BOX_LEVELS, BOX_LEVEL_ALIASES)
+                where = f"{phase_name}.{level_name}"
+                if level is None:
+                    raise CaseError(case_id, path, where, f"unknown box level {level_name!r}", "malformed_annotation")
+                case.boxes.append(_parse_box(entry, case_id, path, where, level, phase))
+    if (path := folder / "clinical.json").is_file():
+        data = _load_json(path, case_id)
+        case.labs = dict(data.get("variables") or {})
+        case.staging = _staging_from(case.labs, case_id, path)
+        case.patient_id = str(data.get("patient_id") or case_id)
+        case.extra.update({f"clinical/{k}": v for k, v in data.items() if k not in ("variables", "patient_id")})
+    if (path := folder / "reports.json").is_file():
+        for lang, reports in _load_json(path, case_id).items():
+            if lang in LANGUAGES and isinstance(reports, dict):
+                case.reports[lang] = {str(k): str(v) for k, v in reports.items()}
+            else:
+                case.extra.setdefault("reports", {})[lang] = reports
+    if (path := folder / "vqa.json").is_file():
+        for lang, items in _load_json(path, case_id).items():
+            case.vqa[lang] = _parse_vqa(items, case_id, path, lang)
+    if (png := folder / "endoscopy.png").is_file():
+        case.endoscopy = png
+    return case
+
+
+def paper_case_ids(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and (p / "ct").is_dir()) if root.is_dir() else []
+
+
+# --- the whole cohort --------------------------------------------------------------------------------
+
+WRITERS = {"release": write_release_case, "paper": write_paper_case}
+READERS = {"release": (release_case_ids, read_release_case), "paper": (paper_case_ids, read_paper_case)}
+
+
+def detect_layout(root: Path) -> str:
+    if (root / "imaging").is_dir():
+        return "release"
+    if paper_case_ids(root):
+        return "paper"
+    raise FileNotFoundError(
+        f"{root} holds no Gastric-X cases: expected imaging/<ID>/ (release layout) or <ID>/ct/ (paper layout)"
+    )
+
+
+def read_cohort(root: Path, layout: str | None = None, strict: bool = False) -> tuple[list[Case], list[CaseError]]:
+    """Every case under ``root``; bad cases come back as errors (or raise at the first when ``strict``).
+
+    One patient id in two case folders cannot be split at patient level, so both folders are excluded.
+    """
+    root = Path(root)
+    layout = layout or detect_layout(root)
+    if layout not in READERS:
+        raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
+    list_ids, read_case = READERS[layout]
+    cases, errors = [], []
+    for case_id in list_ids(root):
+        try:
+            cases.append(read_case(root, case_id))
+        except CaseError as err:
+            if strict:
+                raise
+            errors.append(err)
+    by_patient: dict[str, list[Case]] = defaultdict(list)
+    for case in cases:
+        by_patient[case.patient_id].append(case)
+    duplicates = {pid: group for pid, group in by_patient.items() if len(group) > 1}
+    for pid, group in duplicates.items():
+        folders = ", ".join(c.case_id for c in group)
+        for case in group:
+            err = CaseError(
+                case.case_id,
+                case.source,
+                "patient_id",
+                f"patient {pid} appears in case folders {folders}; remove all but one",
+                "duplicate_patient",
+            )
+            if strict:
+                raise err
+            errors.append(err)
+    duplicated = {c.case_id for group in duplicates.values() for c in group}
+    return [c for c in cases if c.case_id not in duplicated], errors

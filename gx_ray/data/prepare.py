@@ -1,0 +1,264 @@
+"""Raw cases → Parquet shards, ``split.json`` and a QC report: Appendix-B preprocessing as Ray tasks.
+
+The driver reads the cohort, assigns patient-level splits, preprocesses every case in a Ray task (one core
+each), turns each result into a shard row inside the task, and writes the rows in a fixed order (split, then
+case id), so the same input and settings give byte-identical shards. A case that fails is reported in the
+QC report and left out; the rest of the cohort goes on, unless ``strict`` asks to stop at the first.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+from PIL import Image
+
+from gx_ray.data.catalogue import describe_abnormal, load_catalogue
+from gx_ray.data.layouts import read_cohort
+from gx_ray.data.parallel import ordered_results
+from gx_ray.data.preprocess import PreprocessConfig, PreprocessedCase, preprocess_case
+from gx_ray.data.shards import ShardWriter, TensorLayout, shard_schema, write_manifest
+from gx_ray.data.splits import DEFAULT_FRACTIONS, SPLIT_FILE, SPLITS, assign_splits, write_split_file
+from gx_ray.schema import BOX_LEVELS, PHASES, REPORT_KINDS, STAGE_GROUPS, Case, CaseError
+
+SHARD_DIR = "shards"
+QC_JSON, QC_MARKDOWN = "qc_report.json", "qc_report.md"
+
+
+@dataclass(frozen=True)
+class PrepareConfig:
+    preprocess: PreprocessConfig = field(default_factory=lambda: PreprocessConfig.preset("demo"))
+    fractions: tuple[float, float, float] = DEFAULT_FRACTIONS
+    split_seed: int = 0
+    endoscopy_size: int = 64
+    rows_per_shard: int = 64
+    row_group_rows: int = 8
+    strict: bool = False
+
+
+@dataclass
+class PrepareResult:
+    shard_dir: Path
+    rows: dict[str, int]
+    excluded: list[dict[str, Any]]
+    qc_report: Path
+    seconds: float
+
+    def summary(self) -> str:
+        counts = ", ".join(f"{split} {self.rows[split]}" for split in SPLITS)
+        reasons = Counter(e["reason"] for e in self.excluded)
+        excluded = f"; excluded {len(self.excluded)} ({', '.join(f'{r} {n}' for r, n in reasons.items())})"
+        return (
+            f"prepared {sum(self.rows.values())} cases in {self.seconds:.0f} s: {counts}"
+            f"{excluded if self.excluded else ''}\n  shards: {self.shard_dir}\n  QC report: {self.qc_report}"
+        )
+
+
+# --- one case → one shard row ------------------------------------------------------------------------
+
+
+def _lab_vector(case: Case, names: list[str]) -> tuple[list[float], list[bool]]:
+    values, missing = [], []
+    for name in names:
+        raw = case.labs.get(name)
+        try:
+            value = float(raw) if raw not in (None, "") else math.nan
+        except (TypeError, ValueError) as err:
+            raise CaseError(
+                case.case_id, None, name, f"lab value {raw!r} is not a number", "malformed_annotation"
+            ) from err
+        values.append(value)
+        missing.append(math.isnan(value))
+    return values, missing
+
+
+def _lab_descriptors(case: Case) -> list[str]:
+    sex = case.labs.get("sex")
+    try:
+        return describe_abnormal(load_catalogue().abnormal_findings(case.labs, str(sex) if sex else None))
+    except ValueError as err:
+        raise CaseError(case.case_id, None, "labs", str(err), "malformed_annotation") from err
+
+
+def _box_array(pre: PreprocessedCase) -> tuple[list[int], list[bool]]:
+    """Boxes as a (phase, level, 6) array; several boxes of one level on one phase become their hull."""
+    boxes = np.zeros((len(PHASES), len(BOX_LEVELS), 6), dtype=np.int32)
+    present = np.zeros((len(PHASES), len(BOX_LEVELS)), dtype=bool)
+    for box in pre.boxes:
+        p, lv = PHASES.index(box.phase), BOX_LEVELS.index(box.level)
+        coords = np.asarray(box.zyx, dtype=np.int32)
+        if present[p, lv]:
+            coords = np.concatenate(
+                [np.minimum(boxes[p, lv, :3], coords[:3]), np.maximum(boxes[p, lv, 3:], coords[3:])]
+            )
+        boxes[p, lv], present[p, lv] = coords, True
+    return boxes.ravel().tolist(), present.ravel().tolist()
+
+
+def _endoscopy_bytes(case: Case, size: int) -> bytes | None:
+    if case.endoscopy is None:
+        return None
+    try:
+        with Image.open(case.endoscopy) as image:
+            rgb = np.asarray(image.convert("RGB").resize((size, size), Image.Resampling.BILINEAR))
+    except OSError as err:
+        raise CaseError(case.case_id, case.endoscopy, "endoscopy", f"unreadable image: {err}") from err
+    return np.ascontiguousarray(rgb.transpose(2, 0, 1)).tobytes()
+
+
+def case_row(case: Case, split: str, config: PrepareConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Preprocess one case into a shard row, plus what the QC report keeps about it."""
+    catalogue = load_catalogue()
+    pre = preprocess_case(case, config.preprocess)
+    lab_names = [v.name for v in catalogue.numeric_inputs()]
+    labs, labs_missing = _lab_vector(case, lab_names)
+    boxes, box_present = _box_array(pre)
+    staging = case.staging
+    group = staging.group if staging else None
+    reports_en, reports_zh = case.reports.get("en", {}), case.reports.get("zh", {})
+    endoscopy = _endoscopy_bytes(case, config.endoscopy_size)
+    row = {
+        "case_id": case.case_id,
+        "patient_id": case.patient_id,
+        "split": split,
+        "ct": pre.volume.astype(np.float16, copy=False).tobytes(),
+        "phase_present": list(pre.phase_present),
+        "endoscopy": endoscopy,
+        "endoscopy_present": endoscopy is not None,
+        "labs": labs,
+        "labs_missing": labs_missing,
+        "lab_abnormal": _lab_descriptors(case),
+        "boxes": boxes,
+        "box_present": box_present,
+        "t": staging.t if staging else None,
+        "n": staging.n if staging else None,
+        "m": staging.m if staging else None,
+        "stage": staging.stage if staging else None,
+        "stage_label": STAGE_GROUPS.index(group) if group else -1,
+        **{kind: reports_en.get(kind) for kind in REPORT_KINDS},
+        **{f"{kind}_zh": reports_zh.get(kind) for kind in REPORT_KINDS},
+        "vqa": [asdict(v) for v in case.vqa.get("en", [])],
+        "vqa_zh": [asdict(v) for v in case.vqa.get("zh", [])],
+    }
+    qc = {"registration": pre.registration, "warnings": pre.warnings, "crop_origin_zyx": list(pre.crop_origin_zyx)}
+    return row, qc
+
+
+@ray.remote(num_cpus=1)
+def _case_row_task(case: Case, split: str, config: PrepareConfig) -> tuple[dict, dict] | CaseError:
+    try:
+        return case_row(case, split, config)
+    except CaseError as err:
+        return err
+    except Exception as err:  # an unforeseen failure is still one case's failure, not the cohort's
+        return CaseError(case.case_id, case.source, None, f"{type(err).__name__}: {err}", "preprocessing_failed")
+
+
+# --- the whole cohort --------------------------------------------------------------------------------
+
+
+def prepare_shards(
+    source: Path, out: Path, config: PrepareConfig = PrepareConfig(), layout: str | None = None
+) -> PrepareResult:
+    """Preprocess every case under ``source`` into ``out/shards`` with ``split.json`` and a QC report."""
+    start = time.time()
+    source, out = Path(source), Path(out)
+    shard_dir = out / SHARD_DIR
+    cases, errors = read_cohort(source, layout, strict=config.strict)
+    assignment = assign_splits(
+        {c.patient_id: c.staging.group if c.staging else None for c in cases}, config.fractions, config.split_seed
+    )
+    order = sorted(cases, key=lambda c: (SPLITS.index(assignment[c.patient_id]), c.case_id))
+    catalogue = load_catalogue()
+    ct_shape = (len(PHASES), *config.preprocess.shape_zyx)
+    layout_info = TensorLayout(
+        ct_shape, (3, config.endoscopy_size, config.endoscopy_size), tuple(v.name for v in catalogue.numeric_inputs())
+    )
+    schema = shard_schema(ct_shape, config.endoscopy_size, list(layout_info.lab_names))
+    writer = ShardWriter(shard_dir, schema, config.rows_per_shard, config.row_group_rows)
+    qc_cases: dict[str, dict[str, Any]] = {}
+    results = ordered_results(
+        lambda c: _case_row_task.remote(c, assignment[c.patient_id], config), order, len(order), "preprocess"
+    )
+    for case, result in zip(order, results, strict=True):
+        if isinstance(result, CaseError):
+            if config.strict:
+                raise result
+            errors.append(result)
+            continue
+        row, qc_cases[case.case_id] = result
+        writer.write(row)
+    files = writer.close()
+    excluded = [e.to_dict() for e in errors]
+    excluded_patients = {c.patient_id: e.reason for c in cases for e in errors if e.case_id == c.case_id}
+    excluded_patients.update({e.case_id: e.reason for e in errors if e.case_id not in {c.case_id for c in cases}})
+    kept = {p: s for p, s in assignment.items() if p not in excluded_patients}
+    write_split_file(shard_dir / SPLIT_FILE, kept, excluded_patients, config.fractions, config.split_seed)
+    manifest_extra = {
+        "source": str(source),
+        "preprocess": asdict(config.preprocess),
+        "endoscopy_size": config.endoscopy_size,
+        "split_file": SPLIT_FILE,
+    }
+    write_manifest(shard_dir, files, layout_info, manifest_extra)
+    rows = {s: sum(f["rows"] for f in files if f["split"] == s) for s in SPLITS}
+    qc_path = write_qc_report(
+        out,
+        source,
+        len(cases) + len({e.case_id for e in errors} - {c.case_id for c in cases}),
+        rows,
+        excluded,
+        qc_cases,
+    )
+    return PrepareResult(shard_dir, rows, excluded, qc_path, time.time() - start)
+
+
+def write_qc_report(
+    out: Path, source: Path, found: int, rows: dict[str, int], excluded: list[dict[str, Any]], cases: dict[str, dict]
+) -> Path:
+    """``qc_report.json`` (everything) and ``qc_report.md`` (what a person reads first)."""
+    misalignment = {
+        cid: {phase: reg.get("misalignment_mm") for phase, reg in qc["registration"].items()}
+        for cid, qc in cases.items()
+    }
+    report = {
+        "source": str(source),
+        "cases_found": found,
+        "included": sum(rows.values()),
+        "rows_per_split": rows,
+        "excluded": excluded,
+        "excluded_by_reason": dict(Counter(e["reason"] for e in excluded)),
+        "cases": cases,
+    }
+    (out / QC_JSON).write_text(json.dumps(report, indent=1, default=str) + "\n")
+    all_mm = [v for phases in misalignment.values() for v in phases.values() if v is not None]
+    lines = [
+        "# Quality control",
+        "",
+        f"Source: `{source}`. Cases found: {found}; included: {sum(rows.values())} "
+        f"({', '.join(f'{s} {n}' for s, n in rows.items())}); excluded: {len(excluded)}.",
+        "",
+    ]
+    if all_mm:
+        lines += [
+            f"Phase misalignment before registration (mm): median {np.median(all_mm):.1f}, max {np.max(all_mm):.1f}.",
+            "",
+        ]
+    if excluded:
+        lines += ["| case | reason | file | field | message |", "| --- | --- | --- | --- | --- |"]
+        lines += [
+            f"| {e['case_id']} | {e['reason']} | {e['file'] or ''} | {e['field'] or ''} | {e['message']} |"
+            for e in excluded
+        ]
+    warnings = [(cid, w) for cid, qc in cases.items() for w in qc["warnings"]]
+    if warnings:
+        lines += ["", "## Warnings", ""] + [f"- {cid}: {w}" for cid, w in warnings]
+    (out / QC_MARKDOWN).write_text("\n".join(lines) + "\n")
+    return out / QC_JSON

@@ -1,0 +1,292 @@
+"""Preprocessed cases as Parquet shards, their manifest, and the streaming Ray Dataset that training reads.
+
+One row per case. The CT phases travel as one ``large_binary`` column of raw float16 bytes whose shape and
+dtype live in the schema metadata: DESIGN.md measured that five times faster to read than a tensor column,
+and the collate function below turns a whole batch of it into one tensor without copying element by element
+(``np.frombuffer`` over Arrow's value buffer). Shards are written per split (``train-00000.parquet`` ...),
+so a split is read without filtering; ``manifest.json`` lists every file with its rows and SHA-256.
+
+Row layout (all fixed-size lists are in :mod:`gx_ray.schema` order):
+
+=====================  =========================================================================
+``case_id``            case folder name; ``patient_id``: the patient (splits are per patient)
+``split``              train / val / test
+``ct``                 float16 bytes of ``(len(PHASES), D, H, W)``; ``phase_present``: bool per phase
+``endoscopy``          uint8 bytes of ``(3, S, S)`` RGB or null; ``endoscopy_present``
+``labs``               float32 per numeric model-input variable (NaN if missing); ``labs_missing``
+``lab_abnormal``       abnormal values as short text descriptors (paper Sec. 4)
+``boxes``              int32 ``(len(PHASES), len(BOX_LEVELS), 6)`` on the CT grid; ``box_present``
+``t`` ``n`` ``m``      pathological categories; ``stage`` (e.g. IIIA); ``stage_label``: index in
+                       STAGE_GROUPS or -1
+``<report kind>``      English reports; ``<report kind>_zh``: Chinese
+``vqa``, ``vqa_zh``    list of {question, answer, category}
+=====================  =========================================================================
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray.data
+import torch
+from ray.data.collate_fn import ArrowBatchCollateFn
+
+from gx_ray.data.splits import SPLITS
+from gx_ray.schema import BOX_LEVELS, PHASES, REPORT_KINDS
+
+MANIFEST_FILE = "manifest.json"
+FORMAT_VERSION = 1
+COMPRESSION = "zstd"  # chosen by `python jobs/benchmark.py ingest` (see README)
+COMPRESSION_LEVEL = 1
+TENSOR_COLUMNS = ("ct", "endoscopy")
+
+_VQA_TYPE = pa.list_(pa.struct([("question", pa.string()), ("answer", pa.string()), ("category", pa.string())]))
+
+
+def shard_schema(ct_shape: tuple[int, ...], endoscopy_size: int, lab_names: list[str]) -> pa.Schema:
+    """The Arrow schema of a shard; tensor shapes and the lab order travel in its metadata."""
+    fields = [
+        ("case_id", pa.string()),
+        ("patient_id", pa.string()),
+        ("split", pa.string()),
+        ("ct", pa.large_binary()),
+        ("phase_present", pa.list_(pa.bool_())),
+        ("endoscopy", pa.large_binary()),
+        ("endoscopy_present", pa.bool_()),
+        ("labs", pa.list_(pa.float32())),
+        ("labs_missing", pa.list_(pa.bool_())),
+        ("lab_abnormal", pa.list_(pa.string())),
+        ("boxes", pa.list_(pa.int32())),
+        ("box_present", pa.list_(pa.bool_())),
+        ("t", pa.string()),
+        ("n", pa.string()),
+        ("m", pa.string()),
+        ("stage", pa.string()),
+        ("stage_label", pa.int8()),
+        *((kind, pa.string()) for kind in REPORT_KINDS),
+        *((f"{kind}_zh", pa.string()) for kind in REPORT_KINDS),
+        ("vqa", _VQA_TYPE),
+        ("vqa_zh", _VQA_TYPE),
+    ]
+    metadata = {
+        "gx_ray.format_version": str(FORMAT_VERSION),
+        "gx_ray.ct_shape": json.dumps(list(ct_shape)),
+        "gx_ray.ct_dtype": "float16",
+        "gx_ray.phases": json.dumps(list(PHASES)),
+        "gx_ray.box_levels": json.dumps(list(BOX_LEVELS)),
+        "gx_ray.endoscopy_shape": json.dumps([3, endoscopy_size, endoscopy_size]),
+        "gx_ray.lab_names": json.dumps(lab_names),
+    }
+    return pa.schema(fields, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """Shapes of the fixed-size columns, read back from a shard's schema metadata."""
+
+    ct_shape: tuple[int, ...]
+    endoscopy_shape: tuple[int, ...]
+    lab_names: tuple[str, ...]
+
+    @classmethod
+    def from_schema(cls, schema: pa.Schema) -> TensorLayout:
+        meta = {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
+        if "gx_ray.ct_shape" not in meta:
+            raise ValueError("not a gx-ray shard: its schema metadata has no gx_ray.ct_shape")
+        return cls(
+            ct_shape=tuple(json.loads(meta["gx_ray.ct_shape"])),
+            endoscopy_shape=tuple(json.loads(meta["gx_ray.endoscopy_shape"])),
+            lab_names=tuple(json.loads(meta["gx_ray.lab_names"])),
+        )
+
+
+class ShardWriter:
+    """Writes rows into per-split Parquet files of at most ``rows_per_shard`` rows, in the order given."""
+
+    def __init__(self, out_dir: Path, schema: pa.Schema, rows_per_shard: int = 64, row_group_rows: int = 8):
+        self.out_dir, self.schema = Path(out_dir), schema
+        self.rows_per_shard, self.row_group_rows = rows_per_shard, row_group_rows
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._writers: dict[str, tuple[pq.ParquetWriter, Path, int]] = {}
+        self._pending: dict[str, list[dict[str, Any]]] = {s: [] for s in SPLITS}
+        self._counts = {s: 0 for s in SPLITS}
+        self.files: list[dict[str, Any]] = []
+
+    def write(self, row: dict[str, Any]) -> None:
+        split = row["split"]
+        self._pending[split].append(row)
+        if len(self._pending[split]) >= self.row_group_rows:
+            self._flush(split)
+
+    def _flush(self, split: str) -> None:
+        rows, self._pending[split] = self._pending[split], []
+        while rows:
+            writer, path, written = self._writers.get(split) or self._open(split)
+            take = rows[: self.rows_per_shard - written]
+            rows = rows[len(take) :]
+            writer.write_table(pa.Table.from_pylist(take, schema=self.schema), row_group_size=self.row_group_rows)
+            self._writers[split] = (writer, path, written + len(take))
+            if written + len(take) >= self.rows_per_shard:
+                self._close(split)
+
+    def _open(self, split: str) -> tuple[pq.ParquetWriter, Path, int]:
+        path = self.out_dir / f"{split}-{self._counts[split]:05d}.parquet"
+        self._counts[split] += 1
+        writer = pq.ParquetWriter(
+            path, self.schema, compression=COMPRESSION, compression_level=COMPRESSION_LEVEL, use_dictionary=False
+        )
+        return writer, path, 0
+
+    def _close(self, split: str) -> None:
+        writer, path, rows = self._writers.pop(split)
+        writer.close()
+        self.files.append(
+            {"file": path.name, "split": split, "rows": rows, "bytes": path.stat().st_size, "sha256": _sha256(path)}
+        )
+
+    def close(self) -> list[dict[str, Any]]:
+        """Flush and close every file; returns the manifest entries."""
+        for split in SPLITS:
+            self._flush(split)
+            if split in self._writers:
+                self._close(split)
+        return sorted(self.files, key=lambda f: f["file"])
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(out_dir: Path, files: list[dict[str, Any]], layout: TensorLayout, extra: dict[str, Any]) -> Path:
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "ct_shape": list(layout.ct_shape),
+        "ct_dtype": "float16",
+        "phases": list(PHASES),
+        "endoscopy_shape": list(layout.endoscopy_shape),
+        "lab_names": list(layout.lab_names),
+        "compression": COMPRESSION,
+        "rows": {s: sum(f["rows"] for f in files if f["split"] == s) for s in SPLITS},
+        "files": files,
+        **extra,
+    }
+    path = Path(out_dir) / MANIFEST_FILE
+    path.write_text(json.dumps(manifest, indent=1) + "\n")
+    return path
+
+
+def read_manifest(shard_dir: Path, verify: bool = False) -> dict[str, Any]:
+    """The manifest of a shard folder; with ``verify``, every file's checksum is checked."""
+    path = Path(shard_dir) / MANIFEST_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: prepare the data first (python jobs/prepare_data.py)")
+    manifest = json.loads(path.read_text())
+    if verify:
+        for entry in manifest["files"]:
+            actual = _sha256(Path(shard_dir) / entry["file"])
+            if actual != entry["sha256"]:
+                raise ValueError(f"{entry['file']}: checksum {actual} does not match the manifest's {entry['sha256']}")
+    return manifest
+
+
+def split_files(shard_dir: Path, split: str) -> list[Path]:
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
+    manifest = read_manifest(shard_dir)
+    return [Path(shard_dir) / f["file"] for f in manifest["files"] if f["split"] == split]
+
+
+# --- reading -----------------------------------------------------------------------------------------
+
+
+def fixed_tensor(column: pa.ChunkedArray | pa.Array, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A binary column whose values are equal-size raw arrays, as one ``(rows, *shape)`` array.
+
+    Null values become zeros. Zero-copy when the column is a single chunk without nulls.
+    """
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    rows, item = len(array), int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if array.null_count:
+        out = np.zeros((rows, *shape), dtype=dtype)
+        for i, value in enumerate(array.to_pylist()):
+            if value is not None:
+                out[i] = np.frombuffer(value, dtype=dtype).reshape(shape)
+        return out
+    offsets = np.frombuffer(array.buffers()[1], dtype=np.int64 if pa.types.is_large_binary(array.type) else np.int32)
+    start, end = int(offsets[array.offset]), int(offsets[array.offset + rows])
+    if end - start != rows * item:
+        raise ValueError(f"binary column values are not all {item} bytes: cannot view as {shape} {dtype}")
+    return np.frombuffer(array.buffers()[2], dtype=dtype, count=rows * int(np.prod(shape)), offset=start).reshape(
+        rows, *shape
+    )
+
+
+def list_tensor(column: pa.ChunkedArray | pa.Array, dtype: np.dtype) -> np.ndarray:
+    """A list column whose lists all have the same length, as a ``(rows, length)`` array."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    values = array.flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+    return values.reshape(len(array), -1)
+
+
+def read_split(shard_dir: Path, split: str, columns: Iterable[str] | None = None):
+    """The rows of one split as a streaming Ray Dataset of Arrow blocks (no decoding on the read side).
+
+    Feed it to ``iter_torch_batches(collate_fn=BatchCollate(...), batch_size=...)``: decoding happens in the
+    consumer's prefetch threads, straight from the Arrow buffers.
+    """
+    files = split_files(shard_dir, split)
+    if not files:
+        raise ValueError(f"{shard_dir} has no {split} shards")
+    return ray.data.read_parquet([str(f) for f in files], columns=list(columns) if columns else None)
+
+
+class BatchCollate(ArrowBatchCollateFn):
+    """Turns an Arrow batch of shard rows into tensors (and lists of strings for the text columns).
+
+    Use as ``collate_fn`` of ``iter_torch_batches``; as an ``ArrowBatchCollateFn`` Ray hands it the Arrow
+    table itself. The output holds non-tensor values, so moving it to the device is the training loop's job
+    (:func:`to_device`).
+    """
+
+    def __init__(self, layout: TensorLayout):
+        self.layout = layout
+
+    def __call__(self, batch: pa.Table) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in batch.column_names:
+            column = batch.column(name)
+            if name == "ct":
+                out[name] = torch.from_numpy(fixed_tensor(column, self.layout.ct_shape, np.float16))
+            elif name == "endoscopy":
+                out[name] = torch.from_numpy(fixed_tensor(column, self.layout.endoscopy_shape, np.uint8))
+            elif name in ("phase_present", "labs_missing", "box_present"):
+                out[name] = torch.from_numpy(list_tensor(column, np.bool_))
+            elif name == "labs":
+                out[name] = torch.from_numpy(list_tensor(column, np.float32))
+            elif name == "boxes":
+                boxes = list_tensor(column, np.int32).reshape(len(column), len(PHASES), len(BOX_LEVELS), 6)
+                out[name] = torch.from_numpy(boxes)
+            elif name == "stage_label":
+                out[name] = torch.from_numpy(column.to_numpy().astype(np.int64))
+            elif name == "endoscopy_present":
+                out[name] = torch.from_numpy(column.to_numpy(zero_copy_only=False).astype(np.bool_))
+            else:
+                out[name] = column.to_pylist()
+        return out
+
+
+def to_device(batch: dict[str, Any], device: Any, non_blocking: bool = True) -> dict[str, Any]:
+    """Move the tensors of a collated batch to ``device``; text stays as it is."""
+    return {k: v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

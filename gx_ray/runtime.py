@@ -1,0 +1,33 @@
+"""Starting or joining the Ray cluster that every gx-ray job runs on: local by default, `--address` for a cluster."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import ray
+
+import gx_ray
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+    """Connect to ``address`` (``"auto"`` or ``host:port``) or start a local cluster; no-op when connected.
+
+    On a cluster the workers may not have gx-ray installed, so the package travels in the runtime
+    environment. Ray Data progress bars are kept only for a terminal: in logs they are noise.
+    """
+    if ray.is_initialized():
+        return
+    runtime_env = {"py_modules": [str(Path(gx_ray.__file__).parent)]} if address else None
+    ray.init(
+        address=address,
+        num_cpus=None if address else num_cpus,
+        runtime_env=runtime_env,
+        include_dashboard=False,
+        log_to_driver=True,
+        configure_logging=True,
+        logging_level="WARNING",
+    )
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = os.isatty(2)
+    context.print_on_execution_start = False
