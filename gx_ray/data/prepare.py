@@ -21,11 +21,13 @@ import ray
 from PIL import Image
 
 from gx_ray.data.catalogue import describe_abnormal, load_catalogue
+from gx_ray.data.demo.cohort import DemoConfig, generate_cohort
 from gx_ray.data.layouts import read_cohort
 from gx_ray.data.parallel import ordered_results
 from gx_ray.data.preprocess import PreprocessConfig, PreprocessedCase, preprocess_case
 from gx_ray.data.shards import ShardWriter, TensorLayout, shard_schema, write_manifest
 from gx_ray.data.splits import DEFAULT_FRACTIONS, SPLIT_FILE, SPLITS, assign_splits, write_split_file
+from gx_ray.runtime import init_ray
 from gx_ray.schema import BOX_LEVELS, PHASES, REPORT_KINDS, STAGE_GROUPS, Case, CaseError
 
 SHARD_DIR = "shards"
@@ -237,7 +239,7 @@ def write_qc_report(
         "excluded_by_reason": dict(Counter(e["reason"] for e in excluded)),
         "cases": cases,
     }
-    (out / QC_JSON).write_text(json.dumps(report, indent=1, default=str) + "\n")
+    (out / QC_JSON).write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
     all_mm = [v for phases in misalignment.values() for v in phases.values() if v is not None]
     lines = [
         "# Quality control",
@@ -260,5 +262,24 @@ def write_qc_report(
     warnings = [(cid, w) for cid, qc in cases.items() for w in qc["warnings"]]
     if warnings:
         lines += ["", "## Warnings", ""] + [f"- {cid}: {w}" for cid, w in warnings]
-    (out / QC_MARKDOWN).write_text("\n".join(lines) + "\n")
+    (out / QC_MARKDOWN).write_text("\n".join(lines) + "\n", encoding="utf-8")
     return out / QC_JSON
+
+
+def prepare_data(
+    source: str | Path,
+    out: Path,
+    config: PrepareConfig = PrepareConfig(),
+    demo: DemoConfig | None = None,
+    layout: str | None = None,
+    address: str | None = None,
+) -> PrepareResult:
+    """``source`` = "demo" (generate the built-in cohort into ``out/raw`` first) or a folder of raw cases."""
+    init_ray(address)
+    out = Path(out)
+    if str(source) == "demo":
+        demo = demo or DemoConfig()
+        source = out / "raw"
+        generate_cohort(source, demo)
+        layout = demo.layout
+    return prepare_shards(Path(source), out, config, layout)

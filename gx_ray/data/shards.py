@@ -183,7 +183,7 @@ def write_manifest(out_dir: Path, files: list[dict[str, Any]], layout: TensorLay
         **extra,
     }
     path = Path(out_dir) / MANIFEST_FILE
-    path.write_text(json.dumps(manifest, indent=1) + "\n")
+    path.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     return path
 
 
@@ -192,7 +192,7 @@ def read_manifest(shard_dir: Path, verify: bool = False) -> dict[str, Any]:
     path = Path(shard_dir) / MANIFEST_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: prepare the data first (python jobs/prepare_data.py)")
-    manifest = json.loads(path.read_text())
+    manifest = json.loads(path.read_text(encoding="utf-8"))
     if verify:
         for entry in manifest["files"]:
             actual = _sha256(Path(shard_dir) / entry["file"])

@@ -65,12 +65,12 @@ def write_split_file(
         "excluded": dict(sorted(excluded.items())),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(document, indent=1) + "\n")
+    path.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
 
 
 def read_split_file(path: Path) -> dict[str, str]:
     """patient id → split, from ``split.json``; a patient listed twice is an error."""
-    document = json.loads(Path(path).read_text())
+    document = json.loads(Path(path).read_text(encoding="utf-8"))
     result: dict[str, str] = {}
     for split in SPLITS:
         for patient in document.get(split, []):

@@ -6,6 +6,9 @@ same :class:`~gx_ray.schema.CaseError` naming the case, the file and the field.
 
 from __future__ import annotations
 
+import gzip
+import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -27,12 +30,37 @@ def load_volume(path: Path, case_id: str = "?", field_name: str | None = None) -
     try:
         if path.is_dir():
             return _read_dicom_series(path)
+        if path.name.endswith((".nii", ".nii.gz")):
+            _check_nifti_complete(path)
         return sitk.ReadImage(str(path))
     except CaseError:
         raise
     except Exception as err:  # SimpleITK raises RuntimeError with ITK's text; keep its first line
         first_line = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise CaseError(case_id, path, field_name, f"unreadable volume: {first_line}") from err
+
+
+def _check_nifti_complete(path: Path) -> None:
+    """ITK reads a truncated NIfTI without complaint and fills the missing voxels with zeros: refuse it.
+
+    Reads the whole (decompressed) stream once; gzip raises on a stream cut short, and the length must cover
+    the voxels the NIfTI-1 header declares.
+    """
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        header = f.read(348)
+        try:
+            total = len(header) + sum(len(chunk) for chunk in iter(lambda: f.read(1 << 22), b""))
+        except (EOFError, gzip.BadGzipFile, zlib.error) as err:
+            raise RuntimeError(f"truncated or corrupt file ({err})") from err
+    for order in "<>":
+        if len(header) == 348 and struct.unpack(order + "i", header[:4])[0] == 348:  # NIfTI-1
+            dims = struct.unpack(order + "8h", header[40:56])
+            bitpix = struct.unpack(order + "h", header[72:74])[0]
+            vox_offset = struct.unpack(order + "f", header[108:112])[0]
+            expected = int(vox_offset) + int(np.prod(dims[1 : dims[0] + 1], dtype=np.int64)) * bitpix // 8
+            if total < expected:
+                raise RuntimeError(f"truncated file: {total} bytes of voxel data and header, {expected} expected")
 
 
 def _read_dicom_series(folder: Path) -> sitk.Image:
@@ -42,10 +70,35 @@ def _read_dicom_series(folder: Path) -> sitk.Image:
     if len(series_ids) > 1:
         raise RuntimeError(f"{len(series_ids)} DICOM series in one phase folder; expected one")
     files = sitk.ImageSeriesReader.GetGDCMSeriesFileNames(str(folder), series_ids[0])
+    # GDCM silently leaves out files it cannot parse, which would close the gap they leave: name them instead
+    stray = sorted(p.name for p in folder.iterdir() if p.is_file() and str(p) not in set(files))
+    if stray:
+        raise RuntimeError(f"unreadable DICOM slice(s) not in the series: {', '.join(stray[:5])}")
+    _check_slice_positions(files)
     reader = sitk.ImageSeriesReader()
     reader.SetFileNames(files)
     # Every slice is decoded here, so a damaged slice fails now and not half-way through training.
     return reader.Execute()
+
+
+def _check_slice_positions(files: tuple[str, ...]) -> None:
+    """Equally spaced slices, or the volume would be silently stretched across a gap."""
+    if len(files) < 3:
+        return
+    header = sitk.ImageFileReader()
+    positions = []
+    for name in files:
+        header.SetFileName(name)
+        header.ReadImageInformation()
+        positions.append(header.GetOrigin())
+    steps = np.linalg.norm(np.diff(np.asarray(positions), axis=0), axis=1)
+    typical = float(np.median(steps))
+    if typical <= 0 or np.any(np.abs(steps - typical) > 0.1 * typical):
+        worst = int(np.argmax(np.abs(steps - typical)))
+        raise RuntimeError(
+            f"slices are not equally spaced: {steps[worst]:.2f} mm between {Path(files[worst]).name} and "
+            f"{Path(files[worst + 1]).name}, {typical:.2f} mm elsewhere (a missing slice?)"
+        )
 
 
 def write_volume(image: sitk.Image, path: Path) -> None:

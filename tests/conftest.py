@@ -1,0 +1,65 @@
+"""Shared fixtures: one local Ray cluster and one tiny demo cohort (raw and prepared) per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import ray
+
+from gx_ray.runtime import init_ray
+
+# The real CT lives outside the project (never committed): beside the checkout, or where GX_REAL_CT_DIR says.
+REAL_CT_CANDIDATES = [
+    Path(os.environ.get("GX_REAL_CT_DIR", "/nonexistent")),
+    Path(__file__).resolve().parents[2] / "shared" / "data" / "real_ct",
+    Path("/work/shared/data/real_ct"),
+]
+
+
+def tiny_cohort():
+    from gx_ray.data.demo.cohort import DemoConfig
+
+    return DemoConfig(cases=10, seed=7, endoscopy_size=64, vqa_per_case=6)
+
+
+def tiny_prepare():
+    from gx_ray.data.prepare import PrepareConfig
+    from gx_ray.data.preprocess import PreprocessConfig
+
+    return PrepareConfig(preprocess=PreprocessConfig.preset("demo"), endoscopy_size=32, rows_per_shard=4)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    init_ray(num_cpus=2)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def demo_raw(ray_cluster, tmp_path_factory) -> Path:
+    """A tiny demo cohort in the release layout, written once per session; treat it as read-only."""
+    from gx_ray.data.demo.cohort import generate_cohort
+
+    root = tmp_path_factory.mktemp("demo_raw")
+    generate_cohort(root, tiny_cohort())
+    return root
+
+
+@pytest.fixture(scope="session")
+def demo_prepared(demo_raw, tmp_path_factory):
+    """The tiny cohort preprocessed into shards (``PrepareResult``); treat it as read-only."""
+    from gx_ray.data.prepare import prepare_shards
+
+    return prepare_shards(demo_raw, tmp_path_factory.mktemp("demo_prepared"), tiny_prepare())
+
+
+@pytest.fixture(scope="session")
+def real_ct_dir() -> Path:
+    for folder in REAL_CT_CANDIDATES:
+        if (folder / "example_ct_sm.nii.gz").is_file():
+            return folder
+    raise FileNotFoundError(f"the real CT the tests use is in none of {[str(p) for p in REAL_CT_CANDIDATES]}")
