@@ -57,9 +57,13 @@ def demo_prepared(demo_raw, tmp_path_factory):
     return prepare_shards(demo_raw, tmp_path_factory.mktemp("demo_prepared"), tiny_prepare())
 
 
-@pytest.fixture(scope="session")
-def real_ct_dir() -> Path:
+def find_real_ct_dir() -> Path:
     for folder in REAL_CT_CANDIDATES:
         if (folder / "example_ct_sm.nii.gz").is_file():
             return folder
     raise FileNotFoundError(f"the real CT the tests use is in none of {[str(p) for p in REAL_CT_CANDIDATES]}")
+
+
+@pytest.fixture(scope="session")
+def real_ct_dir() -> Path:
+    return find_real_ct_dir()

@@ -17,6 +17,7 @@ import SimpleITK as sitk
 from gx_ray.schema import CaseError
 
 VOLUME_SUFFIXES = (".nii.gz", ".nii", ".mha", ".mhd", ".nrrd")
+_NIFTI_FLOATS = {16: "f4", 64: "f8"}  # NIfTI-1 datatype codes of float voxels
 
 
 def is_volume_path(path: Path) -> bool:
@@ -31,7 +32,7 @@ def load_volume(path: Path, case_id: str = "?", field_name: str | None = None) -
         if path.is_dir():
             return _read_dicom_series(path)
         if path.name.endswith((".nii", ".nii.gz")):
-            _check_nifti_complete(path)
+            _check_nifti_complete(path, case_id, field_name)
         return sitk.ReadImage(str(path))
     except CaseError:
         raise
@@ -40,8 +41,9 @@ def load_volume(path: Path, case_id: str = "?", field_name: str | None = None) -
         raise CaseError(case_id, path, field_name, f"unreadable volume: {first_line}") from err
 
 
-def _check_nifti_complete(path: Path) -> None:
+def _check_nifti_complete(path: Path, case_id: str = "?", field_name: str | None = None) -> None:
     """ITK reads a truncated NIfTI without complaint and fills the missing voxels with zeros: refuse it.
+    It also turns NaN/inf float voxels into 0 (nifti1_io), so they are counted here.
 
     Reads the whole (decompressed) stream once; gzip raises on a stream cut short, and the length must cover
     the voxels the NIfTI-1 header declares.
@@ -49,18 +51,29 @@ def _check_nifti_complete(path: Path) -> None:
     opener = gzip.open if path.name.endswith(".gz") else open
     with opener(path, "rb") as f:
         header = f.read(348)
+        order = next((o for o in "<>" if len(header) == 348 and struct.unpack(o + "i", header[:4])[0] == 348), None)
+        floats = order and _NIFTI_FLOATS.get(struct.unpack(order + "h", header[70:72])[0])
         try:
-            total = len(header) + sum(len(chunk) for chunk in iter(lambda: f.read(1 << 22), b""))
+            if floats:  # kept to look for NaN/inf (rare: CT is stored as integers)
+                data = header + f.read()
+                total = len(data)
+            else:
+                total = len(header) + sum(len(chunk) for chunk in iter(lambda: f.read(1 << 22), b""))
         except (EOFError, gzip.BadGzipFile, zlib.error) as err:
             raise RuntimeError(f"truncated or corrupt file ({err})") from err
-    for order in "<>":
-        if len(header) == 348 and struct.unpack(order + "i", header[:4])[0] == 348:  # NIfTI-1
-            dims = struct.unpack(order + "8h", header[40:56])
-            bitpix = struct.unpack(order + "h", header[72:74])[0]
-            vox_offset = struct.unpack(order + "f", header[108:112])[0]
-            expected = int(vox_offset) + int(np.prod(dims[1 : dims[0] + 1], dtype=np.int64)) * bitpix // 8
-            if total < expected:
-                raise RuntimeError(f"truncated file: {total} bytes of voxel data and header, {expected} expected")
+    if order is None:  # not NIfTI-1: ITK's own checks only
+        return
+    dims = struct.unpack(order + "8h", header[40:56])
+    bitpix = struct.unpack(order + "h", header[72:74])[0]
+    vox_offset = int(struct.unpack(order + "f", header[108:112])[0])
+    n_voxels = int(np.prod(dims[1 : dims[0] + 1], dtype=np.int64))
+    expected = vox_offset + n_voxels * bitpix // 8
+    if total < expected:
+        raise RuntimeError(f"truncated file: {total} bytes of voxel data and header, {expected} expected")
+    if floats:
+        bad = int(np.count_nonzero(~np.isfinite(np.frombuffer(data, order + floats, n_voxels, vox_offset))))
+        if bad:
+            raise CaseError(case_id, path, field_name, f"{bad} NaN or infinite voxels", reason="nan_values")
 
 
 def _read_dicom_series(folder: Path) -> sitk.Image:

@@ -1,0 +1,152 @@
+"""`python jobs/benchmark.py ingest`: how fast cases are preprocessed, and how fast shards reach a training loop.
+
+Three figures from one run, on the same files:
+
+* preprocessing: demo cases per minute per core (Appendix-B pipeline at the chosen preset);
+* raw: one process reading the Parquet shards with pyarrow alone into tensors (the ceiling);
+* stream: the Ray Data path training uses (``read_split`` → ``iter_torch_batches`` with ``BatchCollate``),
+  per consumer; with several consumers the dataset is ``streaming_split`` between Ray actors, like DDP ranks.
+
+The stream is measured on the same rows replicated to ``stream_rows`` so an epoch is long enough to time;
+every pass reads files already in the page cache, as a second epoch of training does.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import ray
+import torch
+
+from gx_ray.data.demo.cohort import DemoConfig, generate_cohort
+from gx_ray.data.prepare import PrepareConfig, prepare_shards
+from gx_ray.data.preprocess import PreprocessConfig
+from gx_ray.data.shards import (
+    BatchCollate,
+    ShardWriter,
+    TensorLayout,
+    fixed_tensor,
+    read_manifest,
+    read_split,
+    split_files,
+    write_manifest,
+)
+from gx_ray.runtime import init_ray
+
+
+@dataclass(frozen=True)
+class IngestBenchmarkConfig:
+    cases: int = 16
+    preset: str = "bench"
+    stream_rows: int = 384
+    batch_size: int = 8
+    consumers: int = 1
+    epochs: int = 3
+    cpus: int | None = None
+
+
+def _replicate_rows(prepared: Path, out: Path, rows: int) -> Path:
+    """A train split of ``rows`` rows cycling through the prepared cases (real content, realistic compression)."""
+    tables = [pq.read_table(p) for p in sorted(prepared.glob("*.parquet"))]
+    source = [row for table in tables for row in table.to_pylist()]
+    schema = tables[0].schema
+    writer = ShardWriter(out, schema, rows_per_shard=64, row_group_rows=8)
+    for i in range(rows):
+        row = dict(source[i % len(source)], case_id=f"R{i:05d}", patient_id=f"R{i:05d}", split="train")
+        writer.write(row)
+    write_manifest(out, writer.close(), TensorLayout.from_schema(schema), {"replicated_from": str(prepared)})
+    return out
+
+
+def _raw_rate(files: list[Path], layout: TensorLayout, batch_size: int) -> float:
+    start, rows = time.perf_counter(), 0
+    for path in files:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size, columns=["ct", "stage_label"]):
+            ct = torch.from_numpy(fixed_tensor(batch.column(0), layout.ct_shape, np.float16))
+            rows += ct.shape[0]
+    return rows / (time.perf_counter() - start)
+
+
+def _consume(iterator: Any, layout: TensorLayout, batch_size: int) -> tuple[int, float]:
+    start, rows = time.perf_counter(), 0
+    batches = iterator.iter_torch_batches(batch_size=batch_size, collate_fn=BatchCollate(layout), prefetch_batches=4)
+    for batch in batches:
+        rows += batch["ct"].shape[0]
+    return rows, time.perf_counter() - start
+
+
+@ray.remote(num_cpus=0)
+class _Consumer:
+    def run(self, shard: Any, layout: TensorLayout, batch_size: int) -> tuple[int, float]:
+        return _consume(shard, layout, batch_size)
+
+
+def _stream_rates(shard_dir: Path, layout: TensorLayout, config: IngestBenchmarkConfig) -> list[float]:
+    """Samples/s of each consumer, averaged over the passes after the first (warm-up) one."""
+    passes = []
+    for _ in range(config.epochs):
+        dataset = read_split(shard_dir, "train", columns=["ct", "stage_label"])
+        if config.consumers == 1:
+            results = [_consume(dataset.iterator(), layout, config.batch_size)]
+        else:
+            shards = dataset.streaming_split(config.consumers, equal=True)
+            actors = [_Consumer.remote() for _ in shards]
+            results = ray.get([a.run.remote(s, layout, config.batch_size) for a, s in zip(actors, shards, strict=True)])
+        passes.append([rows / seconds for rows, seconds in results])
+    return [float(r) for r in np.mean(passes[1:] or passes, axis=0)]
+
+
+def run_ingest_benchmark(out: Path, config: IngestBenchmarkConfig = IngestBenchmarkConfig()) -> dict[str, Any]:
+    init_ray(num_cpus=config.cpus)
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    out = Path(out)
+    generate_cohort(out / "raw", DemoConfig(cases=config.cases, seed=0))
+    prepare_config = PrepareConfig(preprocess=PreprocessConfig.preset(config.preset), endoscopy_size=64)
+    start = time.perf_counter()
+    prepared = prepare_shards(out / "raw", out / "prepared", prepare_config)
+    prep_seconds = time.perf_counter() - start
+    stream_dir = _replicate_rows(prepared.shard_dir, out / "stream", config.stream_rows)
+    manifest = read_manifest(stream_dir)
+    layout = TensorLayout(tuple(manifest["ct_shape"]), tuple(manifest["endoscopy_shape"]), tuple(manifest["lab_names"]))
+    volume_mb = float(np.prod(layout.ct_shape)) * 2 / 1e6
+    files = split_files(stream_dir, "train")
+    raw_passes = [_raw_rate(files, layout, config.batch_size) for _ in range(config.epochs)]
+    raw = float(np.mean(raw_passes[1:] or raw_passes))
+    stream = _stream_rates(stream_dir, layout, config)
+    cases_done = sum(prepared.rows.values())
+    result = {
+        "config": asdict(config),
+        "cpus": cpus,
+        "ct_shape": list(layout.ct_shape),
+        "volume_mb": round(volume_mb, 2),
+        "preprocess_cases_per_min_per_core": round(cases_done / prep_seconds * 60 / cpus, 2),
+        "preprocess_seconds": round(prep_seconds, 1),
+        "raw_samples_per_s": round(raw, 1),
+        "raw_mb_per_s": round(raw * volume_mb, 1),
+        "stream_samples_per_s_per_consumer": [round(r, 1) for r in stream],
+        "stream_mb_per_s_per_consumer": [round(r * volume_mb, 1) for r in stream],
+        "stream_over_raw": round(float(np.mean(stream)) / raw, 3),
+    }
+    (out / "ingest_benchmark.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    return result
+
+
+def format_ingest_result(result: dict[str, Any]) -> str:
+    shape = "×".join(map(str, result["ct_shape"]))
+    stream = ", ".join(f"{r:.1f}" for r in result["stream_samples_per_s_per_consumer"])
+    return "\n".join(
+        [
+            f"ingest benchmark on {result['cpus']} CPUs, CT {shape} float16 ({result['volume_mb']} MB per sample)",
+            f"  preprocessing       {result['preprocess_cases_per_min_per_core']:8.1f} cases/min per core",
+            f"  raw pyarrow         {result['raw_samples_per_s']:8.1f} samples/s  {result['raw_mb_per_s']:8.1f} MB/s",
+            f"  Ray Data stream     {stream} samples/s per consumer "
+            f"({', '.join(f'{m:.0f}' for m in result['stream_mb_per_s_per_consumer'])} MB/s)",
+            f"  stream / raw        {result['stream_over_raw']:8.2f}   (target ≥ 0.80)",
+        ]
+    )
