@@ -41,7 +41,10 @@ def _content(case_id: str = "GX0001", arterial: bool = True) -> CaseContent:
         boxes=[Box("tumour", "venous", (2, 3, 4, 5, 6, 9)), Box("stomach", "arterial", (1, 1, 1, 7, 9, 11))],
         staging=Staging("T3", "N1", "M0"),
         labs={"cea": 12.5, "sex": "male", "t_stage": "T3", "n_stage": "N1", "m_stage": "M0"},
-        reports={"en": {"ct_report": "Wall thickening.", "diagnosis_report": "cT3N1M0"}, "zh": {"ct_report": "胃壁增厚。"}},
+        reports={
+            "en": {"ct_report": "Wall thickening.", "diagnosis_report": "cT3N1M0"},
+            "zh": {"ct_report": "胃壁增厚。"},
+        },
         vqa={"en": [VQAItem("Where is the lesion?", "antrum", "localization")]},
         endoscopy=np.full((16, 16, 3), 180, dtype=np.uint8),
         meta={"sex": "male", "ground_truth": {"x": 1}},
@@ -52,7 +55,9 @@ def _content(case_id: str = "GX0001", arterial: bool = True) -> CaseContent:
 @pytest.mark.parametrize("layout", ["release", "paper"])
 def test_written_case_reads_back(tmp_path, layout, dicom):
     content = _content()
-    writer, reader = (write_release_case, read_release_case) if layout == "release" else (write_paper_case, read_paper_case)
+    writer, reader = (
+        (write_release_case, read_release_case) if layout == "release" else (write_paper_case, read_paper_case)
+    )
     writer(tmp_path, content, dicom=dicom)
     assert detect_layout(tmp_path) == layout
     case = reader(tmp_path, "GX0001")
@@ -67,7 +72,9 @@ def test_written_case_reads_back(tmp_path, layout, dicom):
     assert case.reports["en"]["ct_report"] == "Wall thickening." and case.reports["zh"]["ct_report"] == "胃壁增厚。"
     assert case.vqa["en"] == content.vqa["en"]
     assert case.endoscopy is not None and case.endoscopy.is_file()
-    assert case.presence()["phase_arterial"] and case.presence()["box_tumour"] and not case.presence()["box_lymph_nodes"]
+    assert (
+        case.presence()["phase_arterial"] and case.presence()["box_tumour"] and not case.presence()["box_lymph_nodes"]
+    )
 
 
 def test_release_box_corners_are_read_inclusive_once(tmp_path):
@@ -76,7 +83,9 @@ def test_release_box_corners_are_read_inclusive_once(tmp_path):
     tumour = next(b for b in stored if b["class"] == "lesion")
     assert BOX_MAX_INCLUSIVE and tumour["zyx_max"] == [4, 5, 8]  # end-exclusive (5, 6, 9) minus one
     # a release box without a phase is on the arterial phase, and its class names map to our levels
-    (tmp_path / "imaging/GX0001/bbox.json").write_text(json.dumps({"lesion": {"zyx_min": [0, 0, 0], "zyx_max": [0, 0, 0]}}))
+    (tmp_path / "imaging/GX0001/bbox.json").write_text(
+        json.dumps({"lesion": {"zyx_min": [0, 0, 0], "zyx_max": [0, 0, 0]}})
+    )
     assert read_release_case(tmp_path, "GX0001").boxes == [Box("tumour", "arterial", (0, 0, 0, 1, 1, 1))]
 
 
