@@ -259,9 +259,13 @@ def write_qc_report(
             f"| {e['case_id']} | {e['reason']} | {e['file'] or ''} | {e['field'] or ''} | {e['message']} |"
             for e in excluded
         ]
-    warnings = [(cid, w) for cid, qc in cases.items() for w in qc["warnings"]]
-    if warnings:
-        lines += ["", "## Warnings", ""] + [f"- {cid}: {w}" for cid, w in warnings]
+    warned = {cid: len(qc["warnings"]) for cid, qc in cases.items() if qc["warnings"]}
+    if warned:
+        lines += [
+            "",
+            f"{sum(warned.values())} warnings in {len(warned)} included cases (boxes clipped to the crop, crop "
+            f"fallbacks): see `{QC_JSON}`, `cases.<id>.warnings`.",
+        ]
     (out / QC_MARKDOWN).write_text("\n".join(lines) + "\n", encoding="utf-8")
     return out / QC_JSON
 

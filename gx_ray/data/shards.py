@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -252,6 +253,11 @@ def read_split(shard_dir: Path, split: str, columns: Iterable[str] | None = None
     return ray.data.read_parquet([str(f) for f in files], columns=list(columns) if columns else None)
 
 
+# Batches are views of Arrow buffers in Ray's object store, which are read-only by design: the training loop
+# casts (and so copies) the CT before touching it, and every other column is copied below.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+
+
 class BatchCollate(ArrowBatchCollateFn):
     """Turns an Arrow batch of shard rows into tensors (and lists of strings for the text columns).
 
@@ -272,16 +278,16 @@ class BatchCollate(ArrowBatchCollateFn):
             elif name == "endoscopy":
                 out[name] = torch.from_numpy(fixed_tensor(column, self.layout.endoscopy_shape, np.uint8))
             elif name in ("phase_present", "labs_missing", "box_present"):
-                out[name] = torch.from_numpy(list_tensor(column, np.bool_))
+                out[name] = torch.tensor(list_tensor(column, np.bool_))
             elif name == "labs":
-                out[name] = torch.from_numpy(list_tensor(column, np.float32))
+                out[name] = torch.tensor(list_tensor(column, np.float32))
             elif name == "boxes":
                 boxes = list_tensor(column, np.int32).reshape(len(column), len(PHASES), len(BOX_LEVELS), 6)
-                out[name] = torch.from_numpy(boxes)
+                out[name] = torch.tensor(boxes)
             elif name == "stage_label":
                 out[name] = torch.from_numpy(column.to_numpy().astype(np.int64))
             elif name == "endoscopy_present":
-                out[name] = torch.from_numpy(column.to_numpy(zero_copy_only=False).astype(np.bool_))
+                out[name] = torch.tensor(column.to_numpy(zero_copy_only=False).astype(np.bool_))
             else:
                 out[name] = column.to_pylist()
         return out

@@ -1,0 +1,87 @@
+"""Classification metrics for stage classification (Table 5) and VQA (Table 2a), on the paper's percent scale.
+
+Computed from the confusion matrix (numpy) and from ranks (scipy), so that scikit-learn can serve the tests
+as an independent reference.
+
+Classes absent from ``labels``: precision, recall, F1 and AUC are averaged over the classes that occur in
+``labels`` (scikit-learn's ``labels=np.unique(y_true)``). A prediction of an absent class still counts as
+an error (it lowers the true class's recall and the accuracy), but the absent class's own precision and
+recall, which have no ground truth to mean anything against, are left out of the average. scikit-learn's
+default (``labels=None``) would also average in classes that were only predicted, each with precision 0.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+CLASSIFICATION_METRICS: tuple[str, ...] = ("precision", "recall", "f1", "accuracy", "auc")
+AVERAGES: tuple[str, ...] = ("macro", "weighted", "binary")
+
+
+def classification_metrics(probabilities: np.ndarray, labels: np.ndarray, average: str = "macro") -> dict[str, float]:
+    """Precision, recall, F1, accuracy and one-vs-rest AUC, in percent.
+
+    Args:
+        probabilities: ``(N, C)`` class probabilities (softmax outputs; AUC ranks each column as given, so
+            pass probabilities rather than logits). The prediction is the arg-max column.
+        labels: ``(N,)`` integer class indices in ``[0, C)``.
+        average: ``"macro"`` (unweighted mean over the classes present in ``labels``), ``"weighted"``
+            (mean weighted by each class's support) or ``"binary"`` (``C == 2``: class 1 is the positive
+            class; AUC ranks column 1).
+
+    Returns:
+        ``{precision, recall, f1, accuracy, auc}``. A class with no predictions has precision 0 (and F1 0);
+        AUC is NaN when fewer than two classes occur in ``labels``. Per-class F1 is averaged (not the F1 of
+        the averaged precision and recall), as scikit-learn does.
+    """
+    probabilities = np.asarray(probabilities, dtype=np.float64)
+    labels = np.asarray(labels)
+    if probabilities.ndim != 2 or labels.shape != (probabilities.shape[0],):
+        raise ValueError(f"need probabilities (N, C) and labels (N,), got {probabilities.shape} and {labels.shape}")
+    n, num_classes = probabilities.shape
+    if n == 0:
+        raise ValueError("no samples")
+    if not np.issubdtype(labels.dtype, np.integer) or labels.min() < 0 or labels.max() >= num_classes:
+        raise ValueError(f"labels must be integers in [0, {num_classes})")
+    if average not in AVERAGES:
+        raise ValueError(f"unknown average {average!r}; valid: {', '.join(AVERAGES)}")
+    if average == "binary" and num_classes != 2:
+        raise ValueError(f"average='binary' needs C == 2, got C = {num_classes}")
+
+    predictions = probabilities.argmax(axis=1)
+    confusion = np.bincount(labels * num_classes + predictions, minlength=num_classes**2).reshape(
+        num_classes, num_classes
+    )  # rows: true class, columns: predicted class
+    true_positives = np.diag(confusion).astype(np.float64)
+    support = confusion.sum(axis=1)
+    predicted = confusion.sum(axis=0)
+    precision = np.divide(true_positives, predicted, out=np.zeros(num_classes), where=predicted > 0)
+    recall = np.divide(true_positives, support, out=np.zeros(num_classes), where=support > 0)
+    f1 = np.divide(2 * precision * recall, precision + recall, out=np.zeros(num_classes), where=precision + recall > 0)
+    auc = np.array([_one_vs_rest_auc(probabilities[:, k], labels == k) for k in range(num_classes)])
+
+    if average == "binary":
+        weights = np.array([0.0, 1.0])
+    else:
+        present = support > 0
+        weights = present / present.sum() if average == "macro" else support / support.sum()
+    auc_weights = weights * ~np.isnan(auc)
+    return {
+        "precision": 100.0 * float(weights @ precision),
+        "recall": 100.0 * float(weights @ recall),
+        "f1": 100.0 * float(weights @ f1),
+        "accuracy": 100.0 * float(true_positives.sum() / n),
+        "auc": 100.0 * float(np.nansum(auc * auc_weights) / auc_weights.sum()) if auc_weights.sum() > 0 else np.nan,
+    }
+
+
+def _one_vs_rest_auc(scores: np.ndarray, is_positive: np.ndarray) -> float:
+    """ROC AUC of one class against the rest via the Mann-Whitney U statistic (tied scores count one half)."""
+    from scipy.stats import rankdata  # scipy.stats takes a second to import: only when needed
+
+    num_positive = int(is_positive.sum())
+    num_negative = len(scores) - num_positive
+    if num_positive == 0 or num_negative == 0:
+        return np.nan
+    ranks = rankdata(scores)
+    return float((ranks[is_positive].sum() - num_positive * (num_positive + 1) / 2) / (num_positive * num_negative))

@@ -1,0 +1,213 @@
+"""Lesion-detection metrics (Table 6): COCO-style AP on 3D boxes, F1@0.5 and localization accuracy@0.5.
+
+:func:`detection_metrics` matches boxes in 3D with MONAI's port of COCO's matching
+(``monai.apps.detection.metrics.matching``, the first half of its ``COCOMetric``) and turns the matches
+into AP with pycocotools' own accumulation (float64, where ``COCOMetric``'s second half counts in float32:
+see :func:`_coco_precision`). :func:`detection_metrics_axial` gives the same metrics from pycocotools alone
+on the axial (y, x) projection. Both use COCO's settings: IoU thresholds 0.50:0.95:0.05, 101 recall points,
+at most ``max_detections`` (default 100) highest-scoring predictions per image, greedy matching in
+descending score order, no area ranges.
+
+Definitions shared by both (derived from the same COCO matching at IoU 0.5):
+
+* ``f1_50``: the best F1 over score thresholds (a threshold never splits tied scores); with
+  ``f1_score_threshold`` set, the F1 of the predictions scoring at least that. F1 = 2 TP / (predictions
+  kept + target boxes), pooled over images.
+* ``loc_acc_50``: fraction of target boxes hit by their image's top predictions: in an image with ``k``
+  target boxes, the ``k`` highest-scoring predictions are matched one-to-one (COCO's greedy matching) and
+  each target matched at IoU >= 0.5 counts as localized. With one target per image this is "the top-scoring
+  prediction overlaps the target with IoU >= 0.5". Images without targets do not count.
+
+All values are percent. With no target box at all every metric is NaN (undefined); with targets but no
+predictions every metric is 0. Single class (lesion); boxes are :class:`gx_ray.schema.Box` coordinates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+from collections.abc import Sequence
+
+import numpy as np
+
+DETECTION_METRICS: tuple[str, ...] = ("ap_50", "ap_75", "f1_50", "map_50_95", "loc_acc_50")
+# As pycocotools builds them (np.linspace with a rounded count): both back ends compare IoUs to identical floats.
+COCO_IOU_THRESHOLDS = np.linspace(0.5, 0.95, int(np.round((0.95 - 0.5) / 0.05)) + 1, endpoint=True)
+
+
+def detection_metrics(
+    predictions: Sequence[dict],
+    targets: Sequence[dict],
+    max_detections: int = 100,
+    f1_score_threshold: float | None = None,
+) -> dict[str, float]:
+    """COCO metrics of 3D boxes, one dict per image (case).
+
+    Args:
+        predictions: per image ``{"boxes": (K, 6), "scores": (K,)}``, boxes ``(z0, y0, x0, z1, y1, x1)``
+            end-exclusive on the voxel grid (``gx_ray.schema.Box.zyx``).
+        targets: per image ``{"boxes": (M, 6)}``, same convention.
+        max_detections: predictions per image kept (highest scores first), COCO's 100 by default.
+        f1_score_threshold: None = best F1 over score thresholds; a number = F1 at that score threshold.
+
+    Returns:
+        ``{ap_50, ap_75, f1_50, map_50_95, loc_acc_50}`` in percent.
+    """
+    from monai.apps.detection.metrics.matching import matching_batch
+
+    pred_boxes, pred_scores, target_boxes = _validated(predictions, targets)
+    to_xyz = [2, 1, 0, 5, 4, 3]  # MONAI's boxes are (x0, y0, z0, x1, y1, z1)
+    matched = matching_batch(
+        iou_fn=_box_iou,
+        iou_thresholds=COCO_IOU_THRESHOLDS,
+        pred_boxes=[b[:, to_xyz] for b in pred_boxes],
+        pred_classes=[np.zeros(len(b), dtype=int) for b in pred_boxes],
+        pred_scores=pred_scores,
+        gt_boxes=[b[:, to_xyz] for b in target_boxes],
+        gt_classes=[np.zeros(len(b), dtype=int) for b in target_boxes],
+        max_detections=max_detections,
+    )
+    # MONAI's per-image results have pycocotools' per-image layout (dtMatches, dtScores, gtIgnore, dtIgnore)
+    per_image = [result.get(0) for result in matched]
+    return _summarise(per_image, [len(b) for b in target_boxes], max_detections, f1_score_threshold)
+
+
+def detection_metrics_axial(
+    predictions: Sequence[dict],
+    targets: Sequence[dict],
+    max_detections: int = 100,
+    f1_score_threshold: float | None = None,
+) -> dict[str, float]:
+    """The metrics of :func:`detection_metrics`, from pycocotools on the boxes' axial (y, x) projection.
+
+    Same inputs; each 3D box becomes the 2D box ``(y0, x0, y1, x1)``. Where all boxes of an image share
+    one z range the 3D and 2D IoUs are equal, and so are the two functions' results.
+    """
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    pred_boxes, pred_scores, target_boxes = _validated(predictions, targets)
+
+    def annotations(boxes_per_image, scores_per_image=None):
+        anns = []
+        for image_id, boxes in enumerate(boxes_per_image):
+            for j, (_, y0, x0, _, y1, x1) in enumerate(boxes.tolist()):
+                ann = {"image_id": image_id, "category_id": 1, "bbox": [x0, y0, x1 - x0, y1 - y0]}
+                ann.update(area=(x1 - x0) * (y1 - y0), iscrowd=0, id=len(anns) + 1)  # id 0 means "unmatched"
+                if scores_per_image is not None:
+                    ann["score"] = float(scores_per_image[image_id][j])
+                anns.append(ann)
+        return anns
+
+    images = [{"id": i} for i in range(len(target_boxes))]
+    categories = [{"id": 1}]
+    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress
+        ground_truth, detected = COCO(), COCO()
+        ground_truth.dataset = {"images": images, "categories": categories, "annotations": annotations(target_boxes)}
+        detected.dataset = {
+            "images": images,
+            "categories": categories,
+            "annotations": annotations(pred_boxes, pred_scores),
+        }
+        ground_truth.createIndex()
+        detected.createIndex()
+        evaluation = COCOeval(ground_truth, detected, iouType="bbox")
+        evaluation.params.maxDets = [max_detections]
+        evaluation.evaluate()
+    if not np.array_equal(evaluation.params.iouThrs, COCO_IOU_THRESHOLDS):
+        raise RuntimeError(f"pycocotools' IoU thresholds {evaluation.params.iouThrs} are not COCO's")
+    per_image = evaluation.evalImgs[: len(images)]  # the one category, area range "all", images in id order
+    return _summarise(per_image, [len(b) for b in target_boxes], max_detections, f1_score_threshold)
+
+
+def _summarise(
+    per_image: list[dict | None], num_targets: list[int], max_detections: int, f1_score_threshold: float | None
+) -> dict[str, float]:
+    """All metrics from per-image COCO matching results (None for an image without boxes of either kind)."""
+    if sum(num_targets) == 0:
+        return dict.fromkeys(DETECTION_METRICS, np.nan)
+    precision = _coco_precision(per_image, max_detections)  # [IoU threshold, recall point]
+    at_50 = int(np.flatnonzero(COCO_IOU_THRESHOLDS == 0.5)[0])
+    at_75 = int(np.flatnonzero(COCO_IOU_THRESHOLDS == 0.75)[0])
+    # per image: was each kept prediction (in descending score order) a true positive at IoU 0.5
+    hits = [np.asarray(e["dtMatches"])[at_50] > 0 if e else np.zeros(0, bool) for e in per_image]
+    scores = [np.asarray(e["dtScores"], dtype=np.float64) if e else np.zeros(0) for e in per_image]
+    return {
+        "ap_50": 100.0 * float(precision[at_50].mean()),
+        "ap_75": 100.0 * float(precision[at_75].mean()),
+        "f1_50": _f1(hits, scores, sum(num_targets), f1_score_threshold),
+        "map_50_95": 100.0 * float(precision.mean()),
+        "loc_acc_50": _localization_accuracy(hits, num_targets),
+    }
+
+
+def _coco_precision(per_image: list[dict | None], max_detections: int) -> np.ndarray:
+    """COCO's interpolated precision at its 101 recall points, by pycocotools' own ``accumulate``.
+
+    Used for the 3D results too: MONAI's ``COCOMetric`` performs the same steps but counts true positives
+    in float32, so a recall that lies exactly on one of the recall points (k/100, e.g. 3 of 25 targets) can
+    round below it and AP then differs from pycocotools' by up to a point or so.
+    """
+    from pycocotools.cocoeval import COCOeval
+
+    evaluation = COCOeval(iouType="bbox")
+    params = evaluation.params
+    params.imgIds, params.catIds, params.maxDets = list(range(len(per_image))), [1], [max_detections]
+    params.areaRng, params.areaRngLbl = [[0, np.inf]], ["all"]  # boxes are filtered by nothing but score
+    evaluation._paramsEval = copy.deepcopy(params)
+    evaluation.evalImgs = per_image
+    with contextlib.redirect_stdout(io.StringIO()):
+        evaluation.accumulate()
+    return evaluation.eval["precision"][:, :, 0, 0, 0]
+
+
+def _validated(predictions: Sequence[dict], targets: Sequence[dict]):
+    if len(predictions) != len(targets):
+        raise ValueError(f"{len(predictions)} prediction entries but {len(targets)} target entries (one per image)")
+    pred_boxes = [np.asarray(p["boxes"], dtype=np.float64).reshape(-1, 6) for p in predictions]
+    pred_scores = [np.asarray(p["scores"], dtype=np.float64).reshape(-1) for p in predictions]
+    target_boxes = [np.asarray(t["boxes"], dtype=np.float64).reshape(-1, 6) for t in targets]
+    for i, (boxes, scores) in enumerate(zip(pred_boxes, pred_scores, strict=True)):
+        if len(boxes) != len(scores):
+            raise ValueError(f"image {i}: {len(boxes)} predicted boxes but {len(scores)} scores")
+    for boxes in pred_boxes + target_boxes:
+        if (boxes[:, 3:] <= boxes[:, :3]).any():
+            raise ValueError("empty or inverted box (end-exclusive: z1 > z0, y1 > y0, x1 > x0)")
+    return pred_boxes, pred_scores, target_boxes
+
+
+def _box_iou(boxes1: np.ndarray, boxes2: np.ndarray) -> np.ndarray:
+    """Pairwise IoU of corner boxes ``(N, 2d)`` × ``(M, 2d)``, in float64.
+
+    Replaces MONAI's ``box_iou``, which computes in float32 and adds an epsilon to the union: an IoU that
+    lies exactly on a COCO threshold (common with integer voxel boxes, e.g. 3/5) then lands on either side
+    of it, where pycocotools, computing in float64, counts it as reaching the threshold.
+    """
+    dims = boxes1.shape[1] // 2
+    low = np.maximum(boxes1[:, None, :dims], boxes2[None, :, :dims])
+    high = np.minimum(boxes1[:, None, dims:], boxes2[None, :, dims:])
+    intersection = np.prod(np.clip(high - low, 0, None), axis=-1)
+    volume1 = np.prod(boxes1[:, dims:] - boxes1[:, :dims], axis=-1)
+    volume2 = np.prod(boxes2[:, dims:] - boxes2[:, :dims], axis=-1)
+    return intersection / (volume1[:, None] + volume2[None, :] - intersection)
+
+
+def _f1(hits: list[np.ndarray], scores: list[np.ndarray], num_targets: int, score_threshold: float | None) -> float:
+    """F1 of pooled predictions at IoU 0.5: at ``score_threshold``, or the best over thresholds."""
+    hits_all, scores_all = np.concatenate(hits).astype(bool), np.concatenate(scores)
+    if score_threshold is not None:
+        kept = scores_all >= score_threshold
+        return 100.0 * 2 * hits_all[kept].sum() / (kept.sum() + num_targets)
+    order = np.argsort(-scores_all, kind="mergesort")
+    true_positives = np.cumsum(hits_all[order])
+    kept = np.arange(1, len(order) + 1)
+    # a threshold keeps all tied scores or none: evaluate only after the last of each run of equal scores
+    ends = np.append(np.diff(scores_all[order]) != 0, True) if len(order) else np.zeros(0, bool)
+    f1 = 2 * true_positives[ends] / (kept[ends] + num_targets)
+    return 100.0 * float(f1.max(initial=0.0))
+
+
+def _localization_accuracy(hits: list[np.ndarray], num_targets: list[int]) -> float:
+    localized = sum(int(h[:k].sum()) for h, k in zip(hits, num_targets, strict=True))
+    return 100.0 * localized / sum(num_targets)

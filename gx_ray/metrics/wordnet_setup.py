@@ -1,0 +1,109 @@
+"""Install the WordNet 3.0 corpus that nltk's METEOR needs, without relying on nltk's download server.
+
+Usage: ``python -m gx_ray.metrics.wordnet_setup [--target DIR] [--source DIR]``
+
+Where the data comes from, first that works:
+
+1. nothing to do when nltk already finds WordNet;
+2. Debian's ``wordnet-base`` package (``apt-get install wordnet-base``), whose database lives in
+   ``/usr/share/wordnet``. It lacks two files nltk's reader opens: ``lexnames`` (written here from the table
+   in the package's ``lexnames(5WN)`` man page) and ``index.sense`` (sense keys, which METEOR never uses, so
+   an empty file does);
+3. ``nltk.download("wordnet")``, the usual path on a machine with internet access.
+
+The corpus goes to ``<target>/corpora/wordnet``; the default target is the first folder on nltk's search
+path (``$NLTK_DATA`` if set, else ``~/nltk_data``), so nltk finds it with no further setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+DEBIAN_WORDNET = Path("/usr/share/wordnet")
+# The 45 lexicographer files of WordNet 3.0, numbered 00-44 in this order (lexnames(5WN)).
+LEXICOGRAPHER_FILES = """
+adj.all adj.pert adv.all noun.Tops noun.act noun.animal noun.artifact noun.attribute noun.body noun.cognition
+noun.communication noun.event noun.feeling noun.food noun.group noun.location noun.motive noun.object
+noun.person noun.phenomenon noun.plant noun.possession noun.process noun.quantity noun.relation noun.shape
+noun.state noun.substance noun.time verb.body verb.change verb.cognition verb.communication verb.competition
+verb.consumption verb.contact verb.creation verb.emotion verb.motion verb.perception verb.possession
+verb.social verb.stative verb.weather adj.ppl
+""".split()  # noqa: SIM905 (as the man page lists them)
+SYNTACTIC_CATEGORY = {"noun": 1, "verb": 2, "adj": 3, "adv": 4}
+
+
+def wordnet_available() -> bool:
+    """Whether nltk can load the WordNet corpus as things stand."""
+    from nltk.corpus import wordnet
+
+    try:
+        wordnet.ensure_loaded()
+    except LookupError:
+        return False
+    return True
+
+
+def lexnames_text() -> str:
+    """The ``lexnames`` file: file number, lexicographer file name and syntactic category, tab separated."""
+    return "".join(
+        f"{number:02d}\t{name}\t{SYNTACTIC_CATEGORY[name.split('.')[0]]}\n"
+        for number, name in enumerate(LEXICOGRAPHER_FILES)
+    )
+
+
+def install_from_debian(source: Path, target: Path) -> Path:
+    """Copy Debian's WordNet database into an nltk data folder and add the files nltk's reader expects."""
+    corpus = target / "corpora" / "wordnet"
+    corpus.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        if path.is_file():
+            shutil.copy2(path, corpus / path.name)
+    if not (corpus / "lexnames").exists():
+        (corpus / "lexnames").write_text(lexnames_text())
+    (corpus / "index.sense").touch()
+    return corpus
+
+
+def default_target() -> Path:
+    import nltk
+
+    return Path(nltk.data.path[0])
+
+
+def ensure_wordnet(target: Path | None = None, source: Path = DEBIAN_WORDNET) -> bool:
+    """Make WordNet loadable by nltk; True on success."""
+    import nltk
+
+    if wordnet_available():
+        return True
+    target = target or default_target()
+    if (source / "data.noun").exists():
+        install_from_debian(source, target)
+    else:
+        nltk.download("wordnet", download_dir=str(target), quiet=True)
+    if str(target) not in nltk.data.path:
+        nltk.data.path.insert(0, str(target))
+    return wordnet_available()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", type=Path, default=None, help="nltk data folder (default: nltk's first)")
+    parser.add_argument("--source", type=Path, default=DEBIAN_WORDNET, help="a WordNet 3.0 database folder")
+    args = parser.parse_args(argv)
+    if ensure_wordnet(args.target, args.source):
+        print("WordNet is available to nltk")
+        return 0
+    print(
+        f"could not install WordNet: install Debian's wordnet-base (database in {DEBIAN_WORDNET}) or allow "
+        "nltk.download('wordnet')",
+        file=sys.stderr,
+    )
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
