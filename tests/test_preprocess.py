@@ -321,7 +321,9 @@ def test_presets():
     assert PreprocessConfig.preset("paper") == PreprocessConfig()
     assert PreprocessConfig().shape_zyx == (192, 288, 288) and PreprocessConfig().hu_window == (-100.0, 300.0)
     demo, bench = PreprocessConfig.preset("demo"), PreprocessConfig.preset("bench")
-    assert (demo.spacing_zyx_mm, demo.shape_zyx) == ((4.0, 3.0, 3.0), (32, 64, 64))
+    # the demo preset sees the paper crop's whole field of view (the stomach region), only coarser
+    assert tuple(s * n for s, n in zip(demo.spacing_zyx_mm, demo.shape_zyx, strict=True)) == (192.0, 288.0, 288.0)
+    assert demo.shape_zyx == (32, 64, 64)
     assert (bench.spacing_zyx_mm, bench.shape_zyx) == ((2.0, 2.0, 2.0), (64, 128, 128))
     with pytest.raises(ValueError, match="paper, demo, bench"):
         PreprocessConfig.preset("huge")
