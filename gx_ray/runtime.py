@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -28,6 +29,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         configure_logging=True,
         logging_level="WARNING",
     )
+    logging.getLogger("ray.data").setLevel(logging.WARNING)  # one INFO line per dataset execution otherwise
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = os.isatty(2)
     context.print_on_execution_start = False

@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     ingest.add_argument("--consumers", type=int, default=IngestBenchmarkConfig.consumers)
     ingest.add_argument("--epochs", type=int, default=IngestBenchmarkConfig.epochs)
     ingest.add_argument("--cpus", type=int, help="CPUs for the local Ray cluster (default: all)")
+    ingest.add_argument("--codec", default="lz4", choices=["zstd", "lz4", "none"], help="Parquet codec of the stream")
     args = parser.parse_args(argv)
 
     if args.command == "ingest":
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
             consumers=args.consumers,
             epochs=args.epochs,
             cpus=args.cpus,
+            codec=args.codec,
         )
         print(format_ingest_result(run_ingest_benchmark(args.out, config)))
     return 0

@@ -45,8 +45,8 @@ from gx_ray.schema import BOX_LEVELS, PHASES, REPORT_KINDS
 
 MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = 1
-COMPRESSION = "zstd"  # chosen by `python jobs/benchmark.py ingest` (see README)
-COMPRESSION_LEVEL = 1
+COMPRESSION = "lz4"
+"""Parquet codec of the shards, chosen with `python jobs/benchmark.py ingest --codec ...` (README)."""
 TENSOR_COLUMNS = ("ct", "endoscopy")
 
 _VQA_TYPE = pa.list_(pa.struct([("question", pa.string()), ("answer", pa.string()), ("category", pa.string())]))
@@ -112,8 +112,15 @@ class TensorLayout:
 class ShardWriter:
     """Writes rows into per-split Parquet files of at most ``rows_per_shard`` rows, in the order given."""
 
-    def __init__(self, out_dir: Path, schema: pa.Schema, rows_per_shard: int = 64, row_group_rows: int = 8):
-        self.out_dir, self.schema = Path(out_dir), schema
+    def __init__(
+        self,
+        out_dir: Path,
+        schema: pa.Schema,
+        rows_per_shard: int = 64,
+        row_group_rows: int = 8,
+        compression: str = COMPRESSION,
+    ):
+        self.out_dir, self.schema, self.compression = Path(out_dir), schema, compression
         self.rows_per_shard, self.row_group_rows = rows_per_shard, row_group_rows
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._writers: dict[str, tuple[pq.ParquetWriter, Path, int]] = {}
@@ -141,9 +148,7 @@ class ShardWriter:
     def _open(self, split: str) -> tuple[pq.ParquetWriter, Path, int]:
         path = self.out_dir / f"{split}-{self._counts[split]:05d}.parquet"
         self._counts[split] += 1
-        writer = pq.ParquetWriter(
-            path, self.schema, compression=COMPRESSION, compression_level=COMPRESSION_LEVEL, use_dictionary=False
-        )
+        writer = pq.ParquetWriter(path, self.schema, compression=self.compression, use_dictionary=False)
         return writer, path, 0
 
     def _close(self, split: str) -> None:
@@ -170,7 +175,13 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(out_dir: Path, files: list[dict[str, Any]], layout: TensorLayout, extra: dict[str, Any]) -> Path:
+def write_manifest(
+    out_dir: Path,
+    files: list[dict[str, Any]],
+    layout: TensorLayout,
+    extra: dict[str, Any],
+    compression: str = COMPRESSION,
+) -> Path:
     manifest = {
         "format_version": FORMAT_VERSION,
         "ct_shape": list(layout.ct_shape),
@@ -178,7 +189,7 @@ def write_manifest(out_dir: Path, files: list[dict[str, Any]], layout: TensorLay
         "phases": list(PHASES),
         "endoscopy_shape": list(layout.endoscopy_shape),
         "lab_names": list(layout.lab_names),
-        "compression": COMPRESSION,
+        "compression": compression,
         "rows": {s: sum(f["rows"] for f in files if f["split"] == s) for s in SPLITS},
         "files": files,
         **extra,
@@ -215,23 +226,28 @@ def split_files(shard_dir: Path, split: str) -> list[Path]:
 def fixed_tensor(column: pa.ChunkedArray | pa.Array, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A binary column whose values are equal-size raw arrays, as one ``(rows, *shape)`` array.
 
-    Null values become zeros. Zero-copy when the column is a single chunk without nulls.
+    Null values become zeros. A single chunk without nulls is viewed in place (no copy); several chunks are
+    copied once, straight into the result (``combine_chunks`` would copy even a single chunk).
     """
-    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    rows, item = len(array), int(np.prod(shape)) * np.dtype(dtype).itemsize
-    if array.null_count:
+    if isinstance(column, pa.ChunkedArray):
+        if column.num_chunks == 1:
+            return fixed_tensor(column.chunk(0), shape, dtype)
+        parts = [fixed_tensor(chunk, shape, dtype) for chunk in column.chunks]
+        return np.concatenate(parts) if parts else np.zeros((0, *shape), dtype=dtype)
+    rows, item = len(column), int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if column.null_count:
         out = np.zeros((rows, *shape), dtype=dtype)
-        for i, value in enumerate(array.to_pylist()):
+        for i, value in enumerate(column.to_pylist()):
             if value is not None:
                 out[i] = np.frombuffer(value, dtype=dtype).reshape(shape)
         return out
-    offsets = np.frombuffer(array.buffers()[1], dtype=np.int64 if pa.types.is_large_binary(array.type) else np.int32)
-    start, end = int(offsets[array.offset]), int(offsets[array.offset + rows])
+    offset_type = np.int64 if pa.types.is_large_binary(column.type) else np.int32
+    offsets = np.frombuffer(column.buffers()[1], dtype=offset_type)
+    start, end = int(offsets[column.offset]), int(offsets[column.offset + rows])
     if end - start != rows * item:
         raise ValueError(f"binary column values are not all {item} bytes: cannot view as {shape} {dtype}")
-    return np.frombuffer(array.buffers()[2], dtype=dtype, count=rows * int(np.prod(shape)), offset=start).reshape(
-        rows, *shape
-    )
+    values = np.frombuffer(column.buffers()[2], dtype=np.uint8, count=end - start, offset=start)
+    return values.view(dtype).reshape(rows, *shape)
 
 
 def list_tensor(column: pa.ChunkedArray | pa.Array, dtype: np.dtype) -> np.ndarray:
@@ -250,6 +266,9 @@ def read_split(shard_dir: Path, split: str, columns: Iterable[str] | None = None
     files = split_files(shard_dir, split)
     if not files:
         raise ValueError(f"{shard_dir} has no {split} shards")
+    # Ray 2.60's V2 file datasource lists files in a task of its own before reading: 2-6 s before the first
+    # batch on every epoch, against 0.8 s for V1 (`python jobs/benchmark.py ingest`, 2-core machine).
+    ray.data.DataContext.get_current().use_datasource_v2 = False
     return ray.data.read_parquet([str(f) for f in files], columns=list(columns) if columns else None)
 
 
