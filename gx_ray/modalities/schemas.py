@@ -1,0 +1,157 @@
+"""Modality schemas: which inputs a model may see, as data, and the leakage rules every schema must pass.
+
+The paper's four input settings are presets; a search space may define more as plain mappings
+(``{"phases": ["venous"], "table": "numeric", "boxes": "channels"}``). A schema that breaks a leakage rule for
+a task is refused before any trial starts, naming the rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from gx_ray.data.catalogue import load_catalogue
+from gx_ray.schema import BOX_LEVELS, PHASES, REPORT_KINDS, TASKS
+
+TABLE_MODES: tuple[str, ...] = ("off", "text", "numeric")
+"""``text``: only abnormal values, as descriptors (the paper, Sec. 4); ``numeric``: every value, normalised."""
+BOX_MODES: tuple[str, ...] = ("off", "overlay", "channels")
+"""``overlay``: box outlines drawn into the CT (the paper's coloured overlays); ``channels``: one mask per level."""
+
+
+@dataclass(frozen=True)
+class ModalitySchema:
+    """The inputs of one model. The paper's "Image" is the multi-phase CT; the endoscopy image is opt-in."""
+
+    name: str
+    phases: tuple[str, ...] = PHASES
+    endoscopy: bool = False
+    table: str = "off"
+    boxes: str = "off"
+    box_levels: tuple[str, ...] = BOX_LEVELS
+    reports: tuple[str, ...] = ()
+    """Report kinds given to the model as input text."""
+    table_variables: tuple[str, ...] | None = None
+    """Catalogue variables of the table; None means every pre-diagnosis model input."""
+
+    def __post_init__(self) -> None:
+        _check_choices("phases", self.phases, PHASES)
+        if not self.phases:
+            raise ValueError(f"schema {self.name!r}: at least one CT phase is needed")
+        _check_choice("table", self.table, TABLE_MODES)
+        _check_choice("boxes", self.boxes, BOX_MODES)
+        _check_choices("box_levels", self.box_levels, BOX_LEVELS)
+        _check_choices("reports", self.reports, REPORT_KINDS)
+        if self.table_variables is not None:
+            _check_choices("table_variables", self.table_variables, load_catalogue().names)
+
+    @property
+    def has_text(self) -> bool:
+        return self.table == "text" or bool(self.reports)
+
+    def variables(self) -> tuple[str, ...]:
+        """The table's variables, in catalogue order."""
+        inputs = [v.name for v in load_catalogue().numeric_inputs()]
+        return tuple(inputs if self.table_variables is None else [v for v in inputs if v in self.table_variables])
+
+    def describe(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+PRESETS: dict[str, ModalitySchema] = {
+    "image_only": ModalitySchema("image_only"),
+    "image_table": ModalitySchema("image_table", table="text"),
+    "image_bbox": ModalitySchema("image_bbox", boxes="overlay"),
+    "image_table_bbox": ModalitySchema("image_table_bbox", table="text", boxes="overlay"),
+}
+"""The paper's four input settings (Sec. 5), in its column order."""
+
+
+def _check_choice(key: str, value: str, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ValueError(f"unknown {key} {value!r}; valid: {', '.join(valid)}")
+
+
+def _check_choices(key: str, values: tuple[str, ...], valid: tuple[str, ...]) -> None:
+    unknown = [v for v in values if v not in valid]
+    if unknown:
+        raise ValueError(f"unknown {key} {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
+
+
+def resolve_schema(spec: str | dict[str, Any] | ModalitySchema) -> ModalitySchema:
+    """A preset by name, a mapping (``name`` optional) or a schema as is."""
+    if isinstance(spec, ModalitySchema):
+        return spec
+    if isinstance(spec, str):
+        if spec not in PRESETS:
+            raise ValueError(f"unknown modality schema {spec!r}; valid presets: {', '.join(PRESETS)}")
+        return PRESETS[spec]
+    known = {f.name for f in fields(ModalitySchema)}
+    unknown = sorted(set(spec) - known)
+    if unknown:
+        raise ValueError(f"unknown modality schema keys {unknown}; valid: {', '.join(sorted(known))}")
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.items()}
+    return ModalitySchema(**{"name": "custom", **values})
+
+
+# --- leakage rules -----------------------------------------------------------------------------------
+
+
+class LeakageError(ValueError):
+    """A schema would show a model what it must predict; ``rule`` names the rule broken."""
+
+    def __init__(self, rule: str, message: str):
+        self.rule = rule
+        super().__init__(f"leakage rule {rule!r}: {message}")
+
+
+@dataclass(frozen=True)
+class LeakageRule:
+    name: str
+    description: str
+    tasks: tuple[str, ...] = field(default=TASKS)
+
+
+LEAKAGE_RULES: tuple[LeakageRule, ...] = (
+    LeakageRule(
+        "post_diagnosis_variables",
+        "variables known only after diagnosis (pathology, pathological staging, surgery, outcomes) or identifiers "
+        "are never model inputs",
+    ),
+    LeakageRule("box_cues_in_detection", "box cues are never inputs to lesion detection", ("lesion_detection",)),
+    LeakageRule(
+        "stage_in_reports",
+        "reports that state the stage (the diagnosis report) are never inputs to stage classification",
+        ("stage_classification",),
+    ),
+    LeakageRule(
+        "target_report",
+        "the report a task generates or retrieves is never its input",
+        ("report_generation", "retrieval"),
+    ),
+    LeakageRule("report_answers", "VQA answers are taken from the reports, so no report is a VQA input", ("vqa",)),
+)
+
+REPORT_TARGETS = {"report_generation": "ct_report", "retrieval": "ct_report"}
+"""The report each text task produces or matches (the CT report describes what the image shows)."""
+
+
+def check_leakage(schema: ModalitySchema, task: str) -> None:
+    """Raise :class:`LeakageError` when ``schema`` breaks a rule for ``task``."""
+    _check_choice("task", task, TASKS)
+    catalogue = load_catalogue()
+    leaking = [v for v in schema.table_variables or () if not catalogue[v].is_model_input]
+    if schema.table != "off" and leaking:
+        raise LeakageError("post_diagnosis_variables", f"schema {schema.name!r} puts {', '.join(leaking)} in the table")
+    if task == "lesion_detection" and schema.boxes != "off":
+        raise LeakageError("box_cues_in_detection", f"schema {schema.name!r} gives box cues ({schema.boxes})")
+    if task == "stage_classification" and "diagnosis_report" in schema.reports:
+        raise LeakageError(
+            "stage_in_reports", f"schema {schema.name!r} gives the diagnosis report, which states the stage"
+        )
+    if task in REPORT_TARGETS and REPORT_TARGETS[task] in schema.reports:
+        raise LeakageError(
+            "target_report", f"schema {schema.name!r} gives the {REPORT_TARGETS[task]} that {task} targets"
+        )
+    if task == "vqa" and schema.reports:
+        raise LeakageError("report_answers", f"schema {schema.name!r} gives reports ({', '.join(schema.reports)})")
