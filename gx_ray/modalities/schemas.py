@@ -58,15 +58,6 @@ class ModalitySchema:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-PRESETS: dict[str, ModalitySchema] = {
-    "image_only": ModalitySchema("image_only"),
-    "image_table": ModalitySchema("image_table", table="text"),
-    "image_bbox": ModalitySchema("image_bbox", boxes="overlay"),
-    "image_table_bbox": ModalitySchema("image_table_bbox", table="text", boxes="overlay"),
-}
-"""The paper's four input settings (Sec. 5), in its column order."""
-
-
 def _check_choice(key: str, value: str, valid: tuple[str, ...]) -> None:
     if value not in valid:
         raise ValueError(f"unknown {key} {value!r}; valid: {', '.join(valid)}")
@@ -76,6 +67,15 @@ def _check_choices(key: str, values: tuple[str, ...], valid: tuple[str, ...]) ->
     unknown = [v for v in values if v not in valid]
     if unknown:
         raise ValueError(f"unknown {key} {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
+
+
+PRESETS: dict[str, ModalitySchema] = {
+    "image_only": ModalitySchema("image_only"),
+    "image_table": ModalitySchema("image_table", table="text"),
+    "image_bbox": ModalitySchema("image_bbox", boxes="overlay"),
+    "image_table_bbox": ModalitySchema("image_table_bbox", table="text", boxes="overlay"),
+}
+"""The paper's four input settings (Sec. 5), in its column order."""
 
 
 def resolve_schema(spec: str | dict[str, Any] | ModalitySchema) -> ModalitySchema:
