@@ -118,7 +118,12 @@ LEAKAGE_RULES: tuple[LeakageRule, ...] = (
         "variables known only after diagnosis (pathology, pathological staging, surgery, outcomes) or identifiers "
         "are never model inputs",
     ),
-    LeakageRule("box_cues_in_detection", "box cues are never inputs to lesion detection", ("lesion_detection",)),
+    LeakageRule(
+        "box_cues_in_detection",
+        "the tumour box, which lesion detection predicts, is never its input (stomach and lymph-node boxes may be "
+        "cues: soft spatial priors, as the paper uses them)",
+        ("lesion_detection",),
+    ),
     LeakageRule(
         "stage_in_reports",
         "reports that state the stage (the diagnosis report) are never inputs to stage classification",
@@ -143,8 +148,11 @@ def check_leakage(schema: ModalitySchema, task: str) -> None:
     leaking = [v for v in schema.table_variables or () if not catalogue[v].is_model_input]
     if schema.table != "off" and leaking:
         raise LeakageError("post_diagnosis_variables", f"schema {schema.name!r} puts {', '.join(leaking)} in the table")
-    if task == "lesion_detection" and schema.boxes != "off":
-        raise LeakageError("box_cues_in_detection", f"schema {schema.name!r} gives box cues ({schema.boxes})")
+    if task == "lesion_detection" and schema.boxes != "off" and "tumour" in schema.box_levels:
+        raise LeakageError(
+            "box_cues_in_detection",
+            f"schema {schema.name!r} gives the tumour box as a cue; use box_levels without 'tumour' for detection",
+        )
     if task == "stage_classification" and "diagnosis_report" in schema.reports:
         raise LeakageError(
             "stage_in_reports", f"schema {schema.name!r} gives the diagnosis report, which states the stage"
