@@ -1,0 +1,149 @@
+"""The trial config: one typed, validated object per trial; everything logged to MLflow as params comes from it.
+
+Search spaces address its fields with dotted keys (``optimiser.lr``, ``model.vision``, ``schema.table``); a
+trial's flat key → value mapping becomes a :class:`TrialConfig` with :meth:`TrialConfig.from_flat`, and
+:meth:`TrialConfig.to_flat` gives the same keys back for MLflow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any, get_type_hints
+
+from gx_ray.modalities import ModalitySchema, check_leakage, resolve_schema
+from gx_ray.models.registry import ModelConfig
+from gx_ray.schema import TASKS
+
+
+@dataclass(frozen=True)
+class OptimiserConfig:
+    """AdamW; the paper: lr 5e-5, weight decay 0.01, the text encoder at twice the visual rate."""
+
+    lr: float = 5e-5
+    weight_decay: float = 0.01
+    text_lr_multiplier: float = 2.0
+    grad_clip: float = 1.0
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """Linear warm-up over ``warmup_fraction`` of the steps, then linear decay to zero (the paper)."""
+
+    epochs: int = 10
+    warmup_fraction: float = 0.1
+    max_steps_per_epoch: int | None = None
+    """Caps an epoch (smoke runs); None reads the whole training split."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    shards: str = ""
+    """The shard folder (``prepare_data`` output's ``shards/``); filled in by the sweep."""
+    batch_size: int = 32
+    grad_accum: int = 1
+    eval_batch_size: int | None = None
+    shuffle_buffer: int = 64
+
+
+@dataclass(frozen=True)
+class ResourcesConfig:
+    workers: int = 1
+    """Ray Train workers (DDP ranks); 1 runs the loop inside the Tune trial itself (no TorchTrainer start-up)."""
+    use_gpu: bool = False
+    cpus_per_worker: float = 1.0
+
+
+@dataclass(frozen=True)
+class TrialConfig:
+    task: str
+    schema: ModalitySchema
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimiser: OptimiserConfig = field(default_factory=OptimiserConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    task_options: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    amp: str = "auto"
+    """``auto``: bf16 autocast on GPU, none on CPU; ``bf16``; ``off``."""
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"unknown task {self.task!r}; valid: {', '.join(TASKS)}")
+        if self.amp not in ("auto", "bf16", "off"):
+            raise ValueError(f"unknown amp {self.amp!r}; valid: auto, bf16, off")
+        check_leakage(self.schema, self.task)
+
+    # --- flat dotted keys <-> nested config ---
+
+    @classmethod
+    def from_flat(cls, flat: dict[str, Any]) -> TrialConfig:
+        """Build from ``{"task": ..., "schema": "image_table" | {...}, "optimiser.lr": 1e-4, ...}``."""
+        nested: dict[str, Any] = {}
+        for key, value in flat.items():
+            section, _, name = key.partition(".")
+            if name and section not in ("schema", "task_options"):
+                nested.setdefault(section, {})[name] = value
+            elif name:  # schema.table = "text" refines the chosen schema; task_options.x sets one option
+                nested.setdefault(f"{section}.", {})[name] = value
+            else:
+                nested[key] = value
+        unknown = set(nested) - {f.name for f in fields(cls)} - {"schema.", "task_options."}
+        if unknown:
+            raise ValueError(
+                f"unknown trial config keys {sorted(unknown)}; valid sections: {', '.join(valid_sections())}"
+            )
+        schema = resolve_schema(nested.get("schema", "image_only"))
+        if overrides := nested.pop("schema.", None):
+            schema = resolve_schema({**schema.describe(), **overrides})
+        nested["schema"] = schema
+        nested["task_options"] = {**nested.get("task_options", {}), **nested.pop("task_options.", {})}
+        hints = get_type_hints(cls)
+        for f in fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]) and f.name != "schema" and isinstance(nested.get(f.name), dict):
+                nested[f.name] = _build(hints[f.name], nested[f.name], f.name)
+        return cls(**nested)
+
+    def to_flat(self) -> dict[str, Any]:
+        """Every setting under its dotted key (what MLflow records as params)."""
+        flat: dict[str, Any] = {"task": self.task, "seed": self.seed, "amp": self.amp, "schema": self.schema.name}
+        for section in ("schema", "model", "optimiser", "schedule", "data", "resources"):
+            for key, value in dataclasses.asdict(getattr(self, section)).items():
+                flat[f"{section}.{key}"] = json.dumps(value) if isinstance(value, dict | list | tuple) else value
+        flat.update({f"task_options.{k}": v for k, v in self.task_options.items()})
+        return flat
+
+
+def valid_sections() -> list[str]:
+    return [f.name for f in fields(TrialConfig)]
+
+
+def valid_keys() -> list[str]:
+    """Every dotted key a search space may set."""
+    hints = get_type_hints(TrialConfig)
+    keys = []
+    for f in fields(TrialConfig):
+        kind = ModalitySchema if f.name == "schema" else hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            keys += [f"{f.name}.{sub.name}" for sub in fields(kind)]
+        keys.append(f.name)
+    return keys + ["task_options.<option>"]
+
+
+def _build(kind: type, values: dict[str, Any], section: str) -> Any:
+    known = {f.name: f for f in fields(kind)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"unknown {section} keys {unknown}; valid: {', '.join(sorted(known))}")
+    hints = get_type_hints(kind)
+    converted = {}
+    for name, value in values.items():
+        hint = hints[name]
+        if hint in (int, float) and isinstance(value, str | int | float) and not isinstance(value, bool):
+            value = hint(value)  # YAML reads 5e-5 as a string
+        elif isinstance(value, list):
+            value = tuple(value)
+        converted[name] = value
+    return kind(**converted)

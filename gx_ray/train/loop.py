@@ -1,0 +1,197 @@
+"""The per-worker training loop of a trial: one readable function that Ray Train's workers and a one-worker Tune trial
+both run (torchtune style: the recipe is the loop; no trainer framework in between).
+
+Per epoch: stream the worker's share of the training split, AdamW with the text encoder at its own learning rate,
+linear warm-up then linear decay, gradient accumulation, bf16 autocast on GPU; validate with the task's metric;
+report the epoch's metrics and a checkpoint (the latest and the best model). After the last epoch the best
+model scores the test split. Metrics go to Ray (Tune sees them) and, from rank 0, to the trial's MLflow run.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from transformers import get_linear_schedule_with_warmup
+
+from gx_ray.data.shards import BatchCollate, TensorLayout, read_manifest, split_files
+from gx_ray.models.registry import build_encoder, param_groups
+from gx_ray.tasks import TaskModel, build_task
+from gx_ray.train.config import TrialConfig
+
+CHECKPOINT_FILE = "state.pt"
+
+
+@dataclass
+class WorkerContext:
+    """Where this copy of the loop runs: its rank, its device, its data, and how it reports."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    data: dict[str, Any]
+    """split → Ray DataIterator of this worker's share."""
+    report: Callable[..., None]
+    """``report(metrics, checkpoint=None)``: ray.train.report or ray.tune.report."""
+    latest_checkpoint: Any
+    """The checkpoint to resume from (Ray's), or None."""
+    tracker: Any = None
+    """Logs metrics and artifacts to the trial's MLflow run (rank 0 only), or None."""
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def autocast(config: TrialConfig, device: torch.device):
+    use_bf16 = config.amp == "bf16" or (config.amp == "auto" and device.type == "cuda")
+    return torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
+
+
+def batches(iterator: Any, layout: TensorLayout, batch_size: int, shuffle: int, seed: int) -> Iterator[dict]:
+    return iterator.iter_torch_batches(
+        batch_size=batch_size,
+        collate_fn=BatchCollate(layout),
+        prefetch_batches=2,
+        local_shuffle_buffer_size=shuffle or None,
+        local_shuffle_seed=seed if shuffle else None,
+    )
+
+
+def evaluate(
+    model: TaskModel, task: Any, data: Any, layout: TensorLayout, config: TrialConfig, device
+) -> tuple[dict, list]:
+    """The task's metrics over one split (gathered over all ranks) and this rank's prediction records."""
+    model.eval()
+    metric, records = task.metric(), []
+    size = config.data.eval_batch_size or config.data.batch_size
+    with torch.no_grad(), autocast(config, device):
+        for batch in batches(data, layout, size, 0, 0):
+            outputs = model(batch)
+            metric.update(outputs, batch)
+            records += task.predict(outputs, batch)
+    return metric.compute(), records
+
+
+def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
+    """Train, validate every epoch, test the best model; returns the final metrics."""
+    seed_everything(config.seed)
+    manifest = read_manifest(Path(config.data.shards))
+    layout = TensorLayout(tuple(manifest["ct_shape"]), tuple(manifest["endoscopy_shape"]), tuple(manifest["lab_names"]))
+    task = build_task(config.task, **config.task_options)
+    task.prepare(_train_rows(Path(config.data.shards), task))  # fitted on the training split only
+    encoder = build_encoder(config.model, config.schema)
+    model = TaskModel(encoder, task.build_head(encoder.dim, encoder.tokenizer), task, config.schema).to(ctx.device)
+    groups = param_groups(
+        model, config.optimiser.lr, config.optimiser.weight_decay, config.optimiser.text_lr_multiplier
+    )
+    optimiser = torch.optim.AdamW(groups)
+    per_rank = math.ceil(manifest["rows"]["train"] / ctx.world_size)
+    steps_per_epoch = math.ceil(per_rank / (config.data.batch_size * config.data.grad_accum))
+    if config.schedule.max_steps_per_epoch:
+        steps_per_epoch = min(steps_per_epoch, config.schedule.max_steps_per_epoch)
+    total_steps = max(1, steps_per_epoch * config.schedule.epochs)
+    scheduler = get_linear_schedule_with_warmup(
+        optimiser, math.ceil(config.schedule.warmup_fraction * total_steps), total_steps
+    )
+    train_model = DistributedDataParallel(model, find_unused_parameters=True) if ctx.world_size > 1 else model
+
+    start_epoch, best = 0, {"score": -math.inf, "epoch": -1, "state": None}
+    if ctx.latest_checkpoint is not None:
+        with ctx.latest_checkpoint.as_directory() as folder:
+            state = torch.load(Path(folder) / CHECKPOINT_FILE, map_location="cpu", weights_only=False)
+        model.load_state_dict(state["model"])
+        optimiser.load_state_dict(state["optimiser"])
+        scheduler.load_state_dict(state["scheduler"])
+        start_epoch, best = state["epoch"] + 1, state["best"]
+
+    sign = 1.0 if task.mode == "max" else -1.0
+    metrics: dict[str, float] = {}
+    for epoch in range(start_epoch, config.schedule.epochs):
+        started = time.perf_counter()
+        model.train()
+        losses = []
+        seed = config.seed * 1000 + epoch
+        for step, batch in enumerate(
+            batches(ctx.data["train"], layout, config.data.batch_size, config.data.shuffle_buffer, seed)
+        ):
+            if step >= steps_per_epoch * config.data.grad_accum:
+                break
+            with autocast(config, ctx.device):
+                loss = task.loss(train_model(batch), batch) / config.data.grad_accum
+            loss.backward()
+            losses.append(loss.item() * config.data.grad_accum)
+            if (step + 1) % config.data.grad_accum == 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimiser.grad_clip)
+                optimiser.step()
+                scheduler.step()
+                optimiser.zero_grad(set_to_none=True)
+        val, _ = evaluate(model, task, ctx.data["val"], layout, config, ctx.device)
+        score = sign * val[task.primary_metric]
+        if score > best["score"] or best["state"] is None:
+            best = {"score": score, "epoch": epoch, "state": copy.deepcopy(model.state_dict())}
+        metrics = {
+            "epoch": epoch,
+            "train_loss": float(np.mean(losses)) if losses else math.nan,
+            "lr": scheduler.get_last_lr()[0],
+            "epoch_seconds": time.perf_counter() - started,
+            **{f"val_{k}": v for k, v in val.items()},
+            "val_primary": val[task.primary_metric],
+            "best_val_primary": sign * best["score"],
+        }
+        if ctx.tracker:
+            ctx.tracker.log_metrics(metrics, step=epoch)
+        last = epoch == config.schedule.epochs - 1
+        if last:
+            model.load_state_dict(best["state"])
+            test, records = evaluate(model, task, ctx.data["test"], layout, config, ctx.device)
+            metrics.update({f"test_{k}": v for k, v in test.items()}, test_primary=test[task.primary_metric])
+            metrics["best_epoch"] = best["epoch"]
+            if ctx.tracker:
+                ctx.tracker.log_metrics({k: v for k, v in metrics.items() if k.startswith("test_")}, step=epoch)
+                ctx.tracker.log_predictions(records, task)
+        _report(ctx, metrics, model, optimiser, scheduler, epoch, best)
+    return metrics
+
+
+def _report(ctx: WorkerContext, metrics: dict, model, optimiser, scheduler, epoch: int, best: dict) -> None:
+    """Report the epoch with a checkpoint holding the latest state and the best weights so far."""
+    from ray.train import Checkpoint
+
+    if ctx.rank != 0:
+        ctx.report(metrics, checkpoint=None)
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        state = {
+            "model": model.state_dict(),
+            "optimiser": optimiser.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "epoch": epoch,
+            "best": best,
+        }
+        torch.save(state, Path(folder) / CHECKPOINT_FILE)
+        (Path(folder) / "metrics.json").write_text(json.dumps(metrics, default=float), encoding="utf-8")
+        ctx.report(metrics, checkpoint=Checkpoint.from_directory(folder))
+
+
+def _train_rows(shard_dir: Path, task: Any) -> list[dict]:
+    """The training split's rows, the columns the task learns from (e.g. VQA answers), read with pyarrow alone."""
+    columns = list(getattr(task, "prepare_columns", ()))
+    if not columns:
+        return []
+    return [row for f in split_files(shard_dir, "train") for row in pq.read_table(f, columns=columns).to_pylist()]
