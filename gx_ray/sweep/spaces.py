@@ -1,0 +1,246 @@
+"""Search spaces: `search_spaces/<name>.yaml` → a validated :class:`SearchSpace` → a Ray Tune param space.
+
+A space file is data::
+
+    description: what the sweep answers
+    fixed:    {dotted.key: value}                  # every trial
+    grid:     {dotted.key: [values]}               # Tune's grid: every combination (seeds are an axis)
+    sample:   {dotted.key: {type: loguniform, low: 1e-5, high: 1e-3}}   # Optuna samples these
+    searcher: grid | optuna                        # optuna: TPE, multi-objective when `metric` lists several
+    scheduler: none | asha
+    metric:   primary | <metric name> | [names]    # per task: its primary metric unless named
+    budget:   {samples: 1, time_s: null}           # samples per grid cell (grid) or in total (optuna)
+    resources: {workers: 1, cpus_per_worker: 1, gpus_per_worker: 0}
+    overrides:                                     # settings that depend on others, applied to each trial
+      - {when: {task: lesion_detection}, set: {schema.box_levels: [lymph_nodes, stomach]}}
+    presets:  {demo: {...}, smoke: {...}}          # overlays of the keys above, merged in order
+
+Keys are the dotted keys of :class:`~gx_ray.train.config.TrialConfig`. Every error names the file, the key and
+the valid choices, and is raised before Ray starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gx_ray.schema import TASKS
+from gx_ray.train.config import TrialConfig, valid_keys
+
+SPACES_DIR = Path(__file__).resolve().parents[2] / "search_spaces"
+TOP_LEVEL_KEYS = (
+    "description",
+    "fixed",
+    "grid",
+    "sample",
+    "overrides",
+    "searcher",
+    "scheduler",
+    "metric",
+    "budget",
+    "resources",
+    "presets",
+)
+SEARCHERS = ("grid", "optuna")
+SCHEDULERS = ("none", "asha")
+DISTRIBUTIONS = {
+    "uniform": ("low", "high"),
+    "loguniform": ("low", "high"),
+    "int": ("low", "high"),
+    "categorical": ("choices",),
+}
+
+
+class SpaceError(ValueError):
+    def __init__(self, path: Path | str, key: str, message: str):
+        self.path, self.key = path, key
+        super().__init__(f"{path}: {key}: {message}")
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    name: str
+    path: Path
+    description: str
+    fixed: dict[str, Any]
+    grid: dict[str, list[Any]]
+    sample: dict[str, dict[str, Any]]
+    searcher: str
+    scheduler: str
+    metric: str | list[str]
+    samples: int
+    time_s: float | None
+    workers: int
+    cpus_per_worker: float
+    gpus_per_worker: float
+    overrides: list[dict[str, dict[str, Any]]] = field(default_factory=list)
+    presets_applied: tuple[str, ...] = field(default_factory=tuple)
+
+    def resolve(self, chosen: dict[str, Any]) -> dict[str, Any]:
+        """A trial's flat config: the fixed values, the chosen grid/sampled values, then matching overrides."""
+        flat = {**self.fixed, **chosen}
+        for rule in self.overrides:
+            if all(flat.get(k) == v for k, v in rule["when"].items()):
+                flat.update(rule["set"])
+        return flat
+
+    @property
+    def multi_objective(self) -> bool:
+        return isinstance(self.metric, list) and len(self.metric) > 1
+
+    def cells(self) -> list[dict[str, Any]]:
+        """Every grid combination (one dict of dotted key → value per cell)."""
+        keys = list(self.grid)
+        return [dict(zip(keys, values, strict=True)) for values in itertools.product(*self.grid.values())]
+
+    def trial_count(self) -> int:
+        return len(self.cells()) * self.samples if self.searcher == "grid" else self.samples
+
+
+def space_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return path
+    path = SPACES_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        names = sorted(p.stem for p in SPACES_DIR.glob("*.yaml"))
+        raise SpaceError(name_or_path, "space", f"no such search space; valid: {', '.join(names)}")
+    return path
+
+
+def load_space(name_or_path: str, presets: tuple[str, ...] = ()) -> SearchSpace:
+    """Read, overlay the presets (in order) and validate a space; every trial config is built once to check it."""
+    path = space_path(name_or_path)
+    try:
+        document = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as err:
+        raise SpaceError(path, "yaml", f"not valid YAML: {err}") from err
+    if not isinstance(document, dict):
+        raise SpaceError(path, "top level", "expected a mapping")
+    _check_keys(path, "top level", document, TOP_LEVEL_KEYS)
+    available = document.pop("presets", None) or {}
+    for preset in presets:
+        if preset not in available:
+            raise SpaceError(path, "presets", f"no preset {preset!r}; valid: {', '.join(available) or 'none'}")
+        _check_keys(path, f"presets.{preset}", available[preset], TOP_LEVEL_KEYS)
+        document = _overlay(document, available[preset])
+    space = _parse(path, document, presets)
+    _validate_trials(space)
+    return space
+
+
+def _overlay(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for key, value in overlay.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged
+
+
+def _check_keys(path: Path, where: str, mapping: Any, valid: tuple[str, ...]) -> None:
+    if not isinstance(mapping, dict):
+        raise SpaceError(path, where, "expected a mapping")
+    for key in mapping:
+        if key not in valid:
+            raise SpaceError(
+                path, f"{where}.{key}" if where != "top level" else key, f"unknown key; valid: {', '.join(valid)}"
+            )
+
+
+def _check_config_key(path: Path, section: str, key: str) -> None:
+    keys = valid_keys()
+    if key not in keys and not key.startswith("task_options."):
+        raise SpaceError(path, f"{section}.{key}", f"not a trial config key; valid: {', '.join(keys)}")
+
+
+def _parse(path: Path, doc: dict[str, Any], presets: tuple[str, ...]) -> SearchSpace:
+    fixed, grid, sample = doc.get("fixed") or {}, doc.get("grid") or {}, doc.get("sample") or {}
+    for section, mapping in (("fixed", fixed), ("grid", grid), ("sample", sample)):
+        if not isinstance(mapping, dict):
+            raise SpaceError(path, section, "expected a mapping of trial config keys")
+        for key in mapping:
+            _check_config_key(path, section, key)
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise SpaceError(path, f"grid.{key}", "a grid axis is a non-empty list of values")
+    for key, spec in sample.items():
+        if not isinstance(spec, dict) or spec.get("type") not in DISTRIBUTIONS:
+            raise SpaceError(path, f"sample.{key}", f"needs a type; valid: {', '.join(DISTRIBUTIONS)}")
+        missing = [p for p in DISTRIBUTIONS[spec["type"]] if p not in spec]
+        if missing:
+            raise SpaceError(path, f"sample.{key}", f"a {spec['type']} distribution needs {', '.join(missing)}")
+    overlap = (set(fixed) & set(grid)) | (set(fixed) & set(sample)) | (set(grid) & set(sample))
+    if overlap:
+        raise SpaceError(path, sorted(overlap)[0], "set in more than one of fixed, grid and sample")
+    searcher, scheduler = doc.get("searcher", "grid"), doc.get("scheduler", "none")
+    if searcher not in SEARCHERS:
+        raise SpaceError(path, "searcher", f"unknown searcher {searcher!r}; valid: {', '.join(SEARCHERS)}")
+    if scheduler not in SCHEDULERS:
+        raise SpaceError(path, "scheduler", f"unknown scheduler {scheduler!r}; valid: {', '.join(SCHEDULERS)}")
+    if searcher == "grid" and sample:
+        raise SpaceError(path, "sample", "sampled parameters need searcher: optuna")
+    if searcher == "optuna" and grid:
+        # OptunaSearch cannot take Tune's grid_search (DESIGN.md); factorial axes belong to a grid space
+        raise SpaceError(path, "grid", "searcher optuna takes no grid axes: put them in `sample` as categorical")
+    if "task" not in fixed and "task" not in grid and "task" not in sample:
+        raise SpaceError(path, "task", f"every space sets the task (fixed, grid or sample); valid: {', '.join(TASKS)}")
+    overrides = doc.get("overrides") or []
+    if not isinstance(overrides, list):
+        raise SpaceError(path, "overrides", "expected a list of {when: {...}, set: {...}}")
+    for i, rule in enumerate(overrides):
+        _check_keys(path, f"overrides[{i}]", rule, ("when", "set"))
+        for part in ("when", "set"):
+            if not isinstance(rule.get(part), dict) or not rule[part]:
+                raise SpaceError(path, f"overrides[{i}].{part}", "expected a non-empty mapping of trial config keys")
+            for key in rule[part]:
+                _check_config_key(path, f"overrides[{i}].{part}", key)
+    metric = doc.get("metric", "primary")
+    budget = doc.get("budget") or {}
+    _check_keys(path, "budget", budget, ("samples", "time_s"))
+    resources = doc.get("resources") or {}
+    _check_keys(path, "resources", resources, ("workers", "cpus_per_worker", "gpus_per_worker"))
+    if isinstance(metric, list) and len(metric) > 1 and scheduler != "none":
+        raise SpaceError(
+            path, "scheduler", "a multi-objective search takes no scheduler (each scheduler takes one metric)"
+        )
+    return SearchSpace(
+        name=path.stem,
+        path=path,
+        description=str(doc.get("description", "")),
+        fixed=fixed,
+        grid=grid,
+        sample=sample,
+        searcher=searcher,
+        scheduler=scheduler,
+        metric=metric,
+        samples=int(budget.get("samples", 1)),
+        time_s=budget.get("time_s"),
+        workers=int(resources.get("workers", 1)),
+        cpus_per_worker=float(resources.get("cpus_per_worker", 1)),
+        gpus_per_worker=float(resources.get("gpus_per_worker", 0)),
+        overrides=overrides,
+        presets_applied=tuple(presets),
+    )
+
+
+def _validate_trials(space: SearchSpace) -> None:
+    """Build the trial config of every grid cell (sampled keys at a valid value): bad names and leaks fail here."""
+    probe = {key: _probe_value(spec) for key, spec in space.sample.items()}
+    for cell in space.cells():
+        flat = space.resolve({**probe, **cell})
+        try:
+            TrialConfig.from_flat(flat)
+        except ValueError as err:
+            where = ", ".join(f"{k}={v}" for k, v in cell.items()) or "fixed"
+            raise SpaceError(space.path, where, str(err)) from err
+
+
+def _probe_value(spec: dict[str, Any]) -> Any:
+    return spec["choices"][0] if spec["type"] == "categorical" else spec["low"]
