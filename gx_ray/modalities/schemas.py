@@ -67,6 +67,9 @@ def _check_choices(key: str, values: tuple[str, ...], valid: tuple[str, ...]) ->
     unknown = [v for v in values if v not in valid]
     if unknown:
         raise ValueError(f"unknown {key} {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:
+        raise ValueError(f"{key} lists {', '.join(map(repr, repeated))} more than once")
 
 
 PRESETS: dict[str, ModalitySchema] = {
@@ -76,6 +79,9 @@ PRESETS: dict[str, ModalitySchema] = {
     "image_table_bbox": ModalitySchema("image_table_bbox", table="text", boxes="overlay"),
 }
 """The paper's four input settings (Sec. 5), in its column order."""
+
+
+_TUPLE_FIELDS = ("phases", "box_levels", "reports", "table_variables")
 
 
 def resolve_schema(spec: str | dict[str, Any] | ModalitySchema) -> ModalitySchema:
@@ -90,7 +96,11 @@ def resolve_schema(spec: str | dict[str, Any] | ModalitySchema) -> ModalitySchem
     unknown = sorted(set(spec) - known)
     if unknown:
         raise ValueError(f"unknown modality schema keys {unknown}; valid: {', '.join(sorted(known))}")
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.items()}
+    # YAML gives lists; a lone string for a tuple field (`phases: venous`) means a one-item tuple
+    values = {
+        k: (v,) if isinstance(v, str) and k in _TUPLE_FIELDS else tuple(v) if isinstance(v, list) else v
+        for k, v in spec.items()
+    }
     return ModalitySchema(**{"name": "custom", **values})
 
 

@@ -28,9 +28,11 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import get_linear_schedule_with_warmup
 
 from gx_ray.data.shards import BatchCollate, TensorLayout, read_manifest, split_files
+from gx_ray.data.splits import SPLITS
 from gx_ray.models.registry import build_encoder, param_groups
 from gx_ray.tasks import TaskModel, build_task
 from gx_ray.train.config import TrialConfig
+from gx_ray.train.tracker import TrialTracker
 
 CHECKPOINT_FILE = "state.pt"
 
@@ -109,7 +111,10 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
     scheduler = get_linear_schedule_with_warmup(
         optimiser, math.ceil(config.schedule.warmup_fraction * total_steps), total_steps
     )
-    train_model = DistributedDataParallel(model, find_unused_parameters=True) if ctx.world_size > 1 else model
+    train_model = model
+    if ctx.world_size > 1:  # Ray Train has set up the process group
+        device_ids = [ctx.device] if ctx.device.type == "cuda" else None
+        train_model = DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=True)
 
     start_epoch, best = 0, {"score": -math.inf, "epoch": -1, "state": None}
     if ctx.latest_checkpoint is not None:
@@ -195,3 +200,25 @@ def _train_rows(shard_dir: Path, task: Any) -> list[dict]:
     if not columns:
         return []
     return [row for f in split_files(shard_dir, "train") for row in pq.read_table(f, columns=columns).to_pylist()]
+
+
+def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    """Ray Train's entry point (one call per DDP rank): the same loop, fed by this rank's dataset shards."""
+    import ray.train
+    import ray.train.torch
+
+    config = TrialConfig.from_flat(loop_config["trial"])
+    context = ray.train.get_context()
+    rank = context.get_world_rank()
+    data = {split: ray.train.get_dataset_shard(split) for split in SPLITS}
+    tracker = TrialTracker(loop_config["tracking_uri"], loop_config["run_id"]) if rank == 0 else None
+    worker = WorkerContext(
+        rank,
+        context.get_world_size(),
+        ray.train.torch.get_device(),
+        data,
+        ray.train.report,
+        ray.train.get_checkpoint(),
+        tracker,
+    )
+    run_loop(config, worker)

