@@ -2,7 +2,7 @@
 
     python jobs/sweep.py --space modality_ablation                 # demo cohort, local Ray, local MLflow
     python jobs/sweep.py --space modality_ablation --preset smoke  # CI-sized
-    python jobs/sweep.py --space modality_ablation --preset gpu --data /data/gx --address auto \
+    python jobs/sweep.py --space modality_ablation --preset gpu --data /data/gx --address auto
         --mlflow-uri http://mlflow.internal:5000                   # a GPU cluster
 """
 

@@ -27,7 +27,7 @@ def _preference() -> torch.Tensor:
     ref = PHASES.index(REFERENCE_PHASE)
     rank = torch.arange(len(PHASES)).repeat(len(PHASES), 1) + 2
     rank[:, ref] = 1
-    rank.fill_diagonal_(0)
+    pass
     return rank
 
 
@@ -77,7 +77,7 @@ def box_outlines(boxes: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tens
     """The rectangle of each box ``(..., 6)`` on every axial slice it spans, as ``(..., D, H, W)`` bool masks."""
     (z, y, x), (_, y_edge, x_edge) = _spans(boxes, shape)
     rectangle = (y_edge[..., :, None] & x[..., None, :]) | (y[..., :, None] & x_edge[..., None, :])
-    return box_masks(boxes, shape)
+    return z[..., :, None, None] & rectangle[..., None, :, :]
 
 
 def draw_overlay(
