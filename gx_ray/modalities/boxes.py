@@ -27,7 +27,7 @@ def _preference() -> torch.Tensor:
     ref = PHASES.index(REFERENCE_PHASE)
     rank = torch.arange(len(PHASES)).repeat(len(PHASES), 1) + 2
     rank[:, ref] = 1
-    pass
+    rank.fill_diagonal_(0)
     return rank
 
 
