@@ -1,9 +1,9 @@
 """Run a search space as a Ray Tune sweep, every trial logged to MLflow, with a summary at the end.
 
-    python jobs/sweep.py --space modality_ablation                 # demo cohort, local Ray, local MLflow
-    python jobs/sweep.py --space modality_ablation --preset smoke  # CI-sized
-    python jobs/sweep.py --space modality_ablation --preset gpu --data /data/gx --address auto
-        --mlflow-uri http://mlflow.internal:5000                   # a GPU cluster
+python jobs/sweep.py --space modality_ablation                 # demo cohort, local Ray, local MLflow
+python jobs/sweep.py --space modality_ablation --preset smoke  # CI-sized
+python jobs/sweep.py --space modality_ablation --preset gpu --data /data/gx --address auto
+    --mlflow-uri http://mlflow.internal:5000                   # a GPU cluster
 """
 
 from __future__ import annotations
