@@ -30,7 +30,7 @@ from gx_ray.data.preprocess import PreprocessConfig
 from gx_ray.data.shards import read_manifest, read_split
 from gx_ray.data.splits import SPLITS
 from gx_ray.runtime import init_ray
-from gx_ray.sweep.spaces import SearchSpace, load_space
+from gx_ray.sweep.spaces import SearchSpace, available_presets, load_space
 from gx_ray.sweep.tracking import LocalMlflowServer, child_run, parent_run
 from gx_ray.train.config import TrialConfig
 from gx_ray.train.loop import WorkerContext, run_loop, train_loop_per_worker
@@ -194,7 +194,11 @@ def _trial_name(trial: Any) -> str:
 def run_sweep(options: SweepOptions) -> SweepResult:
     """Run (or resume) a sweep; writes ``OUTPUT/sweep.json`` and prints a summary table."""
     started = time.perf_counter()
-    space = load_space(options.space, options.presets)  # a malformed space fails here, before Ray starts
+    # on the built-in demo cohort a space's "demo" preset (CPU-sized models) comes first, when it has one
+    presets = options.presets
+    if options.data is None and "demo" not in presets and "demo" in available_presets(options.space):
+        presets = ("demo", *presets)
+    space = load_space(options.space, presets)  # a malformed space fails here, before Ray starts
     init_ray(options.address)
     timings: dict[str, float] = {}
     shards = _shard_dir(options)

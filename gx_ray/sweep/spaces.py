@@ -113,6 +113,11 @@ def space_path(name_or_path: str) -> Path:
     return path
 
 
+def available_presets(name_or_path: str) -> tuple[str, ...]:
+    document = yaml.safe_load(space_path(name_or_path).read_text(encoding="utf-8")) or {}
+    return tuple((document.get("presets") or {}) if isinstance(document, dict) else ())
+
+
 def load_space(name_or_path: str, presets: tuple[str, ...] = ()) -> SearchSpace:
     """Read, overlay the presets (in order) and validate a space; every trial config is built once to check it."""
     path = space_path(name_or_path)

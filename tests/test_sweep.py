@@ -1,0 +1,193 @@
+"""The sweep end to end: search-space validation, the smoke modality ablation into a real MLflow server, a failing
+trial, and an interrupted sweep resumed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from gx_ray.schema import TASKS
+from gx_ray.sweep.driver import EXPERIMENT, SweepOptions, run_sweep
+from gx_ray.sweep.spaces import SpaceError, load_space
+from gx_ray.sweep.tracking import TRIAL_TAG, LocalMlflowServer
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMAS = ("image_only", "image_table", "image_bbox", "image_table_bbox")
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    with LocalMlflowServer(tmp_path_factory.mktemp("mlflow")) as server:
+        yield server
+
+
+def _children(uri: str, sweep_id: str) -> list:
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    runs = client.search_runs([experiment.experiment_id], filter_string=f"tags.`gx_ray.sweep_id` = '{sweep_id}'")
+    return [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+
+
+# --- validation, before Ray -------------------------------------------------------------------------------
+
+
+def _space(tmp_path: Path, **changes) -> Path:
+    document = yaml.safe_load((ROOT / "search_spaces" / "modality_ablation.yaml").read_text(encoding="utf-8"))
+    for key, value in changes.items():
+        section, _, name = key.partition("__")
+        if name:
+            document.setdefault(section, {})[name.replace("_DOT_", ".")] = value
+        else:
+            document[section] = value
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(document), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize(
+    "changes, key, hint",
+    [
+        ({"searcher": "random"}, "searcher", "valid: grid, optuna"),
+        ({"fixed__model_DOT_vision": "vit"}, "vision model 'vit'", "valid: swin3d"),
+        ({"grid__schema": ["image_only", "image_and_everything"]}, "schema=image_and_everything", "valid presets"),
+        ({"fixed__optimiser_DOT_learning_rate": 0.1}, "fixed.optimiser.learning_rate", "not a trial config key"),
+        ({"overrides": []}, "task=lesion_detection", "box_cues_in_detection"),
+        ({"colour": "blue"}, "colour", "unknown key"),
+    ],
+    ids=["searcher", "model-name", "schema-name", "config-key", "leak", "top-level"],
+)
+def test_malformed_space_names_file_key_and_choices(tmp_path, changes, key, hint):
+    path = _space(tmp_path, **changes)
+    with pytest.raises(SpaceError) as info:
+        load_space(str(path))
+    assert str(path) in str(info.value) and key in str(info.value) and hint in str(info.value)
+
+
+def test_malformed_space_fails_before_ray_starts(tmp_path):
+    path = _space(tmp_path, searcher="random")
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "jobs" / "sweep.py"), "--space", str(path), "--output", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "searcher" in result.stderr and "valid: grid, optuna" in result.stderr
+    assert "Ray" not in result.stderr and not (tmp_path / "ray").exists()
+    assert time.monotonic() - started < 60
+
+
+def test_every_shipped_space_and_preset_is_valid():
+    for path in sorted((ROOT / "search_spaces").glob("*.yaml")):
+        for presets in ((), ("demo",), ("demo", "smoke"), ("gpu",)):
+            space = load_space(path.stem, presets)
+            assert space.trial_count() >= 1, (path, presets)
+
+
+# --- the smoke modality ablation, end to end --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smoke_sweep(ray_cluster, demo_prepared, mlflow_server, tmp_path_factory):
+    options = SweepOptions(
+        space="modality_ablation",
+        output=tmp_path_factory.mktemp("sweeps"),
+        data=demo_prepared.shard_dir,
+        mlflow_uri=mlflow_server.uri,
+        presets=("demo", "smoke"),
+    )
+    return run_sweep(options)
+
+
+def test_smoke_ablation_runs_all_20_cells(smoke_sweep):
+    assert (smoke_sweep.finished, smoke_sweep.failed) == (20, 0)
+    cells = {(b["task"], b["schema"]) for b in smoke_sweep.best}
+    assert cells == {(t, s) for t in TASKS for s in SCHEMAS}
+    assert all(b["best_test"] is not None for b in smoke_sweep.best)
+    assert (smoke_sweep.output / "sweep.json").is_file()
+
+
+def test_mlflow_holds_one_parent_and_a_child_per_trial_with_metrics(smoke_sweep, mlflow_server):
+    client = MlflowClient(mlflow_server.uri)
+    parent = client.get_run(smoke_sweep.parent_run_id)
+    assert parent.info.status == "FINISHED" and parent.data.tags["gx_ray.sweep_id"] == smoke_sweep.sweep_id
+    children = _children(mlflow_server.uri, smoke_sweep.sweep_id)
+    assert len(children) == 20 and len({c.data.tags[TRIAL_TAG] for c in children}) == 20
+    for child in children:
+        assert child.data.tags["mlflow.parentRunId"] == smoke_sweep.parent_run_id
+        assert {"task", "schema", "seed"} <= set(child.data.tags) and child.info.status == "FINISHED"
+        assert child.data.params["optimiser.lr"] and child.data.params["schema"] == child.data.tags["schema"]
+        assert "val_primary" in child.data.metrics and "test_primary" in child.data.metrics
+        artifacts = {a.path for a in client.list_artifacts(child.info.run_id, "predictions")}
+        assert "predictions/test_sample.json" in artifacts
+
+
+# --- failures and resume ----------------------------------------------------------------------------------
+
+
+def _small_space(tmp_path: Path, vision_kwargs: list) -> Path:
+    document = {
+        "description": "two stage-classification trials",
+        "fixed": {
+            "task": "stage_classification",
+            "model.vision": "resnet18_3d",
+            "model.text": "bert_tiny",
+            "model.hidden": 32,
+            "optimiser.lr": 1.0e-3,
+            "schedule.epochs": 1,
+            "schedule.max_steps_per_epoch": 1,
+            "data.batch_size": 4,
+        },
+        "grid": {"model.vision_kwargs": vision_kwargs, "seed": [0, 1]},
+    }
+    path = tmp_path / "small.yaml"
+    path.write_text(yaml.safe_dump(document), encoding="utf-8")
+    return path
+
+
+def test_a_failing_trial_is_reported_and_the_others_finish(ray_cluster, demo_prepared, mlflow_server, tmp_path):
+    # three block widths where MONAI's ResNet needs four: the model fails to build inside the trial
+    path = _small_space(tmp_path, [{"block_inplanes": [8, 16, 32, 64]}, {"block_inplanes": [8, 16, 32]}])
+    options = SweepOptions(space=str(path), output=tmp_path, data=demo_prepared.shard_dir, mlflow_uri=mlflow_server.uri)
+    result = run_sweep(options)
+    assert (result.finished, result.failed) == (2, 2)
+    statuses = sorted(c.info.status for c in _children(mlflow_server.uri, result.sweep_id))
+    assert statuses == ["FAILED", "FAILED", "FINISHED", "FINISHED"]
+
+
+def test_interrupted_sweep_resumes_without_duplicates_or_gaps(demo_prepared, mlflow_server, tmp_path):
+    path = _small_space(tmp_path, [{"block_inplanes": [8, 16, 32, 64]}, {"block_inplanes": [4, 8, 16, 32]}])
+    command = [
+        sys.executable, str(ROOT / "jobs" / "sweep.py"), "--space", str(path), "--output", str(tmp_path / "out"),
+        "--data", str(demo_prepared.shard_dir), "--mlflow-uri", mlflow_server.uri, "--max-concurrent", "1",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 300
+    sweep_id = None
+    while time.monotonic() < deadline and process.poll() is None:
+        runs = MlflowClient(mlflow_server.uri).search_runs(
+            [MlflowClient(mlflow_server.uri).get_experiment_by_name(EXPERIMENT).experiment_id],
+            filter_string="tags.`gx_ray.kind` = 'sweep' and attributes.run_name LIKE 'small-%'",
+        )
+        if runs:
+            sweep_id = runs[0].data.tags["gx_ray.sweep_id"]
+            if sum(c.info.status == "FINISHED" for c in _children(mlflow_server.uri, sweep_id)) >= 1:
+                break
+        time.sleep(1)
+    assert sweep_id is not None and process.poll() is None, process.stdout.read().decode()[-3000:]
+    os.killpg(process.pid, signal.SIGINT)  # Ctrl-C: Tune saves the experiment state and stops
+    process.wait(timeout=120)
+    resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    children = _children(mlflow_server.uri, sweep_id)
+    trial_ids = [c.data.tags[TRIAL_TAG] for c in children]
+    assert len(trial_ids) == len(set(trial_ids)) == 4, "a trial was repeated or lost"
+    assert all(c.info.status == "FINISHED" for c in children)
