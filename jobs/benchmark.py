@@ -1,6 +1,8 @@
 """Benchmarks, measured as ratios within one run on one machine.
 
 python jobs/benchmark.py ingest [--cpus 4] [--consumers 1]     # preprocessing and the Ray Data stream
+python jobs/benchmark.py model --model swin3d --shape 4,64,128,128 --batch 8 [--steps 10] [--amp bf16|off]
+                                                               # training samples/s: registry model vs raw MONAI
 """
 
 from __future__ import annotations
@@ -10,6 +12,16 @@ import sys
 from pathlib import Path
 
 from gx_ray.data.ingest_benchmark import IngestBenchmarkConfig, format_ingest_result, run_ingest_benchmark
+from gx_ray.models.benchmark import AMP_MODES, ModelBenchmarkConfig, format_model_result, run_model_benchmark
+from gx_ray.models.fusion import FUSIONS
+from gx_ray.models.vision import VISION_ENCODERS
+
+
+def shape(text: str) -> tuple[int, int, int, int]:
+    sizes = tuple(int(s) for s in text.split(","))
+    if len(sizes) != 4:
+        raise argparse.ArgumentTypeError(f"--shape takes C,D,H,W; got {text!r}")
+    return sizes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,6 +37,16 @@ def main(argv: list[str] | None = None) -> int:
     ingest.add_argument("--epochs", type=int, default=IngestBenchmarkConfig.epochs)
     ingest.add_argument("--cpus", type=int, help="CPUs for the local Ray cluster (default: all)")
     ingest.add_argument("--codec", default="lz4", choices=["zstd", "lz4", "none"], help="Parquet codec of the stream")
+    model = commands.add_parser("model", help="training samples/s and peak memory: registry model vs raw MONAI")
+    model.add_argument("--model", required=True, choices=list(VISION_ENCODERS))
+    model.add_argument("--shape", required=True, type=shape, help="one sample's C,D,H,W, e.g. 4,64,128,128")
+    model.add_argument("--batch", required=True, type=int)
+    model.add_argument("--steps", type=int, default=ModelBenchmarkConfig.steps, help="timed steps")
+    model.add_argument("--warmup", type=int, default=ModelBenchmarkConfig.warmup, help="untimed steps first")
+    model.add_argument("--amp", default=ModelBenchmarkConfig.amp, choices=AMP_MODES)
+    model.add_argument("--fusion", default=ModelBenchmarkConfig.fusion, choices=list(FUSIONS))
+    model.add_argument("--gradient-checkpointing", action="store_true", help="swin3d only")
+    model.add_argument("--device", help="default: cuda when available, else cpu")
     args = parser.parse_args(argv)
 
     if args.command == "ingest":
@@ -39,6 +61,18 @@ def main(argv: list[str] | None = None) -> int:
             codec=args.codec,
         )
         print(format_ingest_result(run_ingest_benchmark(args.out, config)))
+    elif args.command == "model":
+        config = ModelBenchmarkConfig(
+            model=args.model,
+            shape=args.shape,
+            batch=args.batch,
+            steps=args.steps,
+            warmup=args.warmup,
+            amp=args.amp,
+            fusion=args.fusion,
+            gradient_checkpointing=args.gradient_checkpointing,
+        )
+        print(format_model_result(run_model_benchmark(config, args.device)))
     return 0
 
 

@@ -3,7 +3,7 @@
 from gx_ray.models.encoded import Encoded
 from gx_ray.models.fusion import FUSIONS
 from gx_ray.models.lora import LoraSettings
-from gx_ray.models.registry import ModelConfig, MultimodalEncoder, build_encoder, input_channels, param_groups
+from gx_ray.models.registry import ModelConfig, MultimodalEncoder, build_encoder, param_groups
 from gx_ray.models.text import TEXT_ENCODERS
 from gx_ray.models.vision import ENDOSCOPY_ENCODERS, VISION_ENCODERS
 
@@ -17,6 +17,5 @@ __all__ = [
     "ModelConfig",
     "MultimodalEncoder",
     "build_encoder",
-    "input_channels",
     "param_groups",
 ]

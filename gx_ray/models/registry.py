@@ -14,8 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gx_ray.modalities.inputs import ModelInputs
-from gx_ray.modalities.schemas import ModalitySchema
+from gx_ray.modalities import ModalitySchema, ModelInputs, input_channels, table_width
 from gx_ray.models.encoded import Encoded
 from gx_ray.models.fusion import FUSIONS, build_fusion, mlp
 from gx_ray.models.lora import LoraSettings, apply_lora
@@ -31,8 +30,6 @@ class ModelConfig:
     hidden: int = 256
     endoscopy: str = "resnet18_2d"
     lora: LoraSettings | None = None
-    text_lr_multiplier: float = 2.0
-    """The paper trains the text encoder at twice the visual learning rate (Sec. 5)."""
     vision_kwargs: dict[str, Any] = field(default_factory=dict)
     """E.g. swin3d: ``feature_size``, ``depths``, ``num_heads``, ``window_size``; multichannel2d: ``slices``."""
     text_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -61,12 +58,6 @@ class ModelConfig:
         return cls(**values)
 
 
-def input_channels(schema: ModalitySchema) -> int:
-    """CT channels a schema gives: its phases, then one mask per box level when boxes are channels."""
-    # Mirrors ModelInputs' channel layout; to be replaced by gx_ray.modalities.input_channels once it exists.
-    return len(schema.phases) + (len(schema.box_levels) if schema.boxes == "channels" else 0)
-
-
 class MultimodalEncoder(nn.Module):
     """CT encoder (+ endoscopy encoder, + lab-table MLP) and text encoder, fused into one :class:`Encoded`."""
 
@@ -88,7 +79,7 @@ class MultimodalEncoder(nn.Module):
         if schema.endoscopy:
             encoder = build_endoscopy_encoder(config.endoscopy)
             self.endoscopy = nn.Sequential(encoder, nn.Linear(encoder.dim, config.hidden))
-        self.table = mlp(2 * len(schema.variables()), config.hidden) if schema.table == "numeric" else None
+        self.table = mlp(table_width(schema), config.hidden) if table_width(schema) else None
         self.fusion = build_fusion(
             config.fusion,
             config.hidden,
@@ -117,9 +108,12 @@ class MultimodalEncoder(nn.Module):
         endoscopy = None if self.endoscopy is None else self.endoscopy(inputs.endoscopy)
         # Missing lab values must never turn into NaN features.
         table = None if self.table is None else self.table(torch.nan_to_num(inputs.table))
-        parts = [self.text_tokens(t) for t in (inputs.text if self.schema.has_text else None, query) if t is not None]
-        text = torch.cat([p[0] for p in parts], 1) if parts else None
-        text_mask = torch.cat([p[1] for p in parts], 1) if parts else None
+        # Context tokens, then query tokens; with neither, the text encoder is not run at all.
+        texts = [t for t in (inputs.text if self.schema.has_text else None, query) if t is not None]
+        text = text_mask = None
+        if texts:
+            tokens, masks = zip(*(self.text_tokens(t) for t in texts), strict=True)
+            text, text_mask = torch.cat(tokens, 1), torch.cat(masks, 1)
         return self.fusion(maps, text, text_mask, endoscopy=endoscopy, table=table)
 
     def _check(self, inputs: ModelInputs, query: list[str] | None) -> None:

@@ -113,13 +113,14 @@ class MultiChannel2d(nn.Module):
         self.backbone = ResNet(**self.backbone_arguments)
         self.channels = [w * self.backbone.layer1[0].expansion for w in RESNET_WIDTHS]
 
-    def stack(self, ct: torch.Tensor) -> torch.Tensor:
-        """(B, C, D, H, W) → (B, C * slices, H, W)."""
-        b, c, _, h, w = ct.shape
-        return F.adaptive_avg_pool3d(ct, (self.slices, h, w)).reshape(b, c * self.slices, h, w)
-
     def forward(self, ct: torch.Tensor) -> list[torch.Tensor]:
-        return [m.unsqueeze(2) for m in resnet_feature_maps(self.backbone, self.stack(ct))]
+        return [m.unsqueeze(2) for m in resnet_feature_maps(self.backbone, stack_slices(ct, self.slices))]
+
+
+def stack_slices(ct: torch.Tensor, slices: int) -> torch.Tensor:
+    """(B, C, D, H, W) → (B, C * slices, H, W): depth averaged into ``slices`` slabs, phase-major channels."""
+    b, c, _, h, w = ct.shape
+    return F.adaptive_avg_pool3d(ct, (slices, h, w)).reshape(b, c * slices, h, w)
 
 
 class Endoscopy2d(nn.Module):

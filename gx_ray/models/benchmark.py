@@ -1,0 +1,239 @@
+"""Model benchmark: training samples/s and peak memory of a registry-built encoder against the raw MONAI network.
+
+Both sides train on the same fixed random batch with the same AMP setting: the registry side is
+:func:`~gx_ray.models.build_encoder` with a linear head on ``Encoded.pooled`` and :func:`param_groups`; the raw
+side is the same MONAI class instantiated with the same arguments, its deepest features mean-pooled into a
+linear head, and a plain AdamW. Warm-up steps are not timed; the device is synchronised before every clock
+read. Their ratio is the cost of the platform's wrapping (issue 3 asks for it to stay within 10 %).
+
+Peak memory is ``torch.cuda.max_memory_allocated`` on a GPU. On the CPU it is the largest rise of the
+process's resident set over its value before the model was built, sampled every few milliseconds: a rough
+figure, since the allocator may keep freed memory from an earlier run.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import psutil
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gx_ray.modalities.inputs import ModelInputs
+from gx_ray.modalities.schemas import ModalitySchema
+from gx_ray.models.registry import ModelConfig, build_encoder, param_groups
+from gx_ray.models.vision import VISION_ENCODERS, stack_slices
+from gx_ray.schema import BOX_LEVELS, PHASES
+
+AMP_MODES = ("bf16", "off")
+
+
+@dataclass(frozen=True)
+class ModelBenchmarkConfig:
+    model: str = "swin3d"
+    """A vision encoder name (:data:`~gx_ray.models.vision.VISION_ENCODERS`)."""
+    shape: tuple[int, int, int, int] = (4, 64, 128, 128)
+    """(C, D, H, W) of one CT sample; C ≤ 4 are phases, 5-7 add box-mask channels."""
+    batch: int = 8
+    steps: int = 10
+    warmup: int = 3
+    amp: str = "bf16"
+    fusion: str = "concat"
+    classes: int = 4
+    lr: float = 5e-5
+    weight_decay: float = 0.01
+    gradient_checkpointing: bool = False
+    vision_kwargs: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.model not in VISION_ENCODERS:
+            raise ValueError(f"unknown model {self.model!r}; valid: {', '.join(VISION_ENCODERS)}")
+        if self.amp not in AMP_MODES:
+            raise ValueError(f"unknown amp {self.amp!r}; valid: {', '.join(AMP_MODES)}")
+        if len(self.shape) != 4 or min(self.shape) < 1:
+            raise ValueError(f"shape must be four positive sizes C,D,H,W; got {self.shape}")
+        if self.batch < 1 or self.steps < 1 or self.warmup < 0:
+            raise ValueError("batch and steps must be positive and warmup non-negative")
+
+
+@dataclass(frozen=True)
+class Timing:
+    samples_per_s: float
+    peak_memory_bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ModelBenchmarkResult:
+    config: ModelBenchmarkConfig
+    device: str
+    registry: Timing
+    raw: Timing
+
+    @property
+    def ratio(self) -> float:
+        """Registry samples/s over raw samples/s: 1.0 means the wrapping costs nothing."""
+        return self.registry.samples_per_s / self.raw.samples_per_s
+
+
+def schema_for_channels(channels: int) -> ModalitySchema:
+    """A modality schema whose CT has ``channels`` channels: phases first, then box-mask channels."""
+    if 1 <= channels <= len(PHASES):
+        return ModalitySchema("benchmark", phases=PHASES[:channels])
+    if channels <= len(PHASES) + len(BOX_LEVELS):
+        return ModalitySchema("benchmark", boxes="channels", box_levels=BOX_LEVELS[: channels - len(PHASES)])
+    raise ValueError(f"{channels} channels: a schema gives 1 to {len(PHASES) + len(BOX_LEVELS)}")
+
+
+def run_model_benchmark(config: ModelBenchmarkConfig, device: str | torch.device | None = None) -> ModelBenchmarkResult:
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    rng = np.random.default_rng(config.seed)
+    batch_shape = (config.batch, *config.shape)
+    ct = torch.from_numpy(rng.standard_normal(batch_shape, dtype=np.float32)).to(device)
+    labels = torch.from_numpy(rng.integers(0, config.classes, config.batch)).to(device)
+    schema = schema_for_channels(config.shape[0])
+    model_config = ModelConfig(
+        vision=config.model,
+        fusion=config.fusion,
+        vision_kwargs=config.vision_kwargs,
+        gradient_checkpointing=config.gradient_checkpointing,
+    )
+    inputs = ModelInputs(ct, torch.ones(config.batch, len(schema.phases), dtype=torch.bool, device=device))
+    backbone: dict[str, Any] = {}
+
+    def registry_step() -> Callable[[], torch.Tensor]:
+        encoder = build_encoder(model_config, schema)
+        backbone.update(
+            cls=type(encoder.vision.backbone),
+            arguments=encoder.vision.backbone_arguments,
+            width=encoder.vision.channels[-1],
+        )
+        model = nn.ModuleDict({"encoder": encoder, "head": nn.Linear(encoder.dim, config.classes)}).to(device)
+        groups = param_groups(model, config.lr, config.weight_decay, text_lr_multiplier=2.0)  # the paper's
+        return _train_step(model, torch.optim.AdamW(groups, config.lr), lambda: model.head(encoder(inputs).pooled))
+
+    def raw_step() -> Callable[[], torch.Tensor]:
+        net = backbone["cls"](**backbone["arguments"])
+        model = nn.ModuleDict({"net": net, "head": nn.Linear(backbone["width"], config.classes)}).to(device)
+        x = stack_slices(ct, model_config.vision_kwargs.get("slices", 16)) if config.model == "multichannel2d" else ct
+        optimizer = torch.optim.AdamW(model.parameters(), config.lr, weight_decay=config.weight_decay)
+        return _train_step(model, optimizer, lambda: model.head(_pooled(net(x))))
+
+    def train(build: Callable[[], Callable[[], torch.Tensor]]) -> Timing:
+        amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.amp == "bf16")
+        return _time_training(build, lambda logits: F.cross_entropy(logits, labels), amp, config, device)
+
+    cudnn_benchmark = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True  # the same for both sides; it is what a GPU trial would run with
+    try:
+        registry = train(registry_step)
+        raw = train(raw_step)
+    finally:
+        torch.backends.cudnn.benchmark = cudnn_benchmark
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    return ModelBenchmarkResult(config, name, registry, raw)
+
+
+def _pooled(features: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+    """MONAI's Swin returns its stage outputs (pool the deepest); its ResNets without classifier a pooled vector."""
+    if isinstance(features, list):
+        return features[-1].flatten(2).mean(2)
+    return features
+
+
+def _train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, logits: Callable[[], torch.Tensor]
+) -> Callable[..., torch.Tensor]:
+    model.train()
+
+    def step(loss_of: Callable[[torch.Tensor], torch.Tensor], amp: Any) -> torch.Tensor:
+        with amp:
+            loss = loss_of(logits())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return step
+
+
+def _time_training(
+    build: Callable[[], Callable[..., torch.Tensor]],
+    loss_of: Callable[[torch.Tensor], torch.Tensor],
+    amp: Any,
+    config: ModelBenchmarkConfig,
+    device: torch.device,
+) -> Timing:
+    with _peak_memory(device) as peak:
+        step = build()
+        for _ in range(config.warmup):
+            step(loss_of, amp)
+        _synchronize(device)
+        start = time.perf_counter()
+        for _ in range(config.steps):
+            loss = step(loss_of, amp)
+        _synchronize(device)
+        seconds = time.perf_counter() - start
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"training loss became {loss.item()}")
+    del step
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return Timing(config.steps * config.batch / seconds, peak["bytes"], seconds)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextmanager
+def _peak_memory(device: torch.device, interval_s: float = 0.005) -> Iterator[dict[str, int]]:
+    """Peak allocated GPU memory, or the peak rise of the resident set on the CPU, into ``result["bytes"]``."""
+    result = {"bytes": 0}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        yield result
+        result["bytes"] = torch.cuda.max_memory_allocated(device)
+        return
+    process = psutil.Process()
+    baseline = process.memory_info().rss
+    peak = [baseline]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(interval_s):
+            peak[0] = max(peak[0], process.memory_info().rss)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        yield result
+    finally:
+        done.set()
+        sampler.join()
+        peak[0] = max(peak[0], process.memory_info().rss)
+        result["bytes"] = peak[0] - baseline
+
+
+def format_model_result(result: ModelBenchmarkResult) -> str:
+    c = result.config
+    rows = [
+        f"model {c.model} (fusion {c.fusion}), input {'x'.join(map(str, c.shape))}, batch {c.batch}, "
+        f"amp {c.amp}, {c.steps} timed steps after {c.warmup} warm-up, on {result.device}",
+        f"{'':10}{'samples/s':>12}{'peak memory':>14}",
+    ]
+    for label, timing in (("registry", result.registry), ("raw", result.raw)):
+        rows.append(f"{label:10}{timing.samples_per_s:12.2f}{timing.peak_memory_bytes / 2**30:11.2f} GiB")
+    rows.append(f"ratio registry/raw: {result.ratio:.3f}")
+    return "\n".join(rows)

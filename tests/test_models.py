@@ -1,0 +1,305 @@
+"""Models: every vision x fusion under every paper schema gives a well-formed Encoded; the offline text encoders
+load (MiniLM with its real weights); LoRA trains only adapters; parameter groups follow the paper's recipe;
+bad names fail with the valid choices; gradients reach every branch and a few steps fit a batch; the model
+benchmark reports rates."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gx_ray.modalities import PRESETS, ModalitySchema, ModelInputs, input_channels, table_width
+from gx_ray.models import (
+    FUSIONS,
+    TEXT_ENCODERS,
+    VISION_ENCODERS,
+    LoraSettings,
+    ModelConfig,
+    build_encoder,
+    param_groups,
+)
+from gx_ray.models.benchmark import ModelBenchmarkConfig, format_model_result, run_model_benchmark
+from gx_ray.models.text import build_text_encoder, masked_mean
+
+HIDDEN = 32
+SMALL_VISION = {"swin3d": {"feature_size": 12}, "multichannel2d": {"slices": 8}}
+"""Narrower than the defaults where the architecture allows it, so the CPU suite stays fast."""
+CONTEXT = ["CEA 12.4 ng/mL, 2.5x above upper limit", "Hemoglobin 92 g/L, 1.4x below lower limit"]
+QUESTIONS = ["Is there a gastric tumour?", "Which phase shows the lesion best?"]
+
+
+def random_inputs(schema: ModalitySchema, rng: np.random.Generator, size=(32, 32, 32)) -> ModelInputs:
+    """A batch of two with every input the schema asks for; the second sample lacks its first phase."""
+    ct = torch.from_numpy(rng.standard_normal((2, input_channels(schema), *size), dtype=np.float32))
+    phase_mask = torch.ones(2, len(schema.phases), dtype=torch.bool)
+    phase_mask[1, 0] = False
+    ct[1, 0] = 0
+    table = None
+    if schema.table == "numeric":
+        table = torch.from_numpy(rng.standard_normal((2, table_width(schema)), dtype=np.float32))
+        table[0, 0] = float("nan")  # a missing value that slipped through must not poison the features
+    return ModelInputs(
+        ct=ct,
+        phase_mask=phase_mask,
+        endoscopy=torch.from_numpy(rng.standard_normal((2, 3, 32, 32), dtype=np.float32)) if schema.endoscopy else None,
+        text=CONTEXT if schema.has_text else None,
+        table=table,
+    )
+
+
+def config(vision: str = "resnet18_3d", fusion: str = "concat", **kwargs) -> ModelConfig:
+    small = SMALL_VISION.get(vision, {})
+    return ModelConfig(vision=vision, fusion=fusion, hidden=HIDDEN, vision_kwargs=small, **kwargs)
+
+
+ALL_INPUTS = ModalitySchema(
+    "all_inputs", endoscopy=True, table="numeric", boxes="channels", box_levels=("stomach",), reports=("ct_report",)
+)
+"""Every branch of the encoder on: CT with a box channel, endoscopy, numeric table, a report as context."""
+
+
+# --- shapes --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fusion", list(FUSIONS))
+@pytest.mark.parametrize("vision", list(VISION_ENCODERS))
+def test_every_vision_and_fusion_encodes_every_paper_schema(vision, fusion):
+    rng = np.random.default_rng(0)
+    for preset, schema in PRESETS.items():
+        encoder = build_encoder(config(vision, fusion), schema).eval()
+        inputs = random_inputs(schema, rng)
+        with torch.no_grad():
+            out = encoder(inputs, query=QUESTIONS)
+            plain = encoder(inputs) if not schema.has_text else None
+        image_tokens = out.feature_maps[-1].shape[2:].numel()
+        context = encoder.text(CONTEXT)[1].shape[1] if schema.has_text else 0
+        query = encoder.text(QUESTIONS)[1].shape[1]
+        assert encoder.dim == HIDDEN
+        assert out.pooled.shape == out.image.shape == (2, HIDDEN), preset
+        assert out.tokens.shape == (2, image_tokens + context + query, HIDDEN), preset
+        assert out.token_mask.shape == out.tokens.shape[:2] and out.token_mask[:, :image_tokens].all()
+        assert [m.shape[1] for m in out.feature_maps] == encoder.vision.channels
+        assert all(m.ndim == 5 and m.shape[0] == 2 for m in out.feature_maps)
+        for t in (out.pooled, out.tokens, out.image, *out.feature_maps):
+            assert torch.isfinite(t).all(), (vision, fusion, preset)
+        if plain is not None:
+            # Without text the text encoder is skipped; a query is fused (it moves the pooled features) while
+            # the image side stays the image side.
+            assert plain.tokens.shape[1] == image_tokens and plain.token_mask.all()
+            assert not torch.allclose(plain.pooled, out.pooled)
+            torch.testing.assert_close(plain.image, out.image)
+
+
+def test_swin_default_matches_the_paper_encoder():
+    encoder = build_encoder(ModelConfig(vision="swin3d", hidden=HIDDEN), PRESETS["image_only"])
+    assert encoder.vision.channels == [48, 96, 192, 384, 768]
+    arguments = encoder.vision.backbone_arguments
+    assert arguments["window_size"] == (7, 7, 7) and arguments["patch_size"] == (2, 2, 2)
+    assert arguments["depths"] == (2, 2, 2, 2) and arguments["num_heads"] == (3, 6, 12, 24)
+    assert not arguments["use_checkpoint"]
+    checkpointed = build_encoder(config("swin3d", gradient_checkpointing=True), PRESETS["image_only"])
+    assert checkpointed.vision.backbone_arguments["use_checkpoint"]
+    with pytest.raises(ValueError, match="swin3d only"):
+        build_encoder(config("resnet18_3d", gradient_checkpointing=True), PRESETS["image_only"])
+
+
+def test_endoscopy_and_table_add_one_token_each():
+    rng = np.random.default_rng(1)
+    plain = build_encoder(config(), PRESETS["image_only"]).eval()
+    full = build_encoder(config(), ModalitySchema("cues", endoscopy=True, table="numeric")).eval()
+    with torch.no_grad():
+        a = plain(random_inputs(plain.schema, rng))
+        b = full(random_inputs(full.schema, rng))
+    assert b.tokens.shape[1] == a.tokens.shape[1] + 2
+    assert torch.isfinite(b.pooled).all() and torch.isfinite(b.image).all()
+
+
+def test_inputs_that_do_not_match_the_schema_are_refused():
+    encoder = build_encoder(config(), ALL_INPUTS)
+    good = random_inputs(ALL_INPUTS, np.random.default_rng(0))
+    with pytest.raises(ValueError, match=r"\(B, 5, D, H, W\)"):
+        encoder(ModelInputs(good.ct[:, :4], good.phase_mask, good.endoscopy, good.text, good.table))
+    with pytest.raises(ValueError, match="endoscopy"):
+        encoder(ModelInputs(good.ct, good.phase_mask, None, good.text, good.table))
+
+
+# --- text ----------------------------------------------------------------------------------------------
+
+
+def test_bert_tiny_is_small_random_and_uses_the_offline_tokenizer():
+    encoder = build_text_encoder("bert_tiny")
+    config_ = encoder.model.config
+    assert (config_.hidden_size, config_.num_hidden_layers, config_.num_attention_heads) == (128, 2, 2)
+    assert encoder.tokenizer.vocab_size == config_.vocab_size == 30522
+    assert build_text_encoder("bert_tiny", max_length=8)(["word " * 50])[0].shape == (1, 8, 128)
+
+
+def test_minilm_loads_its_real_weights_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    encoder = build_text_encoder("minilm").eval()
+    sentences = [
+        "A tumour is seen in the gastric antrum.",
+        "A tumour is seen in the gastric antrum.",
+        "There is a mass in the antrum of the stomach.",
+        "The weather was sunny at the football match.",
+    ]
+    with torch.no_grad():
+        embedding = F.normalize(masked_mean(*encoder(sentences)), dim=1)
+    assert embedding.shape == (4, 384)
+    torch.testing.assert_close(embedding[0], embedding[1])
+    similarity = embedding @ embedding.T
+    # Pretrained weights put a paraphrase nearer than an unrelated sentence; random weights would not.
+    assert similarity[0, 2] > similarity[0, 3] + 0.3
+
+
+def test_encode_text_uses_the_shared_text_encoder():
+    encoder = build_encoder(config(), PRESETS["image_only"]).eval()
+    with torch.no_grad():
+        vectors = encoder.encode_text(["gastric wall thickening", "gastric wall thickening", "normal stomach"])
+    assert vectors.shape == (3, HIDDEN)
+    torch.testing.assert_close(vectors[0], vectors[1])
+    assert not torch.allclose(vectors[0], vectors[2])
+    assert encoder.tokenizer is encoder.text.tokenizer
+
+
+# --- LoRA and parameter groups -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("targets", [("query", "value"), ("query", "key", "value", "dense")])
+def test_lora_trains_only_adapters_of_the_expected_size(targets):
+    settings = LoraSettings(rank=4, alpha=8, dropout=0.0, target_modules=targets)
+    reference = build_text_encoder("bert_tiny").model
+    expected = sum(
+        settings.rank * (module.in_features + module.out_features)
+        for name, module in reference.named_modules()
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets
+    )
+    encoder = build_encoder(config(lora=settings), PRESETS["image_table"])
+    trainable = {n: p for n, p in encoder.text.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert sum(p.numel() for p in trainable.values()) == expected
+    # Only the text encoder is frozen: the vision side and the projection of text tokens still train.
+    assert all(p.requires_grad for p in encoder.vision.parameters())
+    assert all(p.requires_grad for p in encoder.text_projection.parameters())
+
+
+def test_lora_settings_come_from_plain_data():
+    cfg = ModelConfig.from_dict({"lora": {"rank": 2, "target_modules": ["query"]}, "hidden": HIDDEN})
+    assert cfg.lora == LoraSettings(rank=2, target_modules=("query",))
+    with pytest.raises(ValueError, match="valid: rank, alpha"):
+        LoraSettings.from_dict({"ranks": 2})
+
+
+@pytest.mark.parametrize("lora", [None, LoraSettings(rank=2)])
+def test_param_groups_give_the_text_side_its_multiplier_and_spare_biases_and_norms(lora):
+    encoder = build_encoder(config("swin3d", lora=lora), PRESETS["image_table"])
+    model = nn.ModuleDict({"encoder": encoder, "head": nn.Linear(HIDDEN, 4)})
+    groups = param_groups(model, base_lr=1e-4, weight_decay=0.01, text_lr_multiplier=2.0)
+
+    grouped = [id(p) for g in groups for p in g["params"]]
+    trainable = [id(p) for p in model.parameters() if p.requires_grad]
+    assert sorted(grouped) == sorted(trainable)  # every trainable parameter exactly once, no frozen one
+    text = {id(p) for p in encoder.text.parameters()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in groups:
+        ids = {id(p) for p in group["params"]}
+        on_text = group["name"].startswith("text")
+        assert ids <= text if on_text else not ids & text
+        assert group["lr"] == pytest.approx(2e-4 if on_text else 1e-4)
+        no_decay = group["name"].endswith("no_decay")
+        assert group["weight_decay"] == (0.0 if no_decay else 0.01)
+        for p in group["params"]:
+            is_bias_or_norm = p.ndim == 1 or "bias" in names[id(p)].rsplit(".", 1)[-1]
+            assert is_bias_or_norm == no_decay, names[id(p)]
+    norm_types = (nn.LayerNorm, nn.BatchNorm3d)
+    norms = [m.weight for m in model.modules() if isinstance(m, norm_types) and m.weight.requires_grad]
+    no_decay_ids = {id(p) for g in groups if g["weight_decay"] == 0 for p in g["params"]}
+    assert norms and all(id(w) in no_decay_ids for w in norms)
+    torch.optim.AdamW(groups)  # the groups are what the optimiser takes
+
+
+# --- bad names -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("key", "valid"), [("vision", VISION_ENCODERS), ("fusion", FUSIONS), ("endoscopy", ["resnet18_2d"])]
+)
+def test_unknown_model_names_list_the_valid_choices(key, valid):
+    with pytest.raises(ValueError, match=f"unknown {key}") as error:
+        ModelConfig(**{key: "no_such_model"})
+    assert all(name in str(error.value) for name in valid)
+
+
+def test_unknown_text_name_and_missing_text_folder_list_the_valid_choices(tmp_path):
+    with pytest.raises(ValueError, match="unknown text encoder 'no_such_model'") as error:
+        ModelConfig(text="no_such_model")
+    assert all(name in str(error.value) for name in TEXT_ENCODERS) and "hf-hub:" in str(error.value)
+    missing = tmp_path / "my_text_model"
+    cfg = ModelConfig(text=str(missing))  # a path is only looked for when the model is built (on the worker)
+    with pytest.raises(ValueError, match="does not exist") as error:
+        build_encoder(cfg, PRESETS["image_only"])
+    assert str(missing) in str(error.value) and all(name in str(error.value) for name in TEXT_ENCODERS)
+    with pytest.raises(ValueError, match="valid: vision, text"):
+        ModelConfig.from_dict({"visoin": "swin3d"})
+
+
+def test_a_local_text_folder_loads(tmp_path):
+    source = build_text_encoder("bert_tiny")
+    source.model.save_pretrained(tmp_path)
+    source.tokenizer.save_pretrained(tmp_path)
+    loaded = build_text_encoder(str(tmp_path)).eval()
+    source.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(CONTEXT)[0], source(CONTEXT)[0])
+
+
+# --- training ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fusion", list(FUSIONS))
+def test_gradients_reach_every_branch_and_a_few_steps_fit_a_batch(fusion):
+    torch.manual_seed(0)
+    encoder = build_encoder(config("resnet18_3d", fusion), ALL_INPUTS)
+    head = nn.Linear(HIDDEN, 3)
+    inputs = random_inputs(ALL_INPUTS, np.random.default_rng(3), size=(16, 16, 16))
+    labels = torch.tensor([0, 2])
+    image_target = torch.from_numpy(np.random.default_rng(4).standard_normal((2, HIDDEN), dtype=np.float32))
+    model = nn.ModuleDict({"encoder": encoder, "head": head})
+    optimizer = torch.optim.AdamW(param_groups(model, 1e-3, 0.01, 2.0))
+
+    losses = []
+    for step in range(6):
+        out = encoder(inputs, query=QUESTIONS)
+        # CE on the fused features (classification), MSE on the image side (what retrieval aligns).
+        loss = F.cross_entropy(head(out.pooled), labels) + F.mse_loss(out.image, image_target)
+        optimizer.zero_grad()
+        loss.backward()
+        if step == 0:
+            # Every module that owns parameters got a non-zero gradient: each branch is wired into the loss.
+            dead = [
+                name
+                for name, module in encoder.named_modules()
+                if list(module.parameters(recurse=False))
+                and all(p.grad is None or not p.grad.any() for p in module.parameters(recurse=False))
+            ]
+            assert not dead, dead
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+# --- benchmark -----------------------------------------------------------------------------------------
+
+
+def test_model_benchmark_reports_rates_memory_and_the_ratio():
+    cfg = ModelBenchmarkConfig(model="multichannel2d", shape=(2, 8, 32, 32), batch=2, steps=2, warmup=1, amp="off")
+    result = run_model_benchmark(cfg, "cpu")
+    assert result.registry.samples_per_s > 0 and result.raw.samples_per_s > 0
+    assert result.ratio == pytest.approx(result.registry.samples_per_s / result.raw.samples_per_s)
+    assert result.registry.peak_memory_bytes >= 0 and result.raw.peak_memory_bytes >= 0
+    assert "ratio registry/raw" in format_model_result(result)
+    with pytest.raises(ValueError, match="valid: swin3d"):
+        ModelBenchmarkConfig(model="vit")
