@@ -17,6 +17,7 @@ from monai.networks.nets.swin_unetr import SwinTransformer
 from torch import nn
 
 RESNET_DEPTHS: dict[int, tuple[str, list[int]]] = {
+    10: ("basic", [1, 1, 1, 1]),
     18: ("basic", [2, 2, 2, 2]),
     34: ("basic", [3, 4, 6, 3]),
     50: ("bottleneck", [3, 4, 6, 3]),
@@ -93,7 +94,7 @@ class ResNet3d(nn.Module):
         super().__init__()
         self.backbone_arguments = resnet_arguments(depth, 3, in_channels, **overrides)
         self.backbone = ResNet(**self.backbone_arguments)
-        self.channels = [w * self.backbone.layer1[0].expansion for w in RESNET_WIDTHS]
+        self.channels = [w * self.backbone.layer1[0].expansion for w in self.backbone_arguments["block_inplanes"]]
 
     def forward(self, ct: torch.Tensor) -> list[torch.Tensor]:
         return resnet_feature_maps(self.backbone, ct)
@@ -111,7 +112,7 @@ class MultiChannel2d(nn.Module):
         self.slices = slices
         self.backbone_arguments = resnet_arguments(depth, 2, in_channels * slices, **overrides)
         self.backbone = ResNet(**self.backbone_arguments)
-        self.channels = [w * self.backbone.layer1[0].expansion for w in RESNET_WIDTHS]
+        self.channels = [w * self.backbone.layer1[0].expansion for w in self.backbone_arguments["block_inplanes"]]
 
     def forward(self, ct: torch.Tensor) -> list[torch.Tensor]:
         return [m.unsqueeze(2) for m in resnet_feature_maps(self.backbone, stack_slices(ct, self.slices))]
@@ -157,6 +158,7 @@ def _no_checkpointing(name: str, gradient_checkpointing: bool) -> None:
 
 VISION_ENCODERS: dict[str, Callable[..., nn.Module]] = {
     "swin3d": Swin3d,
+    "resnet10_3d": _resnet3d(10),  # the CPU demo's encoder (with narrow widths): 3D convolutions train slowly on CPUs
     "resnet18_3d": _resnet3d(18),
     "resnet50_3d": _resnet3d(50),
     "multichannel2d": _multichannel2d,

@@ -27,7 +27,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from transformers import get_linear_schedule_with_warmup
 
-from gx_ray.data.shards import BatchCollate, TensorLayout, read_manifest, split_files
+from gx_ray.data.shards import TENSOR_COLUMNS, BatchCollate, TensorLayout, read_manifest, split_files
 from gx_ray.data.splits import SPLITS
 from gx_ray.models.registry import build_encoder, param_groups
 from gx_ray.tasks import TaskModel, build_task
@@ -97,8 +97,7 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
     layout = TensorLayout(tuple(manifest["ct_shape"]), tuple(manifest["endoscopy_shape"]), tuple(manifest["lab_names"]))
     task = build_task(config.task, **config.task_options)
     task.prepare(_train_rows(Path(config.data.shards), task))  # fitted on the training split only
-    encoder = build_encoder(config.model, config.schema)
-    model = TaskModel(encoder, task.build_head(encoder.dim, encoder.tokenizer), task, config.schema).to(ctx.device)
+    model = TaskModel(task, build_encoder(config.model, config.schema), config.schema).to(ctx.device)
     groups = param_groups(
         model, config.optimiser.lr, config.optimiser.weight_decay, config.optimiser.text_lr_multiplier
     )
@@ -195,11 +194,10 @@ def _report(ctx: WorkerContext, metrics: dict, model, optimiser, scheduler, epoc
 
 
 def _train_rows(shard_dir: Path, task: Any) -> list[dict]:
-    """The training split's rows, the columns the task learns from (e.g. VQA answers), read with pyarrow alone."""
-    columns = list(getattr(task, "prepare_columns", ()))
-    if not columns:
-        return []
-    return [row for f in split_files(shard_dir, "train") for row in pq.read_table(f, columns=columns).to_pylist()]
+    """The training split's rows without the image columns (what a task may learn from, e.g. VQA answers)."""
+    files = split_files(shard_dir, "train")
+    columns = [c for c in pq.read_schema(files[0]).names if c not in TENSOR_COLUMNS]
+    return [row for f in files for row in pq.read_table(f, columns=columns).to_pylist()]
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
