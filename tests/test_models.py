@@ -1,7 +1,10 @@
-"""Models: every vision x fusion under every paper schema gives a well-formed Encoded; the offline text encoders
-load (MiniLM with its real weights); LoRA trains only adapters; parameter groups follow the paper's recipe;
-bad names fail with the valid choices; gradients reach every branch and a few steps fit a batch; the model
-benchmark reports rates."""
+"""Models: every vision x fusion under every paper schema gives a well-formed Encoded; the paper-sized encoders
+are wired consistently; the offline text encoders load (MiniLM with its real weights); LoRA trains only adapters;
+parameter groups follow the paper's recipe; bad names fail with the valid choices; gradients reach every branch
+and a few steps fit a batch; the model benchmark reports rates.
+
+Everything but the paper-size checks runs tiny (narrow ResNets, narrow small-window Swin, one thread) so the
+file stays fast on a 2-core CI box."""
 
 from __future__ import annotations
 
@@ -21,12 +24,17 @@ from gx_ray.models import (
     build_encoder,
     param_groups,
 )
+from gx_ray.models import vision as vision_module
 from gx_ray.models.benchmark import ModelBenchmarkConfig, format_model_result, run_model_benchmark
 from gx_ray.models.text import build_text_encoder, masked_mean
+from gx_ray.models.vision import build_endoscopy_encoder, build_vision_encoder
 
 HIDDEN = 32
-SMALL_VISION = {"swin3d": {"feature_size": 12}, "multichannel2d": {"slices": 8}}
-"""Narrower than the defaults where the architecture allows it, so the CPU suite stays fast."""
+SMALL_VISION = {"swin3d": {"feature_size": 12, "window_size": 4}, "multichannel2d": {"slices": 8}}
+"""Narrower than the defaults where the architecture allows it, so the CPU suite stays fast (Swin's window 4 still
+shifts on the 16^3 and 8^3 stages of a 32^3 volume)."""
+PAPER_RESNET_WIDTHS = list(vision_module.RESNET_WIDTHS)
+TINY_RESNET_WIDTHS = [4, 8, 16, 32]
 CONTEXT = ["CEA 12.4 ng/mL, 2.5x above upper limit", "Hemoglobin 92 g/L, 1.4x below lower limit"]
 QUESTIONS = ["Is there a gastric tumour?", "Which phase shows the lesion best?"]
 
@@ -59,6 +67,22 @@ ALL_INPUTS = ModalitySchema(
     "all_inputs", endoscopy=True, table="numeric", boxes="channels", box_levels=("stomach",), reports=("ct_report",)
 )
 """Every branch of the encoder on: CT with a box channel, endoscopy, numeric table, a report as context."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tiny_and_single_threaded():
+    """Every ResNet (3D, multichannel 2D, endoscopy) at widths 4-32, and one intra-op thread.
+
+    The widths are patched at the module constant so that every ResNet shrinks in one place, the endoscopy encoder
+    included (``ModelConfig`` passes it no kwargs). One thread because these ops are tiny: on a busy 2-core box,
+    two OpenMP threads made each forward ~30x slower, not faster.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(vision_module, "RESNET_WIDTHS", TINY_RESNET_WIDTHS)
+        yield
+    torch.set_num_threads(threads)
 
 
 # --- shapes --------------------------------------------------------------------------------------------
@@ -104,6 +128,30 @@ def test_swin_default_matches_the_paper_encoder():
     assert checkpointed.vision.backbone_arguments["use_checkpoint"]
     with pytest.raises(ValueError, match="swin3d only"):
         build_encoder(config("resnet18_3d", gradient_checkpointing=True), PRESETS["image_only"])
+
+
+PAPER_CHANNELS = {
+    "resnet18_3d": [64, 128, 256, 512],
+    "resnet50_3d": [256, 512, 1024, 2048],
+    "multichannel2d": [64, 128, 256, 512],
+}
+
+
+@pytest.mark.parametrize("vision", list(PAPER_CHANNELS))
+def test_resnets_at_the_paper_widths_report_the_channels_they_produce(vision, monkeypatch):
+    # The rest of the file runs narrow ResNets; here the paper's own widths, on a small volume.
+    monkeypatch.setattr(vision_module, "RESNET_WIDTHS", PAPER_RESNET_WIDTHS)
+    encoder = build_vision_encoder(vision, 2).eval()
+    with torch.no_grad():
+        maps = encoder(torch.zeros(1, 2, 16, 16, 16))
+    assert encoder.channels == [m.shape[1] for m in maps] == PAPER_CHANNELS[vision]
+
+
+def test_endoscopy_encoder_at_the_paper_width_gives_one_512_vector(monkeypatch):
+    monkeypatch.setattr(vision_module, "RESNET_WIDTHS", PAPER_RESNET_WIDTHS)
+    endoscopy = build_endoscopy_encoder("resnet18_2d").eval()
+    with torch.no_grad():
+        assert endoscopy(torch.zeros(1, 3, 32, 32)).shape == (1, endoscopy.dim) == (1, 512)
 
 
 def test_endoscopy_and_table_add_one_token_each():
@@ -262,13 +310,13 @@ def test_a_local_text_folder_loads(tmp_path):
 @pytest.mark.parametrize("fusion", list(FUSIONS))
 def test_gradients_reach_every_branch_and_a_few_steps_fit_a_batch(fusion):
     torch.manual_seed(0)
-    encoder = build_encoder(config("resnet18_3d", fusion), ALL_INPUTS)
+    encoder = build_encoder(config("resnet18_3d", fusion, text_kwargs={"num_hidden_layers": 1}), ALL_INPUTS)
     head = nn.Linear(HIDDEN, 3)
     inputs = random_inputs(ALL_INPUTS, np.random.default_rng(3), size=(16, 16, 16))
     labels = torch.tensor([0, 2])
     image_target = torch.from_numpy(np.random.default_rng(4).standard_normal((2, HIDDEN), dtype=np.float32))
     model = nn.ModuleDict({"encoder": encoder, "head": head})
-    optimizer = torch.optim.AdamW(param_groups(model, 1e-3, 0.01, 2.0))
+    optimizer = torch.optim.AdamW(param_groups(model, 3e-3, 0.01, 2.0))
 
     losses = []
     for step in range(6):

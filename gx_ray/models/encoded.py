@@ -11,10 +11,10 @@ import torch
 class Encoded:
     """The encoder's view of one batch, all features of width ``dim`` (the model config's ``hidden``).
 
-    ``pooled`` is the fused representation a classifier reads; ``tokens`` the fused sequence a text decoder
-    cross-attends to (image tokens, then text-context and query tokens); ``image`` the image side alone
-    (vision + its schema cues, before any text), which retrieval aligns with the report; ``feature_maps`` the
-    spatial vision features a detector reads.
+    ``pooled`` is the fused representation a classifier reads, and the "image side with its schema inputs" that
+    retrieval aligns with the report; ``tokens`` the fused sequence a text decoder cross-attends to (image tokens,
+    then text-context and query tokens); ``image`` the image side alone (vision and its cues, before any text);
+    ``feature_maps`` the spatial vision features a detector reads.
     """
 
     pooled: torch.Tensor

@@ -1,0 +1,44 @@
+"""The paper's five tasks, one module each: head, loss, predictions and a DDP-correct metric (DESIGN.md).
+
+``build_task(name, **options)`` gives a :class:`Task`; :class:`TaskModel` joins it to an encoder. A task's module
+is imported when the task is first built: detection pulls in MONAI and report generation transformers, which a
+process that only computes another task's metric need not pay for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import fields
+from typing import Any
+
+from gx_ray.schema import TASKS
+from gx_ray.tasks.base import Task, TaskMetric, TaskModel, gather_state
+
+TASK_CLASSES: dict[str, str] = {
+    "vqa": "gx_ray.tasks.vqa:VisualQuestionAnswering",
+    "report_generation": "gx_ray.tasks.report_generation:ReportGeneration",
+    "retrieval": "gx_ray.tasks.retrieval:Retrieval",
+    "stage_classification": "gx_ray.tasks.stage_classification:StageClassification",
+    "lesion_detection": "gx_ray.tasks.lesion_detection:LesionDetection",
+}
+"""Task name → ``module:class``, for every task of :data:`gx_ray.schema.TASKS`."""
+
+
+def task_class(name: str) -> type[Task]:
+    if name not in TASK_CLASSES:
+        raise ValueError(f"unknown task {name!r}; valid: {', '.join(TASKS)}")
+    module, cls = TASK_CLASSES[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def build_task(name: str, **options: Any) -> Task:
+    """The task ``name`` (one of :data:`gx_ray.schema.TASKS`) with its options (the task class's fields)."""
+    cls = task_class(name)
+    valid = [f.name for f in fields(cls) if f.init]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown options {unknown} for task {name!r}; valid: {', '.join(valid) or 'none'}")
+    return cls(**options)
+
+
+__all__ = ["TASK_CLASSES", "Task", "TaskMetric", "TaskModel", "build_task", "gather_state", "task_class"]

@@ -1,0 +1,158 @@
+"""What every task shares: the task interface, a metric object that is correct under DDP, and the task model.
+
+A task turns the encoder's view of a batch (:class:`~gx_ray.models.encoded.Encoded`) into its outputs with a head
+of its own, scores them with its loss and its metric, and names its primary metric and the direction in which
+that metric improves (``mode``). Tasks are plain picklable objects; what a task learns from data (the VQA answer
+vocabulary, the detector's anchor shapes) it learns in :meth:`Task.prepare` from training rows only.
+
+Metric state is per-example and kept on each rank; :meth:`TaskMetric.compute` gathers every rank's state first
+(``all_gather_object``), so every rank returns the metric of the whole evaluation set, not a mean of per-rank
+metrics (which is wrong for AUC, ranks, AP and corpus BLEU alike).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from gx_ray.modalities import ModalitySchema, ModelInputs, build_inputs, check_leakage
+from gx_ray.schema import LANGUAGES, REPORT_KINDS
+
+Batch = dict[str, Any]
+"""A collated shard batch (:class:`gx_ray.data.shards.BatchCollate`)."""
+Outputs = dict[str, Any]
+"""What :meth:`Task.forward` returns: tensors for the loss, and whatever the metric and predictions need."""
+
+
+class TaskMetric:
+    """Per-example state accumulated batch by batch; :meth:`compute` summarises the state of every rank.
+
+    Subclasses append to the state with :meth:`add` in :meth:`update` and turn the merged state (each key's
+    per-batch items in rank order, then batch order) into metrics in :meth:`summarise`. Under
+    ``torch.distributed`` every rank must call :meth:`compute` (it is a collective operation).
+    """
+
+    def __init__(self) -> None:
+        self.state: dict[str, list[Any]] = {}
+
+    def reset(self) -> None:
+        self.state = {}
+
+    def add(self, **items: Any) -> None:
+        for key, value in items.items():
+            self.state.setdefault(key, []).append(value)
+
+    def update(self, outputs: Outputs, batch: Batch) -> None:
+        raise NotImplementedError
+
+    def summarise(self, state: dict[str, list[Any]]) -> dict[str, float]:
+        raise NotImplementedError
+
+    def compute(self) -> dict[str, float]:
+        return self.summarise(gather_state(self.state))
+
+
+def gather_state(state: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """Every rank's state merged (rank 0's items first); the state itself outside a process group."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return state
+    states: list[dict[str, list[Any]] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, state)
+    merged: dict[str, list[Any]] = {}
+    for rank_state in states:
+        for key, items in (rank_state or {}).items():
+            merged.setdefault(key, []).extend(items)
+    return merged
+
+
+def concat(items: list[np.ndarray], width: int | None = None) -> np.ndarray:
+    """Per-batch arrays joined along the first axis; an empty ``(0, width)`` (or ``(0,)``) array for none."""
+    if items:
+        return np.concatenate(items)
+    return np.zeros((0,) if width is None else (0, width))
+
+
+class Task:
+    """The interface every task module implements (see the module docstring of :mod:`gx_ray.tasks.base`)."""
+
+    name: ClassVar[str]
+    primary_metric: ClassVar[str]
+    mode: ClassVar[str]
+    """``"max"`` or ``"min"``: the direction in which :attr:`primary_metric` improves."""
+
+    def prepare(self, train_rows: Iterable[Mapping[str, Any]]) -> None:
+        """Fit what the task learns from data, from training rows (shard rows) only; nothing by default.
+
+        Call it before :meth:`build_head`: the VQA head's size is the vocabulary's, the detector's anchors are
+        fitted here. Rows may come from pyarrow (``to_pylist``) or Ray Data; a row of another split is refused.
+        """
+
+    def build_head(self, dim: int, tokenizer: Any, map_channels: Sequence[int] = ()) -> nn.Module:
+        """The task's head over features of width ``dim``; ``map_channels``: the vision feature maps' channels."""
+        raise NotImplementedError
+
+    def forward(self, encoder: nn.Module, head: nn.Module, inputs: ModelInputs, batch: Batch) -> Outputs:
+        raise NotImplementedError
+
+    def loss(self, outputs: Outputs, batch: Batch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def predict(self, outputs: Outputs, batch: Batch) -> list[dict[str, Any]]:
+        """One record per example (``case_id``, ``prediction``, ``target``, ...), for logging sample predictions."""
+        raise NotImplementedError
+
+    def metric(self) -> TaskMetric:
+        raise NotImplementedError
+
+
+def check_train_rows(rows: Iterable[Mapping[str, Any]], task: str) -> list[Mapping[str, Any]]:
+    """The rows as a list, refusing any row that says it is not from the training split (no leakage)."""
+    rows = list(rows)
+    leaking = sorted({str(r["split"]) for r in rows if "split" in r and r["split"] != "train"})
+    if leaking:
+        raise ValueError(f"{task}.prepare takes training rows only; got rows of split {', '.join(leaking)}")
+    return rows
+
+
+def report_column(report: str, language: str) -> str:
+    """The batch column of a report kind in a language (``ct_report``, ``ct_report_zh``)."""
+    if report not in REPORT_KINDS:
+        raise ValueError(f"unknown report {report!r}; valid: {', '.join(REPORT_KINDS)}")
+    if language not in LANGUAGES:
+        raise ValueError(f"unknown language {language!r}; valid: {', '.join(LANGUAGES)}")
+    return report if language == "en" else f"{report}_{language}"
+
+
+def masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over targets >= 0; a zero that still reaches the graph when there are none."""
+    targets = targets.to(logits.device)
+    if not (targets >= 0).any():
+        return logits.sum() * 0.0  # keeps backward (and DDP's gradient hooks) working on unlabelled batches
+    return F.cross_entropy(logits, targets, ignore_index=-1)
+
+
+class TaskModel(nn.Module):
+    """Encoder and task head as one module: ``forward(batch)`` builds the schema's inputs and runs the task.
+
+    This is the module a training loop optimises and wraps in DDP. The schema is checked against the task's
+    leakage rules here too, so a leaking combination cannot even be built.
+    """
+
+    def __init__(self, task: Task, encoder: nn.Module, schema: ModalitySchema):
+        super().__init__()
+        check_leakage(schema, task.name)
+        self.task = task
+        self.schema = schema
+        self.encoder = encoder
+        self.head = task.build_head(encoder.dim, encoder.tokenizer, map_channels=list(encoder.vision.channels))
+
+    def forward(self, batch: Batch) -> Outputs:
+        device = next(self.parameters()).device
+        inputs = build_inputs(batch, self.schema, device)
+        return self.task.forward(self.encoder, self.head, inputs, batch)

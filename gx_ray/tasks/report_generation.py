@@ -1,0 +1,195 @@
+"""Report generation (Table 2b): a transformers text decoder writes the CT report from the fused features.
+
+The decoder is a ``BertLMHeadModel`` with ``is_decoder=True`` and ``add_cross_attention=True`` (the BLIP/X2-VLM
+recipe) that cross-attends to ``Encoded.tokens``, projected to the decoder's width when it differs. By default
+it is a small random BERT over the encoder tokenizer's vocabulary; ``decoder="minilm"`` starts from the real
+MiniLM weights instead (its cross-attention layers and LM head start at random). Training is teacher-forced
+cross-entropy on the English CT report (the report that describes what the image shows); cases without one add
+nothing. Evaluation decodes greedily (``num_beams=1``) or with beam search and scores the text with
+:func:`gx_ray.metrics.text_generation_metrics`: ROUGE-L and BLEU-4 by default (cheap enough for every
+validation epoch), also METEOR and BERTScore-F1 with ``full_metrics``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import BertConfig, BertLMHeadModel, DynamicCache, EncoderDecoderCache
+
+from gx_ray.metrics import FAST_TEXT_METRICS, TEXT_METRICS, text_generation_metrics
+from gx_ray.modalities import ModelInputs
+from gx_ray.modalities.schemas import REPORT_TARGETS
+from gx_ray.tasks.base import Batch, Outputs, Task, TaskMetric, report_column
+
+DECODERS: tuple[str, ...] = ("small", "minilm")
+IGNORE = -100
+
+
+class ReportDecoder(nn.Module):
+    """A BERT decoder with cross-attention over the encoder's tokens; ``generate`` writes reports.
+
+    Reports are ``[CLS] tokens [SEP]``: ``[CLS]`` starts decoding and ``[SEP]`` ends it.
+    """
+
+    def __init__(self, decoder: BertLMHeadModel, memory_dim: int, tokenizer: Any):
+        super().__init__()
+        width = decoder.config.hidden_size
+        self.memory_projection = nn.Linear(memory_dim, width) if memory_dim != width else nn.Identity()
+        self.decoder = decoder
+        self.tokenizer = tokenizer
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, memory: torch.Tensor, memory_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """(B, L, vocabulary) next-token logits."""
+        return self.decoder(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            encoder_hidden_states=self.memory_projection(memory),
+            encoder_attention_mask=memory_mask.long(),
+            use_cache=False,
+        ).logits
+
+    @torch.no_grad()
+    def generate(
+        self, memory: torch.Tensor, memory_mask: torch.Tensor, num_beams: int = 1, max_new_tokens: int = 128
+    ) -> list[str]:
+        start = torch.full((memory.shape[0], 1), self.tokenizer.cls_token_id, device=memory.device)
+        tokens = self.decoder.generate(
+            input_ids=start,
+            attention_mask=torch.ones_like(start),
+            encoder_hidden_states=self.memory_projection(memory),
+            encoder_attention_mask=memory_mask.long(),
+            # BERT's cross-attention layers keep their keys in the cross-attention half of this cache; the
+            # DynamicCache that generate() makes by default lacks it (transformers 5).
+            cache=EncoderDecoderCache(DynamicCache(), DynamicCache()),
+            num_beams=num_beams,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=self.tokenizer.sep_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
+        return self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
+
+
+@dataclass
+class ReportGeneration(Task):
+    name = "report_generation"
+    primary_metric = "rouge_l"
+    mode = "max"
+
+    language: str = "en"
+    decoder: str = "small"
+    """``small``: random BERT of ``decoder_width``/``decoder_layers``/``decoder_heads``; ``minilm``: real weights."""
+    decoder_width: int = 128
+    decoder_layers: int = 2
+    decoder_heads: int = 2
+    max_report_tokens: int = 256
+    """Teacher forcing sees at most this many tokens of a report (with [CLS] and [SEP])."""
+    num_beams: int = 1
+    """1 = greedy decoding."""
+    max_new_tokens: int = 256
+    full_metrics: bool = False
+    """All four metrics (METEOR needs WordNet, BERTScore runs MiniLM); otherwise ROUGE-L and BLEU-4."""
+
+    def __post_init__(self) -> None:
+        self.column = report_column(REPORT_TARGETS[self.name], self.language)
+        if self.decoder not in DECODERS:
+            raise ValueError(f"unknown report decoder {self.decoder!r}; valid: {', '.join(DECODERS)}")
+        if self.num_beams < 1 or self.max_new_tokens < 1 or self.max_report_tokens < 2:
+            raise ValueError("num_beams and max_new_tokens must be at least 1, max_report_tokens at least 2")
+
+    def build_head(self, dim: int, tokenizer: Any, map_channels: Sequence[int] = ()) -> nn.Module:
+        if self.decoder == "minilm":
+            from gx_ray.models.text import minilm_path  # the models package imports MONAI: only when asked
+
+            decoder = BertLMHeadModel.from_pretrained(
+                str(minilm_path()), is_decoder=True, add_cross_attention=True, local_files_only=True
+            )
+            if decoder.config.vocab_size != len(tokenizer):
+                raise ValueError(
+                    f"decoder 'minilm' has {decoder.config.vocab_size} tokens but the encoder's tokenizer "
+                    f"{len(tokenizer)}: use decoder='small' with this text encoder"
+                )
+        else:
+            config = BertConfig(
+                vocab_size=len(tokenizer),
+                hidden_size=self.decoder_width,
+                num_hidden_layers=self.decoder_layers,
+                num_attention_heads=self.decoder_heads,
+                intermediate_size=4 * self.decoder_width,
+                max_position_embeddings=max(512, self.max_report_tokens, self.max_new_tokens + 1),
+                is_decoder=True,
+                add_cross_attention=True,
+            )
+            decoder = BertLMHeadModel(config)
+        return ReportDecoder(decoder, dim, tokenizer)
+
+    def forward(self, encoder: nn.Module, head: nn.Module, inputs: ModelInputs, batch: Batch) -> Outputs:
+        encoded = encoder(inputs)
+        references = batch[self.column]
+        tokens = head.tokenizer(
+            [r or "" for r in references],
+            padding=True,
+            truncation=True,
+            max_length=self.max_report_tokens,
+            return_tensors="pt",
+        ).to(encoded.tokens.device)
+        has_report = torch.tensor([bool(r) for r in references], device=encoded.tokens.device)
+        labels = tokens.input_ids.masked_fill(~tokens.attention_mask.bool() | ~has_report[:, None], IGNORE)
+        outputs = {
+            "logits": head(tokens.input_ids, tokens.attention_mask, encoded.tokens, encoded.token_mask),
+            "labels": labels,
+            "references": references,
+        }
+        if not head.training:
+            outputs["generated"] = head.generate(
+                encoded.tokens, encoded.token_mask, self.num_beams, self.max_new_tokens
+            )
+        return outputs
+
+    def loss(self, outputs: Outputs, batch: Batch) -> torch.Tensor:
+        # position t predicts token t + 1
+        logits, labels = outputs["logits"][:, :-1], outputs["labels"][:, 1:]
+        if not (labels != IGNORE).any():
+            return logits.sum() * 0.0
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE)
+
+    def predict(self, outputs: Outputs, batch: Batch) -> list[dict[str, Any]]:
+        if "generated" not in outputs:
+            raise ValueError("report predictions need the model in eval mode (generation runs only there)")
+        return [
+            {"case_id": case_id, "prediction": generated, "target": reference}
+            for case_id, generated, reference in zip(
+                batch["case_id"], outputs["generated"], outputs["references"], strict=True
+            )
+        ]
+
+    def metric(self) -> TaskMetric:
+        return ReportMetric(self.language, TEXT_METRICS if self.full_metrics else FAST_TEXT_METRICS)
+
+
+class ReportMetric(TaskMetric):
+    """Corpus text metrics of the generated reports against the references (cases without one left out)."""
+
+    def __init__(self, language: str, metrics: Sequence[str]):
+        super().__init__()
+        self.language, self.metrics = language, tuple(metrics)
+
+    def update(self, outputs: Outputs, batch: Batch) -> None:
+        if "generated" not in outputs:
+            raise ValueError("report metrics need the model in eval mode (generation runs only there)")
+        pairs = [(g, r) for g, r in zip(outputs["generated"], outputs["references"], strict=True) if r]
+        self.add(generated=[g for g, _ in pairs], references=[r for _, r in pairs])
+
+    def summarise(self, state: dict[str, list[Any]]) -> dict[str, float]:
+        generated = [text for texts in state.get("generated", []) for text in texts]
+        references = [text for texts in state.get("references", []) for text in texts]
+        if not references:
+            return dict.fromkeys(self.metrics, float("nan"))
+        return text_generation_metrics(generated, references, self.language, self.metrics)
