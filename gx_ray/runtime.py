@@ -29,7 +29,12 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         configure_logging=True,
         logging_level="WARNING",
     )
-    logging.getLogger("ray.data").setLevel(logging.WARNING)  # one INFO line per dataset execution otherwise
+    quiet_data_context()
+
+
+def quiet_data_context() -> None:
+    """Ray Data progress bars only on a terminal, no INFO line per execution; call in every process that reads."""
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = os.isatty(2)
     context.print_on_execution_start = False

@@ -257,19 +257,45 @@ def list_tensor(column: pa.ChunkedArray | pa.Array, dtype: np.dtype) -> np.ndarr
     return values.reshape(len(array), -1)
 
 
-def read_split(shard_dir: Path, split: str, columns: Iterable[str] | None = None):
-    """The rows of one split as a streaming Ray Dataset of Arrow blocks (no decoding on the read side).
+def read_split(
+    shard_dir: Path,
+    split: str,
+    columns: Iterable[str] | None = None,
+    num_cpus: float = 1.0,
+    concurrency: int | None = None,
+) -> ray.data.Dataset:
+    """The rows of one split as a streaming Ray Dataset of Arrow blocks, one block per Parquet row group.
 
     Feed it to ``iter_torch_batches(collate_fn=BatchCollate(...), batch_size=...)``: decoding happens in the
     consumer's prefetch threads, straight from the Arrow buffers.
+
+    Each read task costs ``num_cpus`` (0 lets a process that already holds its CPUs, such as a one-worker Tune
+    trial, read without asking for more; ``concurrency`` then bounds the tasks in flight). This is a plain
+    ``from_items`` → ``map_batches`` over row groups rather than ``read_parquet``: the latter first samples the
+    files in a task of one CPU that no setting changes, which never starts while every CPU is held by trials
+    (a deadlock on small machines), and costs 0.8-6 s before the first batch of every epoch.
     """
     files = split_files(shard_dir, split)
     if not files:
         raise ValueError(f"{shard_dir} has no {split} shards")
-    # Ray 2.60's V2 file datasource lists files in a task of its own before reading: 2-6 s before the first
-    # batch on every epoch, against 0.8 s for V1 (`python jobs/benchmark.py ingest`, 2-core machine).
-    ray.data.DataContext.get_current().use_datasource_v2 = False
-    return ray.data.read_parquet([str(f) for f in files], columns=list(columns) if columns else None)
+    pieces = [{"path": str(f), "row_group": i} for f in files for i in range(pq.ParquetFile(f).metadata.num_row_groups)]
+    return ray.data.from_items(pieces, override_num_blocks=len(pieces)).map_batches(
+        _read_row_groups,
+        fn_kwargs={"columns": list(columns) if columns else None},
+        batch_size=1,
+        batch_format="pyarrow",
+        zero_copy_batch=True,
+        num_cpus=num_cpus,
+        compute=ray.data.TaskPoolStrategy(size=concurrency) if concurrency else None,
+    )
+
+
+def _read_row_groups(pieces: pa.Table, columns: list[str] | None) -> pa.Table:
+    tables = [
+        pq.ParquetFile(path).read_row_group(group, columns=columns)
+        for path, group in zip(pieces["path"].to_pylist(), pieces["row_group"].to_pylist(), strict=True)
+    ]
+    return pa.concat_tables(tables)
 
 
 # Batches are views of Arrow buffers in Ray's object store, which are read-only by design: the training loop

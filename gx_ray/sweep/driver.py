@@ -29,7 +29,7 @@ from gx_ray.data.prepare import PrepareConfig, prepare_data
 from gx_ray.data.preprocess import PreprocessConfig
 from gx_ray.data.shards import read_manifest, read_split
 from gx_ray.data.splits import SPLITS
-from gx_ray.runtime import init_ray
+from gx_ray.runtime import init_ray, quiet_data_context
 from gx_ray.sweep.spaces import SearchSpace, available_presets, load_space
 from gx_ray.sweep.tracking import LocalMlflowServer, child_run, parent_run
 from gx_ray.train.config import TrialConfig
@@ -87,8 +87,12 @@ def run_trial(params: dict[str, Any]) -> None:
     )
     try:
         if config.resources.workers == 1:
+            quiet_data_context()
+            torch.set_num_threads(max(1, int(config.resources.cpus_per_worker)))
             device = torch.device("cuda" if config.resources.use_gpu and torch.cuda.is_available() else "cpu")
-            data = {split: read_split(Path(config.data.shards), split).iterator() for split in SPLITS}
+            # the trial already holds its CPUs: reading asks for none more (two read tasks at a time at most)
+            shards = Path(config.data.shards)
+            data = {split: read_split(shards, split, num_cpus=0, concurrency=2).iterator() for split in SPLITS}
             worker = WorkerContext(
                 0, 1, device, data, tune.report, tune.get_checkpoint(), TrialTracker(context["tracking_uri"], run_id)
             )

@@ -30,6 +30,7 @@ from transformers import get_linear_schedule_with_warmup
 from gx_ray.data.shards import TENSOR_COLUMNS, BatchCollate, TensorLayout, read_manifest, split_files
 from gx_ray.data.splits import SPLITS
 from gx_ray.models.registry import build_encoder, param_groups
+from gx_ray.runtime import quiet_data_context
 from gx_ray.tasks import TaskModel, build_task
 from gx_ray.train.config import TrialConfig
 from gx_ray.train.tracker import TrialTracker
@@ -205,6 +206,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
+    quiet_data_context()
     config = TrialConfig.from_flat(loop_config["trial"])
     context = ray.train.get_context()
     rank = context.get_world_rank()
