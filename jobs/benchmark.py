@@ -3,6 +3,7 @@
 python jobs/benchmark.py ingest [--cpus 4] [--consumers 1]     # preprocessing and the Ray Data stream
 python jobs/benchmark.py model --model swin3d --shape 4,64,128,128 --batch 8 [--steps 10] [--amp bf16|off]
                                                                # training samples/s: registry model vs raw MONAI
+python jobs/benchmark.py sweep [--space modality_ablation]    # a sweep's wall time: data, start-up, training
 """
 
 from __future__ import annotations
@@ -47,7 +48,25 @@ def main(argv: list[str] | None = None) -> int:
     model.add_argument("--fusion", default=ModelBenchmarkConfig.fusion, choices=list(FUSIONS))
     model.add_argument("--gradient-checkpointing", action="store_true", help="swin3d only")
     model.add_argument("--device", help="default: cuda when available, else cpu")
+    sweep = commands.add_parser("sweep", help="wall time of a sweep: data, start-up and training per trial")
+    sweep.add_argument("--space", default="modality_ablation")
+    sweep.add_argument("--preset", action="append", default=[])
+    sweep.add_argument("--output", type=Path, default=Path("outputs/benchmark/sweep"))
+    sweep.add_argument("--data", type=Path, help="prepared data; default: the demo cohort, prepared afresh")
     args = parser.parse_args(argv)
+
+    if args.command == "sweep":
+        from gx_ray.sweep.benchmark import format_sweep_result, run_sweep_benchmark
+        from gx_ray.sweep.driver import SweepOptions
+
+        options = SweepOptions(
+            space=args.space,
+            output=args.output,
+            data=args.data,
+            presets=tuple(args.preset),
+            demo_dir=args.output / "demo",
+        )
+        print(format_sweep_result(run_sweep_benchmark(options)))
 
     if args.command == "ingest":
         config = IngestBenchmarkConfig(

@@ -75,6 +75,7 @@ class SweepResult:
 
 def run_trial(params: dict[str, Any]) -> None:
     """One Tune trial: build its config, open its MLflow child run, train (directly or with a TorchTrainer)."""
+    trial_started = time.perf_counter()
     context = params[CONTEXT_KEY]
     chosen = {k: v for k, v in params.items() if k != CONTEXT_KEY}
     flat = {**_resolve(context, chosen), "data.shards": context["shards"]}
@@ -85,6 +86,7 @@ def run_trial(params: dict[str, Any]) -> None:
     run_id = child_run(
         client, context["parent_run_id"], trial.get_trial_id(), trial.get_trial_name(), tags, config.to_flat()
     )
+    client.log_dict(run_id, config.to_flat(), "config.json")
     try:
         if config.resources.workers == 1:
             quiet_data_context()
@@ -99,6 +101,7 @@ def run_trial(params: dict[str, Any]) -> None:
             run_loop(config, worker)
         else:
             _fit_torch_trainer(config, flat, context, run_id, trial)
+        log_metrics(client, run_id, {"trial_seconds": time.perf_counter() - trial_started}, step=0)
         client.set_terminated(run_id, "FINISHED")
     except Exception as err:
         set_tags(client, run_id, {"gx_ray.error": f"{type(err).__name__}: {err}"[:5000]})
@@ -204,9 +207,9 @@ def run_sweep(options: SweepOptions) -> SweepResult:
         presets = ("demo", *presets)
     space = load_space(options.space, presets)  # a malformed space fails here, before Ray starts
     init_ray(options.address)
-    timings: dict[str, float] = {}
+    timings: dict[str, float] = {"ray_seconds": time.perf_counter() - started}
     shards = _shard_dir(options)
-    timings["data_seconds"] = time.perf_counter() - started
+    timings["data_seconds"] = time.perf_counter() - started - timings["ray_seconds"]
     read_manifest(shards, verify=False)
     sweep_id = _sweep_id(space, shards)
     output = Path(options.output) / sweep_id
@@ -216,7 +219,9 @@ def run_sweep(options: SweepOptions) -> SweepResult:
     output.mkdir(parents=True, exist_ok=True)
     server = None
     if options.mlflow_uri is None:
+        mlflow_started = time.perf_counter()
         server = LocalMlflowServer(output / "mlflow").start()
+        timings["mlflow_seconds"] = time.perf_counter() - mlflow_started
     tracking_uri = options.mlflow_uri or server.uri
     try:
         result = _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timings)
@@ -264,6 +269,7 @@ def _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timin
     if space.scheduler == "asha":
         scheduler = tune.schedulers.ASHAScheduler(time_attr="epoch", grace_period=1, reduction_factor=2)
     concurrency = _concurrency(space, options)
+    timings["concurrency"] = concurrency
     tune_config = tune.TuneConfig(
         metric=None if search_alg else metric,
         mode=None if search_alg else mode,

@@ -84,6 +84,26 @@ class StageClassification(Task):
     def metric(self) -> TaskMetric:
         return StageMetric()
 
+    def figures(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """The test split's confusion matrix (rows: true stage, columns: predicted)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        counts = np.zeros((len(STAGE_GROUPS), len(STAGE_GROUPS)), dtype=int)
+        for record in records:
+            if record["target"] is not None:
+                counts[STAGE_GROUPS.index(record["target"]), STAGE_GROUPS.index(record["prediction"])] += 1
+        figure, axes = plt.subplots(figsize=(3.6, 3.2))
+        axes.imshow(counts, cmap="Blues")
+        for (row, column), count in np.ndenumerate(counts):
+            axes.text(column, row, str(count), ha="center", va="center")
+        ticks = range(len(STAGE_GROUPS))
+        axes.set(xticks=ticks, yticks=ticks, xticklabels=STAGE_GROUPS, yticklabels=STAGE_GROUPS)
+        axes.set(xlabel="predicted stage", ylabel="true stage", title="test confusion matrix")
+        return {"confusion_matrix": figure}
+
 
 class StageMetric(TaskMetric):
     """Classification metrics of the labelled cases; ``t_accuracy`` etc. when the T/N/M heads are on."""

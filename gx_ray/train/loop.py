@@ -93,6 +93,7 @@ def evaluate(
 
 def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
     """Train, validate every epoch, test the best model; returns the final metrics."""
+    setup_started = time.perf_counter()
     seed_everything(config.seed)
     manifest = read_manifest(Path(config.data.shards))
     layout = TensorLayout(tuple(manifest["ct_shape"]), tuple(manifest["endoscopy_shape"]), tuple(manifest["lab_names"]))
@@ -127,10 +128,11 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
 
     sign = 1.0 if task.mode == "max" else -1.0
     metrics: dict[str, float] = {}
+    timing = {"setup_seconds": time.perf_counter() - setup_started, "train_seconds": 0.0}
     for epoch in range(start_epoch, config.schedule.epochs):
         started = time.perf_counter()
         model.train()
-        losses = []
+        losses, samples = [], 0
         seed = config.seed * 1000 + epoch
         for step, batch in enumerate(
             batches(ctx.data["train"], layout, config.data.batch_size, config.data.shuffle_buffer, seed)
@@ -141,11 +143,13 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
                 loss = task.loss(train_model(batch), batch) / config.data.grad_accum
             loss.backward()
             losses.append(loss.item() * config.data.grad_accum)
+            samples += len(batch["case_id"])
             if (step + 1) % config.data.grad_accum == 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimiser.grad_clip)
                 optimiser.step()
                 scheduler.step()
                 optimiser.zero_grad(set_to_none=True)
+        train_seconds = time.perf_counter() - started
         val, _ = evaluate(model, task, ctx.data["val"], layout, config, ctx.device)
         score = sign * val[task.primary_metric]
         if score > best["score"] or best["state"] is None:
@@ -155,21 +159,29 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
             "train_loss": float(np.mean(losses)) if losses else math.nan,
             "lr": scheduler.get_last_lr()[0],
             "epoch_seconds": time.perf_counter() - started,
+            "train_samples_per_second": samples * ctx.world_size / train_seconds,
             **{f"val_{k}": v for k, v in val.items()},
             "val_primary": val[task.primary_metric],
             "best_val_primary": sign * best["score"],
         }
         if ctx.tracker:
             ctx.tracker.log_metrics(metrics, step=epoch)
-        last = epoch == config.schedule.epochs - 1
-        if last:
+        if epoch == config.schedule.epochs - 1:  # the best model scores the test split
             model.load_state_dict(best["state"])
             test, records = evaluate(model, task, ctx.data["test"], layout, config, ctx.device)
-            metrics.update({f"test_{k}": v for k, v in test.items()}, test_primary=test[task.primary_metric])
-            metrics["best_epoch"] = best["epoch"]
+            timing["train_seconds"] += time.perf_counter() - started
+            final = {
+                **{f"test_{k}": v for k, v in test.items()},
+                "test_primary": test[task.primary_metric],
+                "best_epoch": best["epoch"],
+                **timing,
+            }
+            metrics.update(final)
             if ctx.tracker:
-                ctx.tracker.log_metrics({k: v for k, v in metrics.items() if k.startswith("test_")}, step=epoch)
+                ctx.tracker.log_metrics(final, step=epoch)
                 ctx.tracker.log_predictions(records, task)
+        else:
+            timing["train_seconds"] += time.perf_counter() - started
         _report(ctx, metrics, model, optimiser, scheduler, epoch, best)
     return metrics
 

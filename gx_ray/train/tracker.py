@@ -47,3 +47,4 @@ class TrialTracker:
         self.client.log_dict(self.run_id, records[:PREDICTION_SAMPLE], "predictions/test_sample.json")
         for name, figure in getattr(task, "figures", lambda r: {})(records).items():
             self.client.log_figure(self.run_id, figure, f"figures/{name}.png")
+            figure.clf()
