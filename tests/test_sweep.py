@@ -191,3 +191,20 @@ def test_interrupted_sweep_resumes_without_duplicates_or_gaps(demo_prepared, mlf
     trial_ids = [c.data.tags[TRIAL_TAG] for c in children]
     assert len(trial_ids) == len(set(trial_ids)) == 4, "a trial was repeated or lost"
     assert all(c.info.status == "FINISHED" for c in children)
+
+
+def test_the_same_loop_runs_under_a_torch_trainer(ray_cluster, demo_prepared, mlflow_server, tmp_path):
+    """Trials with several workers use Ray Train's TorchTrainer (Train V2): the loop is the same function."""
+    path = _small_space(tmp_path, [{"block_inplanes": [8, 16, 32, 64]}])
+    document = yaml.safe_load(path.read_text(encoding="utf-8"))
+    document["fixed"]["resources.torch_trainer"] = True
+    document["grid"]["seed"] = [0]
+    path.write_text(yaml.safe_dump(document), encoding="utf-8")
+    options = SweepOptions(space=str(path), output=tmp_path, data=demo_prepared.shard_dir, mlflow_uri=mlflow_server.uri)
+    result = run_sweep(options)
+    assert (result.finished, result.failed) == (1, 0)
+    (child,) = _children(mlflow_server.uri, result.sweep_id)
+    # accuracy is defined on any test split (AUC is not when the two test patients share a stage)
+    assert child.info.status == "FINISHED" and "test_accuracy" in child.data.metrics
+    assert child.data.params["resources.torch_trainer"] == "True"
+    assert (result.output / "ray").is_dir() and any((result.output / "ray").iterdir())

@@ -88,13 +88,11 @@ def run_trial(params: dict[str, Any]) -> None:
     )
     client.log_dict(run_id, config.to_flat(), "config.json")
     try:
-        if config.resources.workers == 1:
+        if config.resources.workers == 1 and not config.resources.torch_trainer:
             quiet_data_context()
             torch.set_num_threads(max(1, int(config.resources.cpus_per_worker)))
             device = torch.device("cuda" if config.resources.use_gpu and torch.cuda.is_available() else "cpu")
-            # the trial already holds its CPUs: reading asks for none more (two read tasks at a time at most)
-            shards = Path(config.data.shards)
-            data = {split: read_split(shards, split, num_cpus=0, concurrency=2).iterator() for split in SPLITS}
+            data = {split: _dataset(config, split).iterator() for split in SPLITS}
             worker = WorkerContext(
                 0, 1, device, data, tune.report, tune.get_checkpoint(), TrialTracker(context["tracking_uri"], run_id)
             )
@@ -115,7 +113,6 @@ def _fit_torch_trainer(config: TrialConfig, flat: dict, context: dict, run_id: s
     from ray.train.torch import TorchTrainer
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    shards = Path(config.data.shards)
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"trial": flat, "tracking_uri": context["tracking_uri"], "run_id": run_id},
@@ -124,7 +121,7 @@ def _fit_torch_trainer(config: TrialConfig, flat: dict, context: dict, run_id: s
             use_gpu=config.resources.use_gpu,
             resources_per_worker={"CPU": config.resources.cpus_per_worker},
         ),
-        datasets={split: read_split(shards, split) for split in SPLITS},
+        datasets={split: _dataset(config, split) for split in SPLITS},
         run_config=RunConfig(
             name=f"{context['sweep_id']}-{trial.get_trial_name()}",  # deterministic: Train resumes by name
             storage_path=context["storage_path"],
@@ -132,6 +129,11 @@ def _fit_torch_trainer(config: TrialConfig, flat: dict, context: dict, run_id: s
         ),
     )
     trainer.fit()
+
+
+def _dataset(config: TrialConfig, split: str) -> ray.data.Dataset:
+    shards = Path(config.data.shards)
+    return read_split(shards, split, num_cpus=config.data.read_cpus, concurrency=config.data.read_concurrency)
 
 
 def _resolve(context: dict, chosen: dict[str, Any]) -> dict[str, Any]:
@@ -256,10 +258,19 @@ def _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timin
         "space": space.name,
         "shards": str(shards.resolve()),
         "storage_path": str(storage.resolve()),
-        "fixed": space.fixed,
+        # the space's resources section decides what every trial config says about resources
+        "fixed": {
+            "resources.workers": space.workers,
+            "resources.cpus_per_worker": space.cpus_per_worker,
+            "resources.use_gpu": space.gpus_per_worker > 0,
+            **space.fixed,
+        },
         "overrides": space.overrides,
     }
-    resources = {"cpu": space.cpus_per_worker, "gpu": space.gpus_per_worker} if space.workers == 1 else {"cpu": 0}
+    in_trial = space.workers == 1 and not context["fixed"].get("resources.torch_trainer", False)
+    # a trial that runs its own loop holds the worker's resources; one that starts a TorchTrainer holds none
+    # but a sliver (the trainer's workers ask for theirs)
+    resources = {"cpu": space.cpus_per_worker, "gpu": space.gpus_per_worker} if in_trial else {"cpu": 0.1}
     trainable = tune.with_resources(run_trial, resources)
     metric, mode = (space.metric, ["max"] * len(space.metric)) if space.multi_objective else (METRIC, "max")
     search_alg = None

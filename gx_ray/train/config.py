@@ -45,6 +45,11 @@ class DataConfig:
     grad_accum: int = 1
     eval_batch_size: int | None = None
     shuffle_buffer: int = 64
+    read_cpus: float = 0.0
+    """CPUs each read task asks for. 0: the trial's workers already hold the CPUs the sweep gave them, and a read
+    task that waits for one more would wait for ever on a machine whose CPUs the trials fill; reading then runs
+    beside training, ``read_concurrency`` tasks at a time per split."""
+    read_concurrency: int = 2
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,8 @@ class ResourcesConfig:
     """Ray Train workers (DDP ranks); 1 runs the loop inside the Tune trial itself (no TorchTrainer start-up)."""
     use_gpu: bool = False
     cpus_per_worker: float = 1.0
+    torch_trainer: bool = False
+    """Run even a one-worker trial under a Ray Train ``TorchTrainer`` (several workers always do)."""
 
 
 @dataclass(frozen=True)
