@@ -365,7 +365,8 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for (task, schema), members in sorted(cells.items()):
         done = [m for m in members if not m["error"] and m["test_primary"] is not None]
         tests = np.array([m["test_primary"] for m in done], dtype=float)
-        best = max(done, key=lambda m: m["val_primary"] if m["val_primary"] is not None else -math.inf, default=None)
+        tests = tests[np.isfinite(tests)]  # a metric undefined on a split (one-class AUC) counts as no value
+        best = max(done, key=lambda m: _finite(m["val_primary"]), default=None)
         summary.append(
             {
                 "task": task,
@@ -382,6 +383,10 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             }
         )
     return summary
+
+
+def _finite(value: float | None) -> float:
+    return value if value is not None and math.isfinite(value) else -math.inf
 
 
 def format_summary(summary: list[dict[str, Any]], failed: int, total: int) -> str:

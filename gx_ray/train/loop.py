@@ -152,7 +152,8 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
         train_seconds = time.perf_counter() - started
         val, _ = evaluate(model, task, ctx.data["val"], layout, config, ctx.device)
         score = sign * val[task.primary_metric]
-        if score > best["score"] or best["state"] is None:
+        score = -math.inf if math.isnan(score) else score  # undefined on this split: never better than a number
+        if best["state"] is None or score > best["score"] or score == best["score"] == -math.inf:
             best = {"score": score, "epoch": epoch, "state": copy.deepcopy(model.state_dict())}
         metrics = {
             "epoch": epoch,
@@ -162,7 +163,7 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
             "train_samples_per_second": samples * ctx.world_size / train_seconds,
             **{f"val_{k}": v for k, v in val.items()},
             "val_primary": val[task.primary_metric],
-            "best_val_primary": sign * best["score"],
+            "best_val_primary": sign * best["score"] if math.isfinite(best["score"]) else math.nan,
         }
         if ctx.tracker:
             ctx.tracker.log_metrics(metrics, step=epoch)

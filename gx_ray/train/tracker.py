@@ -22,9 +22,9 @@ def log_params(client: MlflowClient, run_id: str, params: dict[str, Any]) -> Non
 
 
 def log_metrics(client: MlflowClient, run_id: str, metrics: dict[str, float], step: int) -> None:
-    """One batched request for all metrics of a step (NaNs are skipped: MLflow refuses them)."""
+    """One batched request for all metrics of a step. An undefined metric (AUC of a one-class split) is NaN."""
     now = int(time.time() * 1000)
-    items = [Metric(k, float(v), now, step) for k, v in sorted(metrics.items()) if v == v]
+    items = [Metric(k, float(v), now, step) for k, v in sorted(metrics.items())]
     for start in range(0, len(items), 1000):
         client.log_batch(run_id, metrics=items[start : start + 1000])
 
