@@ -133,7 +133,7 @@ def test_mlflow_holds_one_parent_and_a_child_per_trial_with_metrics(smoke_sweep,
 # --- failures and resume ----------------------------------------------------------------------------------
 
 
-def _small_space(tmp_path: Path, vision_kwargs: list) -> Path:
+def _small_space(tmp_path: Path, vision_kwargs: list, name: str = "small") -> Path:
     document = {
         "description": "two stage-classification trials",
         "fixed": {
@@ -148,7 +148,7 @@ def _small_space(tmp_path: Path, vision_kwargs: list) -> Path:
         },
         "grid": {"model.vision_kwargs": vision_kwargs, "seed": [0, 1]},
     }
-    path = tmp_path / "small.yaml"
+    path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(document), encoding="utf-8")
     return path
 
@@ -164,7 +164,7 @@ def test_a_failing_trial_is_reported_and_the_others_finish(ray_cluster, demo_pre
 
 
 def test_interrupted_sweep_resumes_without_duplicates_or_gaps(demo_prepared, mlflow_server, tmp_path):
-    path = _small_space(tmp_path, [{"block_inplanes": [8, 16, 32, 64]}, {"block_inplanes": [4, 8, 16, 32]}])
+    path = _small_space(tmp_path, [{"block_inplanes": [8, 16, 32, 64]}, {"block_inplanes": [4, 8, 16, 32]}], "resumed")
     command = [
         sys.executable, str(ROOT / "jobs" / "sweep.py"), "--space", str(path), "--output", str(tmp_path / "out"),
         "--data", str(demo_prepared.shard_dir), "--mlflow-uri", mlflow_server.uri, "--max-concurrent", "1",
@@ -172,10 +172,12 @@ def test_interrupted_sweep_resumes_without_duplicates_or_gaps(demo_prepared, mlf
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 300
     sweep_id = None
+    client = MlflowClient(mlflow_server.uri)
     while time.monotonic() < deadline and process.poll() is None:
-        runs = MlflowClient(mlflow_server.uri).search_runs(
-            [MlflowClient(mlflow_server.uri).get_experiment_by_name(EXPERIMENT).experiment_id],
-            filter_string="tags.`gx_ray.kind` = 'sweep' and attributes.run_name LIKE 'small-%'",
+        experiment = client.get_experiment_by_name(EXPERIMENT)
+        runs = experiment and client.search_runs(
+            [experiment.experiment_id],
+            filter_string="tags.`gx_ray.kind` = 'sweep' and attributes.run_name LIKE 'resumed-%'",
         )
         if runs:
             sweep_id = runs[0].data.tags["gx_ray.sweep_id"]
