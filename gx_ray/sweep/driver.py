@@ -325,11 +325,14 @@ def _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timin
     timings["tune_seconds"] = time.perf_counter() - tune_started
     rows = _result_rows(grid)
     failed = sum(1 for r in rows if r["error"])
+    finished = sum(1 for r in rows if r["completed"] and not r["error"])
     best = summarise(rows)
-    print(format_summary(best, failed, len(rows)))
-    log_metrics(client, parent, {"trials_finished": len(rows) - failed, "trials_failed": failed}, step=0)
-    client.set_terminated(parent, "FINISHED" if not failed else "FAILED" if failed == len(rows) else "FINISHED")
-    return SweepResult(sweep_id, output, tracking_uri, EXPERIMENT, parent, len(rows) - failed, failed, best, timings)
+    print(format_summary(best, finished, failed, len(rows)))
+    log_metrics(client, parent, {"trials_finished": finished, "trials_failed": failed}, step=0)
+    # an interrupted sweep's parent stays open for --resume; one whose trials all failed is FAILED
+    status = "FAILED" if failed == len(rows) else "FINISHED" if finished + failed == len(rows) else "KILLED"
+    client.set_terminated(parent, status)
+    return SweepResult(sweep_id, output, tracking_uri, EXPERIMENT, parent, finished, failed, best, timings)
 
 
 def _result_rows(grid: Any) -> list[dict[str, Any]]:
@@ -348,6 +351,7 @@ def _result_rows(grid: Any) -> list[dict[str, Any]]:
                 "chosen": {k: v for k, v in params.items() if k not in ("task", "schema", "seed")},
                 "val_primary": metrics.get("best_val_primary"),
                 "test_primary": metrics.get("test_primary"),
+                "completed": "best_epoch" in metrics,  # the loop reports it with the test metrics, at its end
                 "error": str(result.error).splitlines()[0][:300] if result.error else None,
             }
         )
@@ -363,7 +367,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         cells.setdefault((row["task"], row["schema"]), []).append(row)
     summary = []
     for (task, schema), members in sorted(cells.items()):
-        done = [m for m in members if not m["error"] and m["test_primary"] is not None]
+        done = [m for m in members if not m["error"] and m["completed"]]
         tests = np.array([m["test_primary"] for m in done], dtype=float)
         tests = tests[np.isfinite(tests)]  # a metric undefined on a split (one-class AUC) counts as no value
         best = max(done, key=lambda m: _finite(m["val_primary"]), default=None)
@@ -389,9 +393,11 @@ def _finite(value: float | None) -> float:
     return value if value is not None and math.isfinite(value) else -math.inf
 
 
-def format_summary(summary: list[dict[str, Any]], failed: int, total: int) -> str:
+def format_summary(summary: list[dict[str, Any]], finished: int, failed: int, total: int) -> str:
+    unfinished = total - finished - failed
     lines = [
-        f"\n{total - failed} of {total} trials finished, {failed} failed",
+        f"\n{finished} of {total} trials finished, {failed} failed"
+        + (f", {unfinished} unfinished (resume with --resume)" if unfinished else ""),
         f"{'task':<22} {'schema':<18} {'metric':<26} {'test mean ± sd (n)':<24} best val → test",
     ]
     for cell in summary:
