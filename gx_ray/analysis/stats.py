@@ -1,0 +1,188 @@
+"""Statistics across seeds and paired significance between input schemas.
+
+:func:`seed_summary` / :func:`cell_statistics` give mean, SD and a bootstrap interval of the mean over seeds for
+every cell of the runs table (:mod:`gx_ray.analysis.runs`). A schema is compared with another either by
+:func:`paired_bootstrap` over test patients (preferred: needs each seed's per-case predictions) or by
+:func:`wilcoxon_over_seeds` (the fallback on the runs table alone, see :func:`seed_comparisons`);
+:func:`significance_table` Holm-corrects a family of such comparisons and says which schema is better.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+from gx_ray.analysis.runs import headline_metric, higher_is_better
+
+CELL_KEYS = ["task", "model", "fusion", "schema", "metric"]
+COMPARISON_KEYS = ["task", "metric", "schema_a", "schema_b"]
+
+
+def seed_summary(values: Sequence[float], confidence: float = 0.95, n_resamples: int = 9999, seed: int = 0) -> dict:
+    """Mean, SD (ddof=1), n and a percentile-bootstrap interval of the mean of one cell's values over seeds.
+
+    NaN values (the metric undefined on the split) are dropped. With n < 2 the SD and the interval are NaN.
+    The percentile method is used rather than BCa: BCa's jackknife acceleration is unstable for 3-10 seeds and
+    fails on degenerate data. With so few seeds any bootstrap interval is optimistic (it cannot reach beyond
+    the observed min/max); read it as a description of the seeds' spread, not a guaranteed coverage.
+    """
+    x = np.asarray(values, dtype=float)
+    x = x[~np.isnan(x)]
+    n = len(x)
+    mean = float(x.mean()) if n else float("nan")
+    out = {"mean": mean, "sd": float("nan"), "n": n, "ci_low": float("nan"), "ci_high": float("nan")}
+    if n < 2:
+        return out
+    out["sd"] = float(x.std(ddof=1))
+    if np.all(x == x[0]):  # scipy warns on a degenerate sample; the interval is the point itself
+        out["ci_low"] = out["ci_high"] = mean
+        return out
+    ci = stats.bootstrap(
+        (x,), np.mean, n_resamples=n_resamples, confidence_level=confidence, method="percentile", rng=seed
+    ).confidence_interval
+    out["ci_low"], out["ci_high"] = float(ci.low), float(ci.high)
+    return out
+
+
+def cell_statistics(runs: pd.DataFrame, split: str = "test") -> pd.DataFrame:
+    """One row per (task, model, fusion, schema, metric) of ``runs`` on ``split``: :func:`seed_summary` over its
+    trials (the seeds), plus ``higher_is_better``. Cells keep the order in which they first appear."""
+    rows = []
+    for key, group in runs[runs["split"] == split].groupby(CELL_KEYS, sort=False, dropna=False):
+        rows.append({**dict(zip(CELL_KEYS, key, strict=True)), **seed_summary(group["value"].to_numpy())})
+    columns = [*CELL_KEYS, "mean", "sd", "n", "ci_low", "ci_high"]
+    table = pd.DataFrame(rows, columns=columns)
+    table["higher_is_better"] = [higher_is_better(m) for m in table["metric"]]
+    return table
+
+
+def paired_bootstrap(
+    score_a: Sequence[Callable[[np.ndarray], float]],
+    score_b: Sequence[Callable[[np.ndarray], float]],
+    n_cases: int,
+    n_resamples: int = 2000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> dict:
+    """Paired bootstrap over test patients of schema A minus schema B, averaged over seeds.
+
+    ``score_a[s](indices)`` is the metric of seed ``s``'s model A on the test cases ``indices`` (an int array
+    into one ordered list of ``n_cases`` cases shared by every model; it may repeat cases), likewise
+    ``score_b``. Each replicate resamples the patients once and scores both arms of every seed on that same
+    index array, so patient difficulty cancels in the difference. Returns the observed ``diff`` (all cases),
+    its percentile interval ``ci_low``/``ci_high``, a two-sided ``p_value`` =
+    ``2 * min(P(d <= 0), P(d >= 0))`` over the replicates (with the +1 correction, capped at 1), ``n_seeds``,
+    ``n_cases``, ``n_resamples`` (replicates kept) and ``dropped``: replicates where a score was NaN (e.g. an
+    AUC on a resample with one class), left out of the interval and the p-value.
+    """
+    if len(score_a) != len(score_b) or not score_a:
+        raise ValueError(f"need the same seeds for both arms, got {len(score_a)} and {len(score_b)}")
+
+    def diff(indices: np.ndarray) -> float:
+        return float(np.mean([a(indices) - b(indices) for a, b in zip(score_a, score_b, strict=True)]))
+
+    # numpy rather than scipy.stats.bootstrap: scipy would fold NaN replicates into a NaN interval (with a
+    # misleading BCa warning) and gives no p-value, so only its resampling would be used
+    observed = diff(np.arange(n_cases))
+    rng = np.random.default_rng(seed)
+    d = np.array([diff(rng.integers(0, n_cases, size=n_cases)) for _ in range(n_resamples)])
+    kept = d[~np.isnan(d)]
+    out = {
+        "diff": observed,
+        "ci_low": float("nan"),
+        "ci_high": float("nan"),
+        "p_value": float("nan"),
+        "n_seeds": len(score_a),
+        "n_cases": n_cases,
+        "n_resamples": len(kept),
+        "dropped": n_resamples - len(kept),
+        "method": "paired bootstrap over patients",
+    }
+    if len(kept):
+        alpha = 1 - confidence
+        out["ci_low"], out["ci_high"] = (float(q) for q in np.quantile(kept, [alpha / 2, 1 - alpha / 2]))
+        tail = min(np.sum(kept <= 0), np.sum(kept >= 0))
+        out["p_value"] = float(min(1.0, 2 * (tail + 1) / (len(kept) + 1)))
+    return out
+
+
+def wilcoxon_over_seeds(a: Sequence[float], b: Sequence[float]) -> dict:
+    """Wilcoxon signed-rank test (two-sided) of ``a`` against ``b`` paired by seed; pairs with a NaN are dropped.
+
+    Returns ``diff`` = mean(a - b), ``p_value``, ``n_seeds`` and ``method``; all-zero differences give p = 1.
+    This is the fallback when per-case predictions are not available: with n <= 5 seeds the smallest two-sided
+    p is 2 / 2**n >= 0.0625, so it can never reach 0.05 however large the effect. :func:`paired_bootstrap` over
+    test patients has the power the seeds lack and is preferred whenever per-case predictions exist.
+    """
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    ok = ~(np.isnan(a) | np.isnan(b))
+    d = a[ok] - b[ok]
+    out = {"diff": float(d.mean()) if len(d) else float("nan"), "p_value": float("nan"), "n_seeds": len(d)}
+    if len(d) and np.all(d == 0):
+        out["p_value"] = 1.0
+    elif len(d):
+        out["p_value"] = float(stats.wilcoxon(d, alternative="two-sided").pvalue)
+    return {**out, "method": "Wilcoxon signed-rank over seeds"}
+
+
+def holm(p_values: Sequence[float]) -> np.ndarray:
+    """Holm-Bonferroni step-down adjusted p-values: monotone in p, capped at 1; NaN stays NaN and is not counted.
+
+    Our own few lines since scipy's ``false_discovery_control`` only does BH/BY and statsmodels is not a
+    dependency.
+    """
+    p = np.asarray(p_values, dtype=float)
+    out = np.full_like(p, np.nan)
+    ok = np.flatnonzero(~np.isnan(p))
+    order = ok[np.argsort(p[ok], kind="stable")]
+    m = len(order)
+    # the i-th smallest of m is multiplied by (m - i); the running max keeps the step-down order monotone
+    out[order] = np.minimum(1.0, np.maximum.accumulate(p[order] * (m - np.arange(m))))
+    return out
+
+
+def significance_table(comparisons: list[dict], alpha: float = 0.05) -> pd.DataFrame:
+    """The comparisons (dicts with task, metric, schema_a, schema_b and the keys of :func:`paired_bootstrap` or
+    :func:`wilcoxon_over_seeds`) as a table, Holm-corrected across ALL comparisons given as one family.
+
+    Adds ``p_holm``, ``significant`` (``p_holm < alpha``) and ``better``: the schema whose value is better given
+    :func:`~gx_ray.analysis.runs.higher_is_better` of the metric (for ranks the lower one), or ``""`` when not
+    significant. Sorted by task, then p-value.
+    """
+    table = pd.DataFrame(comparisons)
+    if table.empty:
+        return pd.DataFrame(columns=[*COMPARISON_KEYS, "diff", "p_value", "p_holm", "significant", "better"])
+    table["p_holm"] = holm(table["p_value"].to_numpy())
+    table["significant"] = table["p_holm"] < alpha
+    a_wins = (table["diff"] > 0) == table["metric"].map(higher_is_better)
+    table["better"] = np.where(table["significant"], np.where(a_wins, table["schema_a"], table["schema_b"]), "")
+    rest = [c for c in table.columns if c not in COMPARISON_KEYS]
+    return table[COMPARISON_KEYS + rest].sort_values(["task", "p_value"], kind="stable").reset_index(drop=True)
+
+
+def seed_comparisons(
+    runs: pd.DataFrame, baseline: str = "image_only", split: str = "test", headline_only: bool = False
+) -> list[dict]:
+    """Every schema against ``baseline`` per task, model, fusion and metric, paired by seed with
+    :func:`wilcoxon_over_seeds`: the fallback when per-case predictions are not available. ``headline_only``
+    keeps each task's primary metric (:func:`~gx_ray.analysis.runs.headline_metric`, which imports the tasks).
+    """
+    comparisons = []
+    for (task, model, fusion, metric), group in runs[runs["split"] == split].groupby(
+        ["task", "model", "fusion", "metric"], sort=False, dropna=False
+    ):
+        if headline_only and metric != headline_metric(task):
+            continue
+        by_seed = group.pivot_table(index="seed", columns="schema", values="value", aggfunc="mean", dropna=False)
+        if baseline not in by_seed:
+            continue
+        for schema in group["schema"].unique():
+            if schema == baseline or schema not in by_seed:
+                continue
+            result = wilcoxon_over_seeds(by_seed[schema].to_numpy(), by_seed[baseline].to_numpy())
+            cell = {"task": task, "metric": metric, "schema_a": schema, "schema_b": baseline}
+            comparisons.append({**cell, "model": model, "fusion": fusion, **result})
+    return comparisons

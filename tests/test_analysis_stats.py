@@ -1,0 +1,282 @@
+"""Statistics across seeds and paired significance between schemas (gx_ray.analysis.stats)."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from gx_ray.analysis import stats
+from gx_ray.analysis.stats import (
+    cell_statistics,
+    holm,
+    paired_bootstrap,
+    seed_comparisons,
+    seed_summary,
+    significance_table,
+    wilcoxon_over_seeds,
+)
+from tests.analysis_fixture import TASK_METRICS, make_runs
+
+
+def accuracy(correct: np.ndarray):
+    """A seed's score: percent correct on the resampled cases."""
+    return lambda idx: 100.0 * correct[idx].mean()
+
+
+# seed_summary
+
+
+def test_seed_summary_known_values():
+    s = seed_summary([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert s["mean"] == 3.0 and s["n"] == 5
+    assert s["sd"] == pytest.approx(np.sqrt(2.5))
+    assert 1.0 <= s["ci_low"] < 3.0 < s["ci_high"] <= 5.0
+
+
+def test_seed_summary_ci_narrows_with_noise():
+    z = np.random.default_rng(1).normal(size=5)
+    wide, narrow = seed_summary(10 + 1.0 * z), seed_summary(10 + 0.1 * z)
+    for s in (wide, narrow):
+        assert s["ci_low"] < s["mean"] < s["ci_high"]
+    assert narrow["ci_high"] - narrow["ci_low"] < 0.2 * (wide["ci_high"] - wide["ci_low"])
+
+
+def test_seed_summary_nan_dropped_and_small_n():
+    s = seed_summary([1.0, np.nan, 3.0])
+    assert s["n"] == 2 and s["mean"] == 2.0 and s["sd"] == pytest.approx(np.sqrt(2))
+    one = seed_summary([7.0, np.nan])
+    assert one["n"] == 1 and one["mean"] == 7.0
+    assert np.isnan(one["sd"]) and np.isnan(one["ci_low"]) and np.isnan(one["ci_high"])
+    none = seed_summary([np.nan])
+    assert none["n"] == 0 and np.isnan(none["mean"])
+
+
+def test_seed_summary_all_equal_no_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = seed_summary([5.0, 5.0, 5.0])
+    assert (s["mean"], s["sd"], s["ci_low"], s["ci_high"]) == (5.0, 0.0, 5.0, 5.0)
+
+
+# cell_statistics
+
+
+def test_cell_statistics_one_row_per_cell_ordered_as_effects():
+    effects = {"image_only": 0.0, "image_table": 2.0, "image_bbox": 4.0, "image_table_bbox": 6.0}
+    runs = make_runs(effects, seeds=5, noise=0.1)
+    cells = cell_statistics(runs)
+    assert len(cells) == len(effects) * sum(len(m) for m in TASK_METRICS.values())
+    assert not cells.duplicated(["task", "model", "fusion", "schema", "metric"]).any()
+    assert (cells["n"] == 5).all()
+    for (task, metric), cell in cells.groupby(["task", "metric"]):
+        means = cell.set_index("schema")["mean"][list(effects)].to_numpy()
+        rank = metric.endswith("median_rank")
+        assert (np.diff(means) < 0).all() if rank else (np.diff(means) > 0).all(), (task, metric)
+        assert (cell["higher_is_better"] == (not rank)).all()
+    # the test split, not val (val = test + 1)
+    one = runs[(runs.split == "test") & (runs.task == "vqa") & (runs.schema == "image_bbox") & (runs.metric == "f1")]
+    row = cells[(cells.task == "vqa") & (cells.schema == "image_bbox") & (cells.metric == "f1")].iloc[0]
+    assert row["mean"] == pytest.approx(one["value"].mean())
+    assert row["ci_low"] <= row["mean"] <= row["ci_high"]
+
+
+# paired_bootstrap
+
+
+def test_paired_bootstrap_known_difference():
+    rng = np.random.default_rng(0)
+    n, seeds = 200, 3
+    a = [accuracy(rng.random(n) < 0.8) for _ in range(seeds)]
+    b = [accuracy(rng.random(n) < 0.5) for _ in range(seeds)]
+    r = paired_bootstrap(a, b, n_cases=n)
+    assert r["p_value"] < 0.01
+    assert 0 < r["ci_low"] < 30.0 < r["ci_high"]
+    assert r["ci_low"] < r["diff"] < r["ci_high"]
+    assert (r["n_seeds"], r["n_cases"], r["n_resamples"], r["dropped"]) == (3, 200, 2000, 0)
+    assert r["method"] == "paired bootstrap over patients"
+
+
+def test_paired_bootstrap_calibrated_under_no_difference():
+    n, seeds, false_positives = 200, 3, 0
+    for rep in range(20):
+        rng = np.random.default_rng(100 + rep)
+        a = [accuracy(rng.random(n) < 0.7) for _ in range(seeds)]
+        b = [accuracy(rng.random(n) < 0.7) for _ in range(seeds)]
+        false_positives += paired_bootstrap(a, b, n_cases=n, n_resamples=500, seed=rep)["p_value"] < 0.05
+    assert false_positives <= 2
+
+
+def test_paired_bootstrap_same_indices_for_both_arms_and_all_seeds():
+    rng = np.random.default_rng(0)
+    n, seeds = 60, 3
+    data = [rng.random(n) < 0.6 for _ in range(seeds)]
+    calls: dict[tuple[str, int], list[np.ndarray]] = {}
+
+    def recording(arm: str, s: int):
+        def score(idx: np.ndarray) -> float:
+            calls.setdefault((arm, s), []).append(idx.copy())
+            return 100.0 * data[s][idx].mean()
+
+        return score
+
+    # identical data through separate callables: any difference would come from different resamples
+    a = [recording("a", s) for s in range(seeds)]
+    b = [recording("b", s) for s in range(seeds)]
+    r = paired_bootstrap(a, b, n_cases=n, n_resamples=300)
+    assert (r["diff"], r["ci_low"], r["ci_high"], r["p_value"]) == (0.0, 0.0, 0.0, 1.0)
+    reference = calls[("a", 0)]
+    assert len(reference) == 301 and np.array_equal(reference[0], np.arange(n))
+    assert any(len(np.unique(idx)) < n for idx in reference[1:])  # resampled with replacement
+    for key, seen in calls.items():
+        assert all(np.array_equal(x, y) for x, y in zip(seen, reference, strict=True)), key
+
+
+def test_paired_bootstrap_drops_nan_replicates():
+    rng = np.random.default_rng(0)
+    n = 30
+    labels = np.zeros(n, bool)
+    labels[:2] = True  # two positives: a resample often has none, where an AUC-like score is undefined
+    seen = []
+
+    def auc_like(correct: np.ndarray, record: bool = False):
+        def score(idx: np.ndarray) -> float:
+            if record:
+                seen.append(idx.copy())
+            return float("nan") if not labels[idx].any() else 100.0 * correct[idx].mean()
+
+        return score
+
+    a = [auc_like(rng.random(n) < 0.8, record=True)]
+    b = [auc_like(rng.random(n) < 0.5)]
+    r = paired_bootstrap(a, b, n_cases=n, n_resamples=400)
+    undefined = sum(not labels[idx].any() for idx in seen[1:])
+    assert undefined > 0 and r["dropped"] == undefined
+    assert r["n_resamples"] == 400 - undefined
+    assert np.isfinite([r["diff"], r["ci_low"], r["ci_high"], r["p_value"]]).all()
+
+
+def test_paired_bootstrap_needs_same_seeds():
+    with pytest.raises(ValueError):
+        paired_bootstrap([accuracy(np.ones(5, bool))], [], n_cases=5)
+
+
+# wilcoxon_over_seeds
+
+
+def test_wilcoxon_known_difference_and_identical():
+    rng = np.random.default_rng(0)
+    b = rng.normal(50, 1, size=10)
+    a = b + 2 + rng.normal(0, 0.1, size=10)
+    r = wilcoxon_over_seeds(a, b)
+    assert r["p_value"] < 0.01 and r["n_seeds"] == 10
+    assert r["diff"] == pytest.approx(np.mean(a - b))
+    assert r["method"] == "Wilcoxon signed-rank over seeds"
+    same = wilcoxon_over_seeds(b, b)
+    assert same["p_value"] == 1.0 and same["diff"] == 0.0
+
+
+def test_wilcoxon_cannot_reach_005_with_five_seeds():
+    assert wilcoxon_over_seeds([10.0] * 5, [0.0] * 5)["p_value"] == pytest.approx(0.0625)
+    r = wilcoxon_over_seeds([3.0, np.nan, 5.0, 6.0], [1.0, 1.0, np.nan, 1.0])
+    assert r["n_seeds"] == 2 and r["diff"] == 3.5
+
+
+# holm
+
+
+def test_holm_hand_worked():
+    # sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1 = 0.02, 0.03, 0.06, 0.04 -> running max 0.06
+    np.testing.assert_allclose(holm([0.01, 0.04, 0.03, 0.005]), [0.03, 0.06, 0.06, 0.02])
+
+
+def test_holm_nan_not_counted_and_capped():
+    np.testing.assert_allclose(holm([0.01, np.nan, 0.04]), [0.02, np.nan, 0.04])
+    np.testing.assert_allclose(holm([0.5, 0.6]), [1.0, 1.0])
+    assert holm([]).shape == (0,)
+
+
+def test_holm_monotone():
+    p = np.random.default_rng(0).random(30) ** 3
+    adjusted = holm(p)
+    order = np.argsort(p)
+    assert (np.diff(adjusted[order]) >= 0).all()
+    assert (adjusted >= p).all() and (adjusted <= 1).all()
+
+
+# significance_table
+
+
+def test_significance_table_direction_and_holm():
+    comparisons = [
+        {
+            "task": "retrieval",
+            "metric": "image_to_text_median_rank",
+            "schema_a": "image_table",
+            "schema_b": "image_only",
+        }
+        | {"diff": -3.0, "p_value": 0.001},
+        {"task": "retrieval", "metric": "image_to_text_median_rank", "schema_a": "image_bbox", "schema_b": "image_only"}
+        | {"diff": 3.0, "p_value": 0.002},
+        {"task": "retrieval", "metric": "image_to_text_recall_at_5", "schema_a": "image_bbox", "schema_b": "image_only"}
+        | {"diff": 3.0, "p_value": 0.003},
+        {
+            "task": "retrieval",
+            "metric": "image_to_text_recall_at_5",
+            "schema_a": "image_table",
+            "schema_b": "image_only",
+        }
+        | {"diff": -3.0, "p_value": 0.004},
+        {"task": "vqa", "metric": "accuracy", "schema_a": "image_table", "schema_b": "image_only"}
+        | {"diff": 5.0, "p_value": 0.02},
+        {"task": "retrieval", "metric": "image_to_text_median_rank", "schema_a": "image_table_bbox"}
+        | {"schema_b": "image_only", "diff": -5.0, "p_value": float("nan")},
+    ]
+    t = significance_table(comparisons)
+    assert list(t["task"]) == ["retrieval"] * 5 + ["vqa"]
+    assert list(t["p_value"][:4]) == [0.001, 0.002, 0.003, 0.004]
+    # Holm over the five non-NaN comparisons of both tasks: 0.005, 0.008, 0.009, 0.009, 0.02
+    np.testing.assert_allclose(t["p_holm"], [0.005, 0.008, 0.009, 0.009, np.nan, 0.02])
+    assert list(t["significant"]) == [True, True, True, True, False, True]
+    # lower rank wins: image_table's -3 beats image_only, image_bbox's +3 loses to it; recall: higher wins
+    assert list(t["better"]) == ["image_table", "image_only", "image_bbox", "image_only", "", "image_table"]
+    assert significance_table(comparisons, alpha=0.001)["better"].eq("").all()
+    assert significance_table([]).empty
+
+
+def test_significance_table_vqa_beyond_alpha_after_holm():
+    comparisons = [
+        {"task": "vqa", "metric": "accuracy", "schema_a": f"s{i}", "schema_b": "image_only", "diff": 1.0}
+        | {"p_value": 0.02}
+        for i in range(3)
+    ]
+    t = significance_table(comparisons)
+    np.testing.assert_allclose(t["p_holm"], [0.06] * 3)
+    assert not t["significant"].any() and t["better"].eq("").all()
+
+
+# seed_comparisons
+
+
+def test_seed_comparisons_on_fixture():
+    runs = make_runs({"image_only": 0.0, "image_table_bbox": 5.0}, seeds=10, noise=0.5, tasks=("retrieval",))
+    comparisons = seed_comparisons(runs)
+    assert {(c["metric"], c["schema_a"], c["schema_b"]) for c in comparisons} == {
+        (m, "image_table_bbox", "image_only") for m in TASK_METRICS["retrieval"]
+    }
+    assert all(c["n_seeds"] == 10 and c["p_value"] < 0.01 for c in comparisons)
+    t = significance_table(comparisons)
+    assert t["significant"].all() and (t["better"] == "image_table_bbox").all()
+    rank = t[t.metric == "image_to_text_median_rank"].iloc[0]
+    assert rank["diff"] == pytest.approx(-5.0, abs=1.0)
+
+
+def test_seed_comparisons_headline_only(monkeypatch):
+    monkeypatch.setattr(stats, "headline_metric", lambda task: "image_to_text_recall_at_5")
+    runs = make_runs(seeds=3, tasks=("retrieval",))
+    comparisons = seed_comparisons(runs, headline_only=True)
+    assert len(comparisons) == 3
+    assert {c["metric"] for c in comparisons} == {"image_to_text_recall_at_5"}
+    assert {c["schema_a"] for c in comparisons} == {"image_table", "image_bbox", "image_table_bbox"}
+    assert seed_comparisons(runs, baseline="missing") == []
