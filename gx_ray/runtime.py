@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 
 import ray
@@ -38,3 +39,10 @@ def quiet_data_context() -> None:
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = os.isatty(2)
     context.print_on_execution_start = False
+
+
+def tolerant_console() -> None:
+    """Summaries use ±, → and box rules; on an ASCII console (``LC_ALL=C``) escape them instead of crashing."""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")

@@ -16,6 +16,7 @@ from gx_ray.data.ingest_benchmark import IngestBenchmarkConfig, format_ingest_re
 from gx_ray.models.benchmark import AMP_MODES, ModelBenchmarkConfig, format_model_result, run_model_benchmark
 from gx_ray.models.fusion import FUSIONS
 from gx_ray.models.vision import VISION_ENCODERS
+from gx_ray.runtime import tolerant_console
 
 
 def shape(text: str) -> tuple[int, int, int, int]:
@@ -26,6 +27,7 @@ def shape(text: str) -> tuple[int, int, int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    tolerant_console()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     ingest = commands.add_parser("ingest", help="preprocessing cases/min per core; stream vs raw pyarrow rate")

@@ -15,6 +15,7 @@ from gx_ray.data.demo.findings import SignalStrength
 from gx_ray.data.layouts import LAYOUTS
 from gx_ray.data.prepare import PrepareConfig, prepare_data
 from gx_ray.data.preprocess import PreprocessConfig
+from gx_ray.runtime import tolerant_console
 from gx_ray.schema import CaseError
 
 
@@ -36,6 +37,7 @@ def _signal(text: str) -> SignalStrength:
 
 
 def main(argv: list[str] | None = None) -> int:
+    tolerant_console()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", default="demo", help="'demo' or a folder of raw cases (release or paper layout)")
     parser.add_argument("--out", type=Path, default=Path("outputs/demo"), help="output folder (default: outputs/demo)")

@@ -12,11 +12,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from gx_ray.runtime import tolerant_console
 from gx_ray.sweep.driver import SweepOptions, run_sweep
 from gx_ray.sweep.spaces import SpaceError
 
 
 def main(argv: list[str] | None = None) -> int:
+    tolerant_console()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--space", required=True, help="a name in search_spaces/ or a YAML file")
     parser.add_argument("--data", type=Path, help="prepared data (prepare_data's --out); default: the demo cohort")

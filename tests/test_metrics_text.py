@@ -115,7 +115,8 @@ def _meteor_1_5(predictions: list[str], references: list[str], folder: Path) -> 
     run = subprocess.run(
         ["java", "-Xmx512m", "-jar", str(jar), str(folder / "hyp.txt"), str(folder / "ref.txt"), *settings],
         capture_output=True,
-        text=True,
+        encoding="utf-8",
+        errors="replace",
         check=True,
         timeout=120,
     )

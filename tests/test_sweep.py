@@ -77,7 +77,8 @@ def test_malformed_space_fails_before_ray_starts(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "jobs" / "sweep.py"), "--space", str(path), "--output", str(tmp_path)],
         capture_output=True,
-        text=True,
+        encoding="utf-8",  # Tune's tables are box-drawn, and CI's locale may be ASCII
+        errors="replace",
         timeout=120,
     )
     assert result.returncode == 2 and "searcher" in result.stderr and "valid: grid, optuna" in result.stderr
@@ -184,10 +185,12 @@ def test_interrupted_sweep_resumes_without_duplicates_or_gaps(demo_prepared, mlf
             if sum(c.info.status == "FINISHED" for c in _children(mlflow_server.uri, sweep_id)) >= 1:
                 break
         time.sleep(1)
-    assert sweep_id is not None and process.poll() is None, process.stdout.read().decode()[-3000:]
+    assert sweep_id is not None and process.poll() is None, process.stdout.read().decode("utf-8", "replace")[-3000:]
     os.killpg(process.pid, signal.SIGINT)  # Ctrl-C: Tune saves the experiment state and stops
     process.wait(timeout=120)
-    resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(
+        [*command, "--resume"], capture_output=True, encoding="utf-8", errors="replace", timeout=600
+    )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     children = _children(mlflow_server.uri, sweep_id)
     trial_ids = [c.data.tags[TRIAL_TAG] for c in children]

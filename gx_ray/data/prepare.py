@@ -21,7 +21,7 @@ import ray
 from PIL import Image
 
 from gx_ray.data.catalogue import describe_abnormal, load_catalogue
-from gx_ray.data.demo.cohort import DemoConfig, generate_cohort
+from gx_ray.data.demo.cohort import COHORT_FILE, DemoConfig, generate_cohort
 from gx_ray.data.layouts import read_cohort
 from gx_ray.data.parallel import ordered_results
 from gx_ray.data.preprocess import PreprocessConfig, PreprocessedCase, preprocess_case
@@ -205,6 +205,7 @@ def prepare_shards(
     write_split_file(shard_dir / SPLIT_FILE, kept, excluded_patients, config.fractions, config.split_seed)
     manifest_extra = {
         "source": str(source),
+        "demo_cohort": (Path(source) / COHORT_FILE).exists(),  # synthetic: the analysis labels it so
         "preprocess": asdict(config.preprocess),
         "endoscopy_size": config.endoscopy_size,
         "split_file": SPLIT_FILE,

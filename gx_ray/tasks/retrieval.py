@@ -85,12 +85,21 @@ class Retrieval(Task):
         return info_nce(image, text, scale)
 
     def predict(self, outputs: Outputs, batch: Batch) -> list[dict[str, Any]]:
-        """The report of the batch that each image retrieves first, by case id."""
-        similarity = (outputs["image"] @ outputs["text"].T).detach()
+        """The report of the batch that each image retrieves first, by case id, and both embeddings (with them
+        the analysis ranks every query against the whole test gallery, as the metric does)."""
+        image, text = outputs["image"].detach().float().cpu(), outputs["text"].detach().float().cpu()
+        similarity = image @ text.T
         case_ids = outputs["case_ids"]
         best = similarity.argmax(1).tolist() if len(case_ids) else []
         return [
-            {"case_id": case_id, "prediction": case_ids[j], "target": case_id, "similarity": float(similarity[i, j])}
+            {
+                "case_id": case_id,
+                "prediction": case_ids[j],
+                "target": case_id,
+                "similarity": float(similarity[i, j]),
+                "image_embedding": image[i].tolist(),
+                "text_embedding": text[i].tolist(),
+            }
             for i, (case_id, j) in enumerate(zip(case_ids, best, strict=True))
         ]
 

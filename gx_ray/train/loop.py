@@ -31,7 +31,7 @@ from gx_ray.data.shards import TENSOR_COLUMNS, BatchCollate, TensorLayout, read_
 from gx_ray.data.splits import SPLITS
 from gx_ray.models.registry import build_encoder, param_groups
 from gx_ray.runtime import quiet_data_context
-from gx_ray.tasks import TaskModel, build_task
+from gx_ray.tasks import TaskModel, build_task, gather_state
 from gx_ray.train.config import TrialConfig
 from gx_ray.train.tracker import TrialTracker
 
@@ -79,7 +79,7 @@ def batches(iterator: Any, layout: TensorLayout, batch_size: int, shuffle: int, 
 def evaluate(
     model: TaskModel, task: Any, data: Any, layout: TensorLayout, config: TrialConfig, device
 ) -> tuple[dict, list]:
-    """The task's metrics over one split (gathered over all ranks) and this rank's prediction records."""
+    """The task's metrics and prediction records over one split, both gathered over all ranks."""
     model.eval()
     metric, records = task.metric(), []
     size = config.data.eval_batch_size or config.data.batch_size
@@ -88,7 +88,8 @@ def evaluate(
             outputs = model(batch)
             metric.update(outputs, batch)
             records += task.predict(outputs, batch)
-    return metric.compute(), records
+    # every rank's records (a collective call, like the metric's): the test predictions logged are the whole split's
+    return metric.compute(), [r for part in gather_state({"records": [records]}).get("records", []) for r in part]
 
 
 def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:

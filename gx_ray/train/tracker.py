@@ -43,8 +43,11 @@ class TrialTracker:
         log_metrics(self.client, self.run_id, metrics, step)
 
     def log_predictions(self, records: list[dict[str, Any]], task: Any) -> None:
-        """A sample of test predictions (reports, answers, boxes ...) and the task's figures, as artifacts."""
-        self.client.log_dict(self.run_id, records[:PREDICTION_SAMPLE], "predictions/test_sample.json")
+        """Every test prediction (what the analysis's paired bootstrap rescoring reads), a readable sample of
+        them (reports, answers, boxes ..., without embeddings) and the task's figures, as artifacts."""
+        self.client.log_dict(self.run_id, records, "predictions/test.json")
+        sample = [{k: v for k, v in r.items() if not k.endswith("_embedding")} for r in records[:PREDICTION_SAMPLE]]
+        self.client.log_dict(self.run_id, sample, "predictions/test_sample.json")
         for name, figure in getattr(task, "figures", lambda r: {})(records).items():
             self.client.log_figure(self.run_id, figure, f"figures/{name}.png")
             figure.clf()

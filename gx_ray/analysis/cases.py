@@ -1,0 +1,166 @@
+"""A trial's test metric as a function of which test patients are scored: what a paired bootstrap resamples.
+
+Every trial logs its full test predictions (``predictions/test.json``: the task's records, one per case, or
+one per question for VQA). :func:`case_scorer` turns them back into the task's metric on any multiset of the
+trial's test patients, with the task's own metric functions, so a bootstrap replicate scores exactly what the
+trial's test metric scores, on resampled patients. Metrics that are a mean over cases are scored from
+per-case values computed once; corpus metrics (BLEU, AUC, AP) are recomputed on each resample.
+
+Retrieval resamples queries against the whole test gallery (a resampled gallery would hold duplicate,
+indistinguishable items). Values recomputed from the records can differ in the last digits from the logged
+metric: detection boxes and scores are stored rounded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gx_ray.schema import STAGE_GROUPS
+
+Records = Sequence[dict[str, Any]]
+
+
+@dataclass
+class CaseScorer:
+    """``score(indices)``: the metric on the cases ``[case_ids[i] for i in indices]`` (repeats allowed)."""
+
+    case_ids: list[str]
+    score: Callable[[np.ndarray], float]
+
+    def aligned(self, case_ids: Sequence[str]) -> Callable[[np.ndarray], float]:
+        """The scorer over another ordering of (a subset of) this trial's cases: what pairs two trials."""
+        position = {case_id: i for i, case_id in enumerate(self.case_ids)}
+        own = np.array([position[c] for c in case_ids], dtype=np.int64)
+        return lambda indices: self.score(own[np.asarray(indices, dtype=np.int64)])
+
+
+def _nan_on_error(compute: Callable[[], float]) -> float:
+    try:
+        value = float(compute())
+    except ValueError:  # e.g. AUC of a resample with one class: undefined, dropped by the bootstrap
+        return float("nan")
+    return value
+
+
+def _stage(records: Records, metric: str) -> CaseScorer | None:
+    from gx_ray.metrics.classification import CLASSIFICATION_METRICS, classification_metrics
+
+    known = [r for r in records if r.get("target") is not None]
+    if not known or metric not in CLASSIFICATION_METRICS:
+        return None
+    probabilities = np.array([r["probabilities"] for r in known], dtype=np.float64)
+    labels = np.array([STAGE_GROUPS.index(r["target"]) for r in known])
+
+    def score(indices: np.ndarray) -> float:
+        return _nan_on_error(lambda: classification_metrics(probabilities[indices], labels[indices])[metric])
+
+    return CaseScorer([r["case_id"] for r in known], score)
+
+
+def _vqa(records: Records, metric: str) -> CaseScorer | None:
+    # predictions are answers, not probabilities: accuracy (overall and per category) is what they give
+    if metric != "accuracy" and not metric.startswith("accuracy_"):
+        return None
+    category = metric.removeprefix("accuracy_") if metric != "accuracy" else None
+    chosen = [r for r in records if category is None or r["category"] == category]
+    case_ids = sorted({r["case_id"] for r in chosen})
+    position = {c: i for i, c in enumerate(case_ids)}
+    correct = np.zeros(len(case_ids))
+    asked = np.zeros(len(case_ids))
+    for record in chosen:
+        asked[position[record["case_id"]]] += 1
+        correct[position[record["case_id"]]] += record["prediction"] == record["target"]
+
+    def score(indices: np.ndarray) -> float:
+        total = asked[indices].sum()
+        return 100.0 * correct[indices].sum() / total if total else float("nan")
+
+    return CaseScorer(case_ids, score)
+
+
+MEAN_TEXT_METRICS = ("rouge_l", "meteor", "bertscore_f1")
+"""Report metrics that are a mean of per-report scores (BLEU-4 is a corpus statistic)."""
+
+
+def _report(records: Records, metric: str, language: str) -> CaseScorer | None:
+    from gx_ray.metrics.text import TEXT_METRICS, text_generation_metrics
+
+    known = [r for r in records if r.get("target")]
+    if not known or metric not in TEXT_METRICS:
+        return None
+    generated = [r["prediction"] for r in known]
+    references = [r["target"] for r in known]
+    if metric in MEAN_TEXT_METRICS:
+        per_case = np.array(
+            [
+                text_generation_metrics([g], [r], language, [metric])[metric]
+                for g, r in zip(generated, references, strict=True)
+            ]
+        )
+        return CaseScorer([r["case_id"] for r in known], lambda indices: float(per_case[indices].mean()))
+
+    def score(indices: np.ndarray) -> float:
+        picked = [generated[i] for i in indices], [references[i] for i in indices]
+        return text_generation_metrics(*picked, language, [metric])[metric]
+
+    return CaseScorer([r["case_id"] for r in known], score)
+
+
+def _retrieval(records: Records, metric: str) -> CaseScorer | None:
+    from gx_ray.metrics.retrieval import RETRIEVAL_METRICS, retrieval_metrics
+
+    direction, _, name = metric.partition("_to_")
+    name = name.removeprefix("text_" if direction == "image" else "image_")
+    if direction not in ("image", "text") or name not in RETRIEVAL_METRICS:
+        return None
+    if not records or "image_embedding" not in records[0]:
+        return None
+    image = np.array([r["image_embedding"] for r in records], dtype=np.float64)
+    text = np.array([r["text_embedding"] for r in records], dtype=np.float64)
+    similarity = image @ text.T if direction == "image" else text @ image.T
+    positives = np.eye(len(records), dtype=bool)
+
+    def score(indices: np.ndarray) -> float:
+        return retrieval_metrics(similarity[indices], positives[indices])[name]
+
+    return CaseScorer([r["case_id"] for r in records], score)
+
+
+def _detection(records: Records, metric: str) -> CaseScorer | None:
+    from gx_ray.metrics.detection import DETECTION_METRICS, detection_metrics
+
+    known = [r for r in records if r.get("target") is not None]
+    if not known or metric not in DETECTION_METRICS:
+        return None
+    predictions = [
+        {"boxes": np.array(r["prediction"]["boxes"]).reshape(-1, 6), "scores": np.array(r["prediction"]["scores"])}
+        for r in known
+    ]
+    targets = [{"boxes": np.array(r["target"], dtype=np.float64).reshape(1, 6)} for r in known]
+
+    def score(indices: np.ndarray) -> float:
+        return detection_metrics([predictions[i] for i in indices], [targets[i] for i in indices])[metric]
+
+    return CaseScorer([r["case_id"] for r in known], score)
+
+
+def case_scorer(task: str, records: Records, metric: str, language: str = "en") -> CaseScorer | None:
+    """The trial's ``metric`` as a function of its test patients, or None where the records cannot give it.
+
+    ``records``: the trial's ``predictions/test.json``; ``language``: of the generated reports.
+    """
+    if task == "stage_classification":
+        return _stage(records, metric)
+    if task == "vqa":
+        return _vqa(records, metric)
+    if task == "report_generation":
+        return _report(records, metric, language)
+    if task == "retrieval":
+        return _retrieval(records, metric)
+    if task == "lesion_detection":
+        return _detection(records, metric)
+    raise ValueError(f"unknown task {task!r}")

@@ -1,0 +1,148 @@
+"""The tidy table of a sweep's runs: one row per (trial, split, metric), the contract of :mod:`gx_ray.analysis`.
+
+Columns (:data:`RUN_COLUMNS`): ``sweep_id``, ``run_id``, ``trial`` (the trial's name), ``status`` (MLflow's run
+status), ``start_time`` (ms since the epoch; the order trials began), ``task``, ``schema``, ``model`` (a label
+such as ``swin3d+minilm``), ``vision``, ``text``, ``fusion``, ``seed``, ``split`` (``val``: the best epoch's
+validation value; ``test``: the best checkpoint on the test split), ``metric`` (the task's metric name, e.g.
+``auc`` or ``image_to_text_recall_at_5``) and ``value`` (NaN where the metric is undefined on the split), then
+one column per searched parameter, named by its flat config key (``optimiser.lr``) and listed in
+``table.attrs["searched"]``.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from mlflow.entities import Run
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from gx_ray.sweep.tracking import SWEEP_TAG, TRIAL_TAG
+
+RUN_COLUMNS = (
+    "sweep_id",
+    "run_id",
+    "trial",
+    "status",
+    "start_time",
+    "task",
+    "schema",
+    "model",
+    "vision",
+    "text",
+    "fusion",
+    "seed",
+    "split",
+    "metric",
+    "value",
+)
+LOWER_IS_BETTER_SUFFIXES = ("median_rank", "mean_rank")
+
+
+def higher_is_better(metric: str) -> bool:
+    """Whether a larger value of ``metric`` is better: every metric but the retrieval ranks (MedR, MnR)."""
+    return not metric.endswith(LOWER_IS_BETTER_SUFFIXES)
+
+
+def headline_metric(task: str) -> str:
+    """The task's primary metric (the one sweeps optimise), e.g. ``auc`` for stage classification."""
+    from gx_ray.tasks import task_class
+
+    return task_class(task).primary_metric
+
+
+def _parse(value: str) -> Any:
+    """An MLflow param (always a string) back to the number or None it was; anything else stays a string."""
+    if value == "None":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+NOT_SEARCHED = ("task", "seed", "schema", "schema.name", "data.shards")
+"""Config keys that are the ablation's axes (or where the data lives), never "searched parameters"."""
+
+
+def child_runs(client: MlflowClient, sweep_id: str) -> list[Run]:
+    """Every trial run of the sweep (not its parent), all pages."""
+    experiment_ids = [e.experiment_id for e in client.search_experiments()]
+    query = f"tags.`{SWEEP_TAG}` = '{sweep_id}' and tags.`{TRIAL_TAG}` != ''"
+    runs, token = [], None
+    while True:
+        page = client.search_runs(experiment_ids, filter_string=query, max_results=1000, page_token=token)
+        runs += [r for r in page if TRIAL_TAG in r.data.tags]
+        token = page.token
+        if not token:
+            return sorted(runs, key=lambda r: r.info.start_time or 0)
+
+
+def load_runs(tracking_uri: str, sweep_id: str) -> pd.DataFrame:
+    """The sweep's trial runs as the tidy table of this module's docstring (empty, with the columns, if none).
+
+    The ``test`` rows are every ``test_*`` metric the trial logged (the best checkpoint on the test split); the
+    ``val`` rows hold the headline metric at the best epoch (what the search optimised).
+    """
+    runs = child_runs(MlflowClient(tracking_uri), sweep_id)
+    params = [{k: _parse(v) for k, v in r.data.params.items()} for r in runs]
+    searched = _searched(runs, params)
+    rows = []
+    for run, param in zip(runs, params, strict=True):
+        tags, metrics = run.data.tags, run.data.metrics
+        vision, text = param.get("model.vision"), param.get("model.text")
+        base = {
+            "sweep_id": sweep_id,
+            "run_id": run.info.run_id,
+            "trial": run.info.run_name,
+            "status": run.info.status,
+            "start_time": run.info.start_time,
+            "task": tags.get("task"),
+            "schema": tags.get("schema"),
+            "model": f"{vision}+{text}",
+            "vision": vision,
+            "text": text,
+            "fusion": param.get("model.fusion"),
+            "seed": int(tags.get("seed", param.get("seed", 0))),
+            **{key: param.get(key) for key in searched},
+        }
+        for name, value in metrics.items():
+            if name.startswith("test_") and name != "test_primary":
+                rows.append({**base, "split": "test", "metric": name.removeprefix("test_"), "value": value})
+        if "best_val_primary" in metrics and base["task"]:
+            rows.append(
+                {**base, "split": "val", "metric": headline_metric(base["task"]), "value": metrics["best_val_primary"]}
+            )
+    table = pd.DataFrame(rows, columns=[*RUN_COLUMNS, *searched])
+    table.attrs["searched"] = searched
+    return table
+
+
+def _searched(runs: list[Run], params: list[dict[str, Any]]) -> list[str]:
+    """Config keys that take more than one value among trials of the same task and schema: what was searched.
+
+    Keys that vary only between tasks (per-task overrides such as the detection box cues) are not searched.
+    """
+    groups: dict[tuple, dict[str, set]] = {}
+    for run, param in zip(runs, params, strict=True):
+        values = groups.setdefault((run.data.tags.get("task"), run.data.tags.get("schema")), {})
+        for key, value in param.items():
+            values.setdefault(key, set()).add(str(value))
+    varying = {k for values in groups.values() for k, seen in values.items() if len(seen) > 1}
+    return sorted(varying - set(NOT_SEARCHED))
+
+
+def test_records(tracking_uri: str, run_id: str) -> list[dict[str, Any]] | None:
+    """The trial's full test predictions (``predictions/test.json``), or None when it logged none."""
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            path = MlflowClient(tracking_uri).download_artifacts(run_id, "predictions/test.json", folder)
+        except (MlflowException, OSError):
+            return None
+        return json.loads(Path(path).read_text(encoding="utf-8"))
