@@ -1,0 +1,181 @@
+"""The paper's Figure 4 (a radar of input settings over the tasks' headline metrics) and a CI dot chart.
+
+Both read a *cells* table (see :mod:`gx_ray.analysis.tables`) and draw one colour per schema
+(:data:`SCHEMA_COLOURS`, the same in every figure). Like Figure 4, which reports X2-VLM-Med only, each task is drawn
+for one (model, fusion): the one given, or else the task's best by its headline metric averaged over the schemas
+(named in the figure's footnote), so that the settings are compared within one model.
+
+Radar normalisation (:func:`normalise_axis`): per axis, min–max over the schemas mapped to [0.2, 1], so the worst
+setting sits on the 0.2 ring rather than collapsing to the centre and the best touches the rim; lower-is-better
+axes (MedR, MnR) are inverted so that outward is always better. A setting without a value is drawn at the centre.
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from gx_ray.analysis.runs import headline_metric, higher_is_better  # noqa: E402
+from gx_ray.analysis.tables import metric_label, schema_label, schema_order, task_order  # noqa: E402
+
+SCHEMA_COLOURS = {  # colour-blind-safe (Okabe–Ito)
+    "image_only": "#0072B2",
+    "image_table": "#E69F00",
+    "image_bbox": "#009E73",
+    "image_table_bbox": "#D55E00",
+}
+EXTRA_COLOURS = ("#CC79A7", "#56B4E9", "#F0E442", "#000000", "#999999")
+RADAR_FLOOR = 0.2
+DPI = 150
+
+
+def schema_colour(schema: str) -> str:
+    """The schema's colour: fixed for the paper's four settings, a stable pick (by name) for any other."""
+    return SCHEMA_COLOURS.get(schema) or EXTRA_COLOURS[zlib.crc32(schema.encode()) % len(EXTRA_COLOURS)]
+
+
+def normalise_axis(values, higher_is_better: bool = True, floor: float = RADAR_FLOOR) -> np.ndarray:
+    """Min–max over ``values`` to [floor, 1], 1 = best (the smallest when lower is better); NaN stays NaN.
+
+    All equal (or a single value): every finite value is 1.
+    """
+    values = np.asarray(values, dtype=float)
+    finite = values[np.isfinite(values)]
+    if finite.size == 0:
+        return values.copy()
+    low, high = finite.min(), finite.max()
+    if high == low:
+        return np.where(np.isfinite(values), 1.0, np.nan)
+    share = (values - low) / (high - low)
+    return floor + (1.0 - floor) * (share if higher_is_better else 1.0 - share)
+
+
+def _headlines(cells: pd.DataFrame, metric_per_task: dict[str, str] | None) -> dict[str, str]:
+    metric_per_task = metric_per_task or {}
+    return {task: metric_per_task.get(task) or headline_metric(task) for task in task_order(cells["task"])}
+
+
+def _pick_model(cells: pd.DataFrame, task: str, metric: str, model: str | None) -> pd.DataFrame:
+    """The task's headline cells of one (model, fusion): ``model`` if given, else the best on average."""
+    frame = cells[(cells["task"] == task) & (cells["metric"] == metric)]
+    if model is not None:
+        frame = frame[frame["model"] == model]
+    if frame.empty:
+        return frame
+    key = frame["model"].astype(str) + " (" + frame["fusion"].astype(str) + ")"
+    means = frame["mean"].groupby(key).mean()
+    if means.isna().all():
+        return frame[key == key.iloc[0]]
+    return frame[key == (means.idxmax() if higher_is_better(metric) else means.idxmin())]
+
+
+def _footnote(picked: dict[str, pd.DataFrame]) -> str:
+    used = {task: f"{f['model'].iloc[0]} ({f['fusion'].iloc[0]})" for task, f in picked.items() if not f.empty}
+    if len(set(used.values())) == 1:
+        return f"Model: {next(iter(used.values()))}"
+    return "Model per task: " + "; ".join(f"{task}: {label}" for task, label in used.items())
+
+
+def _save(fig, path_stem: str | Path) -> list[Path]:
+    stem = Path(path_stem)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    paths = [stem.with_name(stem.name + ".png"), stem.with_name(stem.name + ".svg")]
+    fig.savefig(paths[0], dpi=DPI, bbox_inches="tight")
+    fig.savefig(paths[1], bbox_inches="tight")
+    plt.close(fig)
+    return paths
+
+
+def radar_figure(cells: pd.DataFrame, metric_per_task: dict[str, str] | None = None, model: str | None = None):
+    """Figure 4: one closed polygon per schema (gid ``radar-<schema>``) over one axis per task."""
+    headlines = _headlines(cells, metric_per_task)
+    tasks = list(headlines)
+    picked = {task: _pick_model(cells, task, headlines[task], model) for task in tasks}
+    schemas = schema_order(pd.concat(picked.values())["schema"])
+    grid = np.full((len(schemas), len(tasks)), np.nan)  # normalised value per schema x task
+    for j, task in enumerate(tasks):
+        means = picked[task].set_index("schema")["mean"].reindex(schemas).to_numpy(dtype=float)
+        grid[:, j] = normalise_axis(means, higher_is_better(headlines[task]))
+    angles = np.linspace(0, 2 * np.pi, len(tasks), endpoint=False)
+    closed = np.append(angles, angles[0])
+    fig, ax = plt.subplots(figsize=(6.4, 6.4), subplot_kw={"projection": "polar"})
+    for schema, row in zip(schemas, np.nan_to_num(grid, nan=0.0), strict=True):
+        values, colour = np.append(row, row[0]), schema_colour(schema)
+        ax.plot(closed, values, color=colour, linewidth=2, label=schema_label(schema), gid=f"radar-{schema}")
+        ax.fill(closed, values, color=colour, alpha=0.12, gid=f"radar-fill-{schema}")
+    ax.set_xticks(angles, [f"{task}\n{metric_label(headlines[task])}" for task in tasks], fontsize=9)
+    ax.tick_params(axis="x", pad=18)
+    ax.set_ylim(0, 1.0)
+    ax.set_yticks([RADAR_FLOOR, 0.6, 1.0], ["worst", "", "best"], fontsize=7, color="grey")
+    ax.legend(loc="upper right", bbox_to_anchor=(1.32, 1.12), fontsize=8)
+    fig.text(
+        0.5,
+        -0.06,
+        f"Per axis: min–max over settings to [{RADAR_FLOOR}, 1]; outward is better (↓ axes inverted); "
+        f"missing = centre.\n{_footnote(picked)}",
+        ha="center",
+        fontsize=7,
+        wrap=True,
+    )
+    return fig
+
+
+def radar_plot(
+    cells: pd.DataFrame,
+    path_stem: str | Path,
+    metric_per_task: dict[str, str] | None = None,
+    model: str | None = None,
+) -> list[Path]:
+    """Write the radar (Figure 4) as ``<path_stem>.png`` (dpi 150) and ``.svg``; the paths written."""
+    return _save(radar_figure(cells, metric_per_task, model), path_stem)
+
+
+def interval_figure(cells: pd.DataFrame, metric_per_task: dict[str, str] | None = None, model: str | None = None):
+    """One panel per task: a dot per schema at its mean with the 95 % CI (``ci_low``–``ci_high``) as error bar."""
+    headlines = _headlines(cells, metric_per_task)
+    fig, axes = plt.subplots(1, len(headlines), figsize=(3.2 * len(headlines), 2.8), squeeze=False)
+    for ax, (task, metric) in zip(axes[0], headlines.items(), strict=True):
+        frame = _pick_model(cells, task, metric, model).set_index("schema")
+        schemas = schema_order(frame.index)
+        for y, schema in enumerate(schemas):
+            mean, low, high = (float(frame.at[schema, c]) for c in ("mean", "ci_low", "ci_high"))
+            err = np.nan_to_num([[mean - low], [high - mean]], nan=0.0)
+            ax.errorbar(mean, y, xerr=err, fmt="o", color=schema_colour(schema), capsize=3)
+        ax.set_yticks(range(len(schemas)), [schema_label(s) for s in schemas], fontsize=8)
+        ax.set_ylim(-0.6, len(schemas) - 0.4)
+        ax.invert_yaxis()
+        ax.set_xlabel(metric_label(metric), fontsize=8)
+        subtitle = f"{frame['model'].iloc[0]} ({frame['fusion'].iloc[0]})" if len(frame) else "no cells"
+        ax.set_title(f"{task}\n{subtitle}", fontsize=8)
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle("Test mean and 95 % CI over seeds", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def interval_plot(
+    cells: pd.DataFrame,
+    path_stem: str | Path,
+    metric_per_task: dict[str, str] | None = None,
+    model: str | None = None,
+) -> list[Path]:
+    """Write the CI dot chart as ``<path_stem>.png`` (dpi 150) and ``.svg``; the paths written."""
+    return _save(interval_figure(cells, metric_per_task, model), path_stem)
+
+
+__all__ = [
+    "SCHEMA_COLOURS",
+    "interval_figure",
+    "interval_plot",
+    "normalise_axis",
+    "radar_figure",
+    "radar_plot",
+    "schema_colour",
+]

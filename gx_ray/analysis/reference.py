@@ -1,0 +1,115 @@
+"""The Gastric-X paper's published numbers, and our cell statistics placed beside them.
+
+The paper's tables ship as ``analysis/gastric_x_paper_results.csv`` (one row per printed number; the columns are
+described in ``/work/shared/reference/README.md``). :func:`load_reference` maps its retrieval rows (``direction``
++ ``metric``) to our metric names (``image_to_text_recall_at_5`` …). :func:`beside_paper` puts each of our cells
+next to every paper model's value for the same (task, schema, metric), with a ``cohort`` column that says plainly
+whether our numbers come from the paper's test set at all. The paper does not ablate retrieval and lesion
+detection by input setting; their rows carry ``image_only`` and are matched to our ``image_only`` cells only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+import gx_ray
+from gx_ray.analysis.tables import format_cell, metric_label, metric_order, schema_label, schema_order, task_order
+
+REFERENCE_FILE = "gastric_x_paper_results.csv"
+PAPER_PREFIX = "paper: "
+COHORTS = {
+    "demo": "built-in demo cohort (synthetic) — not comparable to the paper's Gastric-X test set",
+    "gastric_x": "Gastric-X (the paper's dataset) — our own split, models and training; compare with care",
+}
+OURS_COLUMNS = ["task", "schema", "metric", "model", "ours", "mean", "sd", "n", "ci_low", "ci_high"]
+
+
+def default_reference_path() -> Path:
+    """``analysis/gastric_x_paper_results.csv`` beside the (editable-installed) package."""
+    return Path(gx_ray.__file__).resolve().parents[1] / "analysis" / REFERENCE_FILE
+
+
+def load_reference(path: str | Path | None = None) -> pd.DataFrame:
+    """The paper's numbers: task, model, schema, metric (our name), value, higher_is_better, source_table, …
+
+    ``paper_metric`` keeps the paper's own name; retrieval rows get ``metric = f"{direction}_{paper_metric}"``.
+    """
+    path = Path(path) if path is not None else default_reference_path()
+    if not path.is_file():
+        raise FileNotFoundError(f"the Gastric-X paper results are not at {path} (expected {REFERENCE_FILE})")
+    frame = pd.read_csv(path, dtype={"direction": "string"})
+    frame["paper_metric"] = frame["metric"]
+    direction = frame["direction"].fillna("")
+    frame["metric"] = (direction + "_").where(direction != "", "") + frame["paper_metric"]
+    frame["higher_is_better"] = frame["higher_is_better"].astype(str).str.lower().eq("true")
+    return frame
+
+
+def cohort_note(cohort: str) -> str:
+    """Plain words for where our numbers come from, e.g. ``demo`` → "built-in demo cohort (synthetic) — …"."""
+    return COHORTS.get(cohort, f"{cohort} cohort — not the paper's Gastric-X test set; not directly comparable")
+
+
+def _note(task: str, schema: str, metric: str, reference: pd.DataFrame, unablated: set[str]) -> str:
+    if task in unablated:
+        if schema != "image_only":
+            return "the paper has no input settings for this task"
+        return "the paper reports this task without input settings: matched to our image_only only"
+    if not ((reference["task"] == task) & (reference["metric"] == metric)).any():
+        return "not reported by the paper"
+    return ""
+
+
+def beside_paper(cells: pd.DataFrame, reference: pd.DataFrame, cohort: str) -> pd.DataFrame:
+    """One row per cell of ours: ``OURS_COLUMNS``, then ``paper: <model>`` per paper model, ``note``, ``cohort``.
+
+    ``ours`` reads "mean ± sd"; a paper column is NaN where that model has no number for the row's (task, schema,
+    metric). Retrieval and detection paper rows (schema ``image_only``) fill our ``image_only`` rows only.
+    """
+    ours = cells.copy()
+    several = ours.groupby("task")["fusion"].transform("nunique") > 1
+    ours["model"] = (
+        ours["model"].astype(str).where(~several, ours["model"].astype(str) + " (" + ours["fusion"].astype(str) + ")")
+    )
+    ours["ours"] = [format_cell(m, s, n) for m, s, n in zip(ours["mean"], ours["sd"], ours["n"], strict=True)]
+    ours = ours[OURS_COLUMNS]
+    paper = reference.pivot_table(index=["task", "schema", "metric"], columns="model", values="value", aggfunc="first")
+    models = list(reference["model"].drop_duplicates())
+    paper = paper.reindex(columns=models).add_prefix(PAPER_PREFIX).reset_index()
+    frame = ours.merge(paper, on=["task", "schema", "metric"], how="left")
+    schemas_per_task = reference.groupby("task")["schema"].unique()
+    unablated = {task for task, schemas in schemas_per_task.items() if set(schemas) == {"image_only"}}
+    frame["note"] = [
+        _note(t, s, m, reference, unablated)
+        for t, s, m in zip(frame["task"], frame["schema"], frame["metric"], strict=True)
+    ]
+    frame["cohort"] = cohort_note(cohort)
+    order = {"task": task_order, "schema": schema_order, "metric": metric_order}
+    keys = {f"_{c}": frame[c].map(sort(frame[c]).index) for c, sort in order.items()}
+    frame = frame.assign(**keys).sort_values([*keys, "model"], kind="stable")
+    return frame.drop(columns=list(keys)).reset_index(drop=True)
+
+
+def _number(value: float) -> str:
+    return "—" if pd.isna(value) else f"{value:.1f}"
+
+
+def beside_paper_markdown(frame: pd.DataFrame) -> str:
+    """Markdown: the cohort statement first, then one table per task with only the paper models it reports."""
+    lines = [f"**Our cohort: {c}.**" for c in frame["cohort"].drop_duplicates()]
+    lines.append("Ours: test mean ± sd over seeds and 95 % CI; paper: the value printed in the Gastric-X paper.")
+    for task, group in frame.groupby("task", sort=False):
+        papers = [c for c in group.columns if c.startswith(PAPER_PREFIX) and group[c].notna().any()]
+        header = ["Setting", "Metric", "Our model", "Ours", "95 % CI", *papers, "Note"]
+        lines += ["", f"### {task}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for row in group.to_dict("records"):
+            ci = "—" if pd.isna(row["ci_low"]) else f"[{row['ci_low']:.1f}, {row['ci_high']:.1f}]"
+            ours = [schema_label(row["schema"]), metric_label(row["metric"]), row["model"], row["ours"], ci]
+            cells = [*ours, *(_number(row[c]) for c in papers), row["note"]]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["beside_paper", "beside_paper_markdown", "cohort_note", "default_reference_path", "load_reference"]

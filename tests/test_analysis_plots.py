@@ -1,0 +1,96 @@
+"""Radar (the paper's Figure 4) and CI dot chart: files, one polygon per schema, outward is better."""
+
+from __future__ import annotations
+
+import re
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import pytest
+from PIL import Image
+
+from gx_ray.analysis.plots import (
+    SCHEMA_COLOURS,
+    interval_figure,
+    interval_plot,
+    normalise_axis,
+    radar_figure,
+    radar_plot,
+)
+from gx_ray.analysis.runs import higher_is_better
+from tests.analysis_fixture import SCHEMAS, make_runs
+
+TASKS = ("vqa", "retrieval", "stage_classification")
+
+
+@pytest.fixture(scope="module")
+def cells() -> pd.DataFrame:
+    """The cells contract from the fixture's test split: image_table_bbox best everywhere (effects 0, 2, 4, 6)."""
+    test = make_runs(tasks=TASKS, noise=0.1).query("split == 'test'")
+    keys = ["task", "model", "fusion", "schema", "metric"]
+    cells = test.groupby(keys, as_index=False)["value"].agg(mean="mean", sd="std", n="count")
+    half = 1.96 * cells["sd"] / np.sqrt(cells["n"])
+    cells["ci_low"], cells["ci_high"] = cells["mean"] - half, cells["mean"] + half
+    cells["higher_is_better"] = cells["metric"].map(higher_is_better)
+    return cells
+
+
+def test_normalise_axis_maps_best_to_one_and_inverts_lower_is_better():
+    np.testing.assert_allclose(normalise_axis([10.0, 20.0, 30.0]), [0.2, 0.6, 1.0])
+    np.testing.assert_allclose(normalise_axis([10.0, 20.0, 30.0], higher_is_better=False), [1.0, 0.6, 0.2])
+    np.testing.assert_allclose(normalise_axis([5.0, np.nan, 7.0], floor=0.0), [0.0, np.nan, 1.0])
+    np.testing.assert_allclose(normalise_axis([4.0, 4.0]), [1.0, 1.0])
+
+
+def radar_lines(fig) -> dict:
+    return {line.get_gid().removeprefix("radar-"): line for line in fig.axes[0].lines if line.get_gid()}
+
+
+def test_radar_one_closed_polygon_per_schema_outward_is_better(cells):
+    fig = radar_figure(cells, metric_per_task={"retrieval": "image_to_text_median_rank"})
+    try:
+        lines = radar_lines(fig)
+        assert list(lines) == list(SCHEMAS)
+        assert {schema: line.get_color() for schema, line in lines.items()} == SCHEMA_COLOURS
+        lines = {schema: line.get_ydata() for schema, line in lines.items()}
+        fills = [p for p in fig.axes[0].patches if (p.get_gid() or "").startswith("radar-fill-")]
+        assert len(fills) == len(SCHEMAS)
+        for values in lines.values():
+            assert len(values) == len(TASKS) + 1 and values[0] == values[-1]  # closed
+        # best setting on the rim on every axis, the MedR axis (smallest best) included; worst on the 0.2 ring
+        np.testing.assert_allclose(lines["image_table_bbox"], 1.0)
+        np.testing.assert_allclose(lines["image_only"], 0.2)
+        labels = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+        assert labels == ["vqa\nAccuracy ↑", "retrieval\nI→T MedR ↓", "stage_classification\nAUC ↑"]
+    finally:
+        plt.close(fig)
+
+
+def test_radar_and_interval_files_are_valid_png_and_svg(cells, tmp_path):
+    radar = radar_plot(cells, tmp_path / "figs" / "radar")
+    interval = interval_plot(cells, tmp_path / "figs" / "ci")
+    assert [p.name for p in radar + interval] == ["radar.png", "radar.svg", "ci.png", "ci.svg"]
+    for png in (radar[0], interval[0]):
+        with Image.open(png) as image:
+            assert image.format == "PNG" and image.size[0] > 300
+    svg = radar[1].read_text(encoding="utf-8")
+    assert "<svg" in svg and "<svg" in interval[1].read_text(encoding="utf-8")
+    assert sorted(re.findall(r'id="radar-(?!fill)([a-z_]+)"', svg)) == sorted(SCHEMAS)
+    assert plt.get_fignums() == []  # closed after saving
+
+
+def test_interval_one_panel_per_task_one_dot_per_schema_with_ci(cells):
+    fig = interval_figure(cells)
+    try:
+        assert len(fig.axes) == len(TASKS)
+        for ax, task in zip(fig.axes, TASKS, strict=True):
+            assert ax.get_title().startswith(task) and len(ax.containers) == len(SCHEMAS)
+            assert [t.get_text() for t in ax.get_yticklabels()][-1] == "Image + Table + BBox"
+            dots = [c.lines[0] for c in ax.containers]
+            assert [d.get_color() for d in dots] == [SCHEMA_COLOURS[s] for s in SCHEMAS]
+        vqa = cells.query("task == 'vqa' and metric == 'accuracy'").set_index("schema")
+        bars = fig.axes[0].containers[3].lines[2][0].get_segments()[0]  # image_table_bbox's CI segment
+        np.testing.assert_allclose(bars[:, 0], vqa.loc["image_table_bbox", ["ci_low", "ci_high"]].to_numpy(float))
+    finally:
+        plt.close(fig)
