@@ -3,6 +3,7 @@ trial, and an interrupted sweep resumed."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -10,10 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
+from gx_ray.analysis.runs import headline_metric, load_runs
 from gx_ray.schema import TASKS
 from gx_ray.sweep.driver import EXPERIMENT, SweepOptions, run_sweep
 from gx_ray.sweep.spaces import SpaceError, load_space
@@ -129,6 +132,53 @@ def test_mlflow_holds_one_parent_and_a_child_per_trial_with_metrics(smoke_sweep,
         assert "val_primary" in child.data.metrics and "test_primary" in child.data.metrics
         artifacts = {a.path for a in client.list_artifacts(child.info.run_id, "predictions")}
         assert "predictions/test_sample.json" in artifacts
+
+
+def test_every_sweep_ends_with_its_report_on_disk_and_on_the_parent_run(smoke_sweep, mlflow_server):
+    folder = smoke_sweep.output / "report"
+    assert smoke_sweep.report == folder / "summary.md"
+    summary = smoke_sweep.report.read_text(encoding="utf-8")
+    assert "synthetic demo cohort" in summary and "not comparable" in summary
+    for task in TASKS:
+        assert all((folder / "tables" / f"table_{task}.{ext}").is_file() for ext in ("md", "tex", "csv"))
+        assert f"| {task} |" in summary  # its headline metric, per schema
+    for figure in ("radar", "intervals"):
+        assert (folder / "figures" / f"{figure}.png").is_file() and (folder / "figures" / f"{figure}.svg").is_file()
+    significance = pd.read_csv(folder / "significance.csv")
+    # every schema against image_only, per task, on the same seed and test patients
+    assert len(significance) == 5 * 3 and set(significance["schema_b"]) == {"image_only"}
+    tested = significance.dropna(subset=["p_value"])  # one-class test split: AUC undefined, nothing to test
+    assert tested["p_holm"].ge(tested["p_value"]).all() and len(tested) >= 12
+    # the tiny cohort has one test patient: too few to resample, so the comparisons fall back to the seeds
+    assert set(significance["method"]) == {"Wilcoxon signed-rank over seeds"}
+    assert "<table>" in (folder / "summary.html").read_text(encoding="utf-8")
+    logged = MlflowClient(mlflow_server.uri).list_artifacts(smoke_sweep.parent_run_id, "report")
+    assert {"report/summary.md", "report/summary.html", "report/tables", "report/figures"} <= {a.path for a in logged}
+    assert json.loads((smoke_sweep.output / "sweep.json").read_text())["report"] == str(smoke_sweep.report)
+
+
+def test_the_runs_table_holds_every_trial_metric_and_the_searched_nothing(smoke_sweep, mlflow_server):
+    runs = load_runs(mlflow_server.uri, smoke_sweep.sweep_id)
+    assert runs["run_id"].nunique() == 20 and runs.attrs["searched"] == []  # a grid over task, schema and seed
+    test = runs[runs["split"] == "test"]
+    assert set(test[test["task"] == "retrieval"]["metric"]) >= {"image_to_text_recall_at_5", "text_to_image_mean_rank"}
+    val = runs[runs["split"] == "val"]
+    assert len(val) == 20 and (val["metric"] == val["task"].map(headline_metric)).all()
+    cell = test.query("task == 'stage_classification' and schema == 'image_table' and metric == 'auc'")
+    child = MlflowClient(mlflow_server.uri).get_run(cell["run_id"].item())
+    assert cell["value"].item() == pytest.approx(child.data.metrics["test_auc"], nan_ok=True)
+
+
+def test_the_report_command_writes_the_report_again(smoke_sweep, tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "analysis" / "report.py"), "--sweep", str(smoke_sweep.output)],
+        capture_output=True,
+        encoding="utf-8",
+        errors="replace",
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "summary.md" in result.stdout and (smoke_sweep.output / "report" / "summary.html").is_file()
 
 
 # --- failures and resume ----------------------------------------------------------------------------------

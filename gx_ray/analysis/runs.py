@@ -12,6 +12,7 @@ one column per searched parameter, named by its flat config key (``optimiser.lr`
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,7 @@ def _searched(runs: list[Run], params: list[dict[str, Any]]) -> list[str]:
 
 def test_records(tracking_uri: str, run_id: str) -> list[dict[str, Any]] | None:
     """The trial's full test predictions (``predictions/test.json``), or None when it logged none."""
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per small file is noise
     with tempfile.TemporaryDirectory() as folder:
         try:
             path = MlflowClient(tracking_uri).download_artifacts(run_id, "predictions/test.json", folder)

@@ -68,6 +68,8 @@ class SweepResult:
     failed: int
     best: list[dict[str, Any]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    report: Path | None = None
+    """``OUTPUT/report/summary.md``, or None when the report failed (rerun ``analysis/report.py``)."""
 
 
 # --- the trial -------------------------------------------------------------------------------------------
@@ -227,6 +229,7 @@ def run_sweep(options: SweepOptions) -> SweepResult:
     tracking_uri = options.mlflow_uri or server.uri
     try:
         result = _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timings)
+        result.report = _write_report(result, shards)
     finally:
         if server:
             server.stop()
@@ -246,7 +249,7 @@ def _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timin
         {
             "space": space.name,
             "presets": ",".join(space.presets_applied),
-            "data": str(shards),
+            "data": str(shards.resolve()),  # the report reads its manifest (which cohort) from anywhere
             **{f"fixed.{k}": v for k, v in space.fixed.items()},
             **{f"grid.{k}": v for k, v in space.grid.items()},
         },
@@ -335,6 +338,26 @@ def _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timin
     return SweepResult(sweep_id, output, tracking_uri, EXPERIMENT, parent, finished, failed, best, timings)
 
 
+def _write_report(result: SweepResult, shards: Path) -> Path | None:
+    """The sweep's report (tables, figures, statistics), also on the parent run; a failure is printed, not fatal:
+    the trials are in MLflow, and ``analysis/report.py`` writes the report again."""
+    from gx_ray.analysis.report import cohort_of, write_report
+
+    started = time.perf_counter()
+    try:
+        report = write_report(
+            result.tracking_uri, result.sweep_id, result.output, result.parent_run_id, cohort_of(read_manifest(shards))
+        )
+    except Exception:
+        traceback.print_exc()
+        print(f"the report failed; write it again with: python analysis/report.py --sweep {result.output}")
+        return None
+    result.timings["report_seconds"] = time.perf_counter() - started
+    summary = report.folder / "summary.md"
+    print(f"report: {summary}  ({summary.with_suffix('.html').name} beside it; also on the parent run)")
+    return summary
+
+
 def _result_rows(grid: Any) -> list[dict[str, Any]]:
     rows = []
     for result in grid:
@@ -418,6 +441,7 @@ def _write_sweep_file(result: SweepResult, space: SearchSpace) -> Path:
         "experiment": result.experiment,
         "parent_run_id": result.parent_run_id,
         "trials": {"finished": result.finished, "failed": result.failed},
+        "report": str(result.report) if result.report else None,
         "best": result.best,
         "timings_seconds": {k: round(v, 1) for k, v in result.timings.items()},
     }

@@ -1,0 +1,269 @@
+"""A sweep's report: the paper's tables, the radar plot, seed statistics and significance, in ``OUTPUT/report/``.
+
+:func:`write_report` reads the sweep's trial runs from MLflow (:mod:`~gx_ray.analysis.runs`), summarises each
+task x model x schema cell over seeds, compares every schema with the baseline schema on the same seeds and test
+patients (paired bootstrap over patients from the trials' logged test predictions; Wilcoxon over seeds where a
+trial logged none), Holm-corrects across all comparisons, and writes tables, figures, the paper's numbers beside
+ours, search views and a one-page summary (Markdown and HTML); then logs the folder to the sweep's parent run.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+from mlflow.tracking import MlflowClient
+
+from gx_ray.analysis import plots, reference, search_views, stats, tables
+from gx_ray.analysis.cases import case_scorer
+from gx_ray.analysis.runs import headline_metric, higher_is_better, load_runs, test_records
+
+REPORT_FOLDER = "report"
+BASELINE = "image_only"
+DEMO_COHORT = "demo"
+
+
+@dataclass
+class Report:
+    folder: Path
+    files: list[Path] = field(default_factory=list)
+    significance: pd.DataFrame | None = None
+    cells: pd.DataFrame | None = None
+    seconds: float = 0.0
+
+
+def write_report(
+    tracking_uri: str,
+    sweep_id: str,
+    output: Path,
+    parent_run_id: str | None = None,
+    cohort: str = "",
+    baseline: str = BASELINE,
+    n_resamples: int = 1000,
+) -> Report:
+    """Write ``output/report/`` for the sweep and log it to ``parent_run_id`` (when given).
+
+    ``cohort``: ``"demo"`` labels every number as from the synthetic demo cohort, not the paper's test set.
+    """
+    started = time.perf_counter()
+    folder = Path(output) / REPORT_FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    runs = load_runs(tracking_uri, sweep_id)
+    finished = runs[runs["status"] == "FINISHED"]
+    report = Report(folder)
+    if finished.empty:
+        summary = f"# Sweep {sweep_id}\n\nNo finished trials yet: nothing to report.\n"
+        report.files += _write_summary(folder, summary)
+    else:
+        report.cells = stats.cell_statistics(finished, split="test")
+        report.files += tables.write_task_tables(report.cells, folder / "tables")
+        report.files += plots.radar_plot(report.cells, folder / "figures" / "radar")
+        report.files += plots.interval_plot(report.cells, folder / "figures" / "intervals")
+        report.files += search_views.write_search_views(finished, folder / "search")
+        comparisons = schema_comparisons(finished, tracking_uri, baseline, n_resamples)
+        report.significance = stats.significance_table(comparisons) if comparisons else None
+        if report.significance is not None:
+            path = folder / "significance.csv"
+            report.significance.to_csv(path, index=False)
+            report.files.append(path)
+        paper = reference.beside_paper(report.cells, reference.load_reference(), cohort)
+        path = folder / "beside_paper.csv"
+        paper.to_csv(path, index=False)
+        report.files.append(path)
+        printed = paper[paper.filter(like="paper: ").notna().any(axis=1)]  # the CSV keeps every metric
+        summary = _summary(sweep_id, runs, report, cohort, baseline, reference.beside_paper_markdown(printed))
+        report.files += _write_summary(folder, summary)
+    if parent_run_id:
+        MlflowClient(tracking_uri).log_artifacts(parent_run_id, str(folder), REPORT_FOLDER)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def schema_comparisons(
+    runs: pd.DataFrame, tracking_uri: str, baseline: str = BASELINE, n_resamples: int = 1000
+) -> list[dict]:
+    """Every schema against ``baseline`` on each task's headline metric, paired on seeds (and test patients).
+
+    A pair of trials is compared on the test patients both scored; the bootstrap needs every trial's test
+    predictions, else the comparison falls back to a Wilcoxon test over seeds.
+    """
+    test = runs[runs["split"] == "test"]
+    comparisons = []
+    for (task, model, fusion), group in test.groupby(["task", "model", "fusion"], sort=True):
+        metric = headline_metric(task)
+        values = group[group["metric"] == metric]
+        arms = {schema: frame.set_index("seed") for schema, frame in values.groupby("schema")}
+        if baseline not in arms:
+            continue
+        for schema in sorted(set(arms) - {baseline}):
+            seeds = sorted(set(arms[schema].index) & set(arms[baseline].index))
+            if not seeds:
+                continue
+            pair = (arms[schema].loc[seeds], arms[baseline].loc[seeds])
+            result = _paired_bootstrap(task, metric, pair, tracking_uri, n_resamples)
+            if result is None:
+                result = stats.wilcoxon_over_seeds(pair[0]["value"].to_numpy(), pair[1]["value"].to_numpy())
+            comparisons.append(
+                {"task": task, "model": model, "fusion": fusion, "metric": metric, "schema_a": schema,
+                 "schema_b": baseline, **result}
+            )  # fmt: skip
+    return comparisons
+
+
+def _paired_bootstrap(task, metric, pair, tracking_uri, n_resamples) -> dict | None:
+    scorers = [[], []]
+    for arm, frame in enumerate(pair):
+        for run_id in frame["run_id"]:
+            records = test_records(tracking_uri, run_id)
+            scorer = records and case_scorer(task, records, metric)
+            if not scorer:
+                return None
+            scorers[arm].append(scorer)
+    common = sorted(set.intersection(*(set(s.case_ids) for arm in scorers for s in arm)))
+    if len(common) < 2:
+        return None
+    score_a, score_b = ([s.aligned(common) for s in arm] for arm in scorers)
+    return stats.paired_bootstrap(score_a, score_b, len(common), n_resamples=n_resamples)
+
+
+def _fmt(value: float, digits: int = 1) -> str:
+    return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def _headline_markdown(cells: pd.DataFrame) -> str:
+    lines = ["| task | model | schema | metric | test mean ± sd | 95 % CI | seeds |", "|---|---|---|---|---|---|---|"]
+    headline = cells[cells["metric"] == cells["task"].map(headline_metric)]
+    order = {schema: i for i, schema in enumerate(tables.schema_order(headline["schema"]))}
+    tasks = {task: i for i, task in enumerate(tables.task_order(headline["task"]))}
+    headline = headline.assign(task_rank=headline["task"].map(tasks), schema_rank=headline["schema"].map(order))
+    headline = headline.sort_values(["task_rank", "model", "schema_rank"])
+    for _, row in headline.iterrows():
+        arrow = "↑" if higher_is_better(row["metric"]) else "↓"
+        spread = f" ± {_fmt(row['sd'])}" if row["n"] > 1 else ""
+        lines.append(
+            f"| {row['task']} | {row['model']} | {row['schema']} | {row['metric']} {arrow} | "
+            f"{_fmt(row['mean'])}{spread} | [{_fmt(row['ci_low'])}, {_fmt(row['ci_high'])}] | {row['n']} |"
+        )
+    return "\n".join(lines)
+
+
+def _significance_markdown(table: pd.DataFrame | None, baseline: str) -> str:
+    if table is None or table.empty:
+        return f"No schema could be compared with {baseline} (it needs the same seeds in both)."
+    lines = [
+        "| task | metric | schema vs " + baseline + " | difference [95 % CI] | p | p (Holm) | significant | method |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for _, row in table.iterrows():
+        interval = f" [{_fmt(row.get('ci_low'), 2)}, {_fmt(row.get('ci_high'), 2)}]" if "ci_low" in row else ""
+        lines.append(
+            f"| {row['task']} | {row['metric']} | {row['schema_a']} | {_fmt(row['diff'], 2)}{interval} | "
+            f"{row['p_value']:.3g} | {row['p_holm']:.3g} | {'**yes**' if row['significant'] else 'no'} | "
+            f"{row['method']} |"
+        )
+    return "\n".join(lines)
+
+
+def _summary(sweep_id: str, runs: pd.DataFrame, report: Report, cohort: str, baseline: str, paper: str) -> str:
+    trials = runs.drop_duplicates("run_id")
+    counts = trials["status"].value_counts().to_dict()
+    cohort_line = (
+        "**Cohort: the built-in synthetic demo cohort.** Its numbers show the pipeline works; they are not "
+        "comparable with the paper's, which come from the Gastric-X test set."
+        if cohort == DEMO_COHORT
+        else f"Cohort: {cohort or 'the data the sweep was given'}."
+    )
+    figures = [p for p in report.files if p.suffix == ".png"]
+    tables_md = sorted(p for p in report.files if p.suffix == ".md" and p.parent.name == "tables")
+    parts = [
+        f"# Sweep {sweep_id}",
+        cohort_line,
+        f"Trials: {len(trials)} ({', '.join(f'{n} {s.lower()}' for s, n in sorted(counts.items()))}).",
+        "## Headline metric per cell (test split, over seeds)",
+        _headline_markdown(report.cells),
+        f"## Which inputs help: each schema against {baseline}",
+        "Paired on seeds and test patients; p-values Holm-corrected across every comparison below.",
+        _significance_markdown(report.significance, baseline),
+        "## Figures",
+        *(f"![{p.stem}]({p.relative_to(report.folder).as_posix()})" for p in figures),
+        "## Tables per task (all metrics)",
+        *(f"- [{p.stem}]({p.relative_to(report.folder).as_posix()})" for p in tables_md),
+        "## Beside the paper",
+        paper,
+    ]
+    return "\n\n".join(parts) + "\n"
+
+
+def _write_summary(folder: Path, markdown: str) -> list[Path]:
+    """``summary.md`` and a self-contained reading of it as ``summary.html`` (tables, headings, images)."""
+    md, page = folder / "summary.md", folder / "summary.html"
+    md.write_text(markdown, encoding="utf-8")
+    page.write_text(_markdown_to_html(markdown), encoding="utf-8")
+    return [md, page]
+
+
+def _markdown_to_html(markdown: str) -> str:
+    """The summary as one HTML page (CommonMark with tables; inline HTML such as ``<u>`` kept)."""
+    from markdown_it import MarkdownIt
+
+    style = (
+        "body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse;margin:1em 0}"
+        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}th{background:#f3f3f3}img{max-width:49%}"
+    )
+    body = MarkdownIt("commonmark").enable("table").render(markdown)
+    return f"<!doctype html>\n<meta charset='utf-8'>\n<style>{style}</style>\n{body}"
+
+
+def cohort_of(manifest: dict) -> str:
+    """``"demo"`` for shards of the built-in synthetic cohort, else the source folder's name."""
+    if manifest.get("demo_cohort"):
+        return DEMO_COHORT
+    return Path(str(manifest.get("source", ""))).name
+
+
+def report_sweep(sweep: str, mlflow_uri: str | None = None, output: Path | None = None) -> Report:
+    """The report of a finished (or interrupted) sweep, named by its output folder or by its id.
+
+    An output folder holds ``sweep.json`` (the tracking URI and parent run); when the sweep ran its own local
+    MLflow server (its store is ``OUTPUT/mlflow``) and no ``mlflow_uri`` is given, that store is served again
+    for the report. A sweep id needs ``mlflow_uri``; its report goes to ``output`` (default
+    ``outputs/sweeps/ID``).
+    """
+    import json
+
+    from gx_ray.data.shards import read_manifest
+    from gx_ray.sweep.tracking import SWEEP_TAG, LocalMlflowServer
+
+    folder = Path(sweep)
+    document = json.loads((folder / "sweep.json").read_text(encoding="utf-8")) if folder.is_dir() else None
+    if folder.is_dir() and document is None:
+        raise FileNotFoundError(f"{folder} is not a sweep's output folder: it has no sweep.json")
+    server = None
+    if mlflow_uri is None and document is not None and (folder / "mlflow" / "mlflow.db").exists():
+        server = LocalMlflowServer(folder / "mlflow").start()
+    uri = mlflow_uri or (server.uri if server else document and document["tracking_uri"])
+    if not uri:
+        raise ValueError(f"{sweep!r} is not an output folder; give the MLflow server with --mlflow-uri")
+    try:
+        client = MlflowClient(uri)
+        sweep_id = document["sweep_id"] if document else sweep
+        experiments = [e.experiment_id for e in client.search_experiments()]
+        parents = client.search_runs(experiments, f"tags.`{SWEEP_TAG}` = '{sweep_id}' and tags.`gx_ray.kind` = 'sweep'")
+        if not parents:
+            raise ValueError(f"no sweep {sweep_id!r} on the MLflow server {uri}")
+        parent = parents[0]
+        try:
+            cohort = cohort_of(read_manifest(Path(parent.data.params["data"]), verify=False))
+        except (KeyError, OSError, ValueError):
+            cohort = ""
+        destination = folder if document else Path(output or Path("outputs/sweeps") / sweep_id)
+        return write_report(uri, sweep_id, destination, parent.info.run_id, cohort)
+    finally:
+        if server:
+            server.stop()
+
+
+__all__ = ["Report", "cohort_of", "report_sweep", "schema_comparisons", "write_report"]
