@@ -254,15 +254,21 @@ def render(table: TaskTable, fmt: str) -> str:
 
 
 def write_task_tables(cells: pd.DataFrame, folder: str | Path) -> list[Path]:
-    """``table_<task>.md``, ``.tex`` and ``.csv`` in ``folder`` for every task in ``cells``; the paths written."""
+    """``table_<task>.md``, ``.tex`` and ``.csv`` in ``folder`` for every task in ``cells``; the paths written.
+
+    Markdown and LaTeX print the metrics of the paper's tables (per-category accuracies and the like would make
+    them too wide to read); the CSV holds every metric.
+    """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    base = cells["metric"].str.replace(r"^(image_to_text|text_to_image)_", "", regex=True)
+    printed = cells[base.isin(list(METRIC_LABELS))]
     paths = []
     for task in task_order(cells["task"]):
-        table = task_table(cells, task)
+        narrow = printed if (printed["task"] == task).any() else cells
         for fmt in RENDERERS:
             path = folder / f"table_{task}.{fmt}"
-            path.write_text(render(table, fmt), encoding="utf-8")
+            path.write_text(render(task_table(cells if fmt == "csv" else narrow, task), fmt), encoding="utf-8")
             paths.append(path)
     return paths
 

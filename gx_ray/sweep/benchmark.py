@@ -1,9 +1,10 @@
 """`python jobs/benchmark.py sweep`: where the wall time of a sweep goes.
 
 Runs a sweep (by default the main command: ``modality_ablation`` on the demo cohort) into a fresh output folder
-and splits its wall time into demo-cohort preparation, Ray and MLflow start-up, and per trial: the slot a trial
-holds (Tune's wall time × concurrency ÷ trials), the part of it spent outside training (actor start, imports,
-MLflow run, dataset and model set-up: the start-up) and the training loop itself (epochs, validation, test).
+and splits its wall time into demo-cohort preparation, Ray and MLflow start-up, the report, and per trial: the
+slot a trial holds (Tune's wall time × concurrency ÷ trials), the part of it spent outside training (actor start,
+imports, MLflow run, dataset and model set-up: the start-up) and the training loop itself (epochs, validation,
+test).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def run_sweep_benchmark(options: SweepOptions) -> dict[str, Any]:
         "ray_start_seconds": timings["ray_seconds"],
         "mlflow_start_seconds": timings.get("mlflow_seconds", 0.0),
         "tune_seconds": timings["tune_seconds"],
+        "report_seconds": timings.get("report_seconds", float("nan")),
         "concurrency": timings["concurrency"],
         "trial_slot_seconds": slot,
         "trial_function_seconds": float(np.nanmean(inside)),
@@ -61,6 +63,7 @@ def format_sweep_result(report: dict[str, Any]) -> str:
             f"  Ray start                            {report['ray_start_seconds']:7.1f} s",
             f"  MLflow server start                  {report['mlflow_start_seconds']:7.1f} s",
             f"  Tune (all trials)                    {report['tune_seconds']:7.1f} s",
+            f"  report (tables, figures, statistics) {report['report_seconds']:7.1f} s",
             f"  per trial: slot {report['trial_slot_seconds']:.1f} s = start-up {report['trial_startup_seconds']:.1f} s"
             f" + training {report['trial_training_seconds']:.1f} s  (start-up share {report['startup_share']:.0%},"
             " target ≤ 25 %)",
