@@ -34,8 +34,10 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
 
 
 def quiet_data_context() -> None:
-    """Ray Data progress bars only on a terminal, no INFO line per execution; call in every process that reads."""
+    """Ray Data progress bars only on a terminal, no INFO line per execution or per checkpoint saved; call in every
+    process that reads or reports (trials, Train workers)."""
     logging.getLogger("ray.data").setLevel(logging.WARNING)
+    logging.getLogger("ray.train").setLevel(logging.WARNING)  # "Checkpoint successfully created" every epoch
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = os.isatty(2)
     context.print_on_execution_start = False

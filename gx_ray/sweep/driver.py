@@ -78,6 +78,7 @@ class SweepResult:
 def run_trial(params: dict[str, Any]) -> None:
     """One Tune trial: build its config, open its MLflow child run, train (directly or with a TorchTrainer)."""
     trial_started = time.perf_counter()
+    quiet_data_context()
     context = params[CONTEXT_KEY]
     chosen = {k: v for k, v in params.items() if k != CONTEXT_KEY}
     flat = {**_resolve(context, chosen), "data.shards": context["shards"]}
@@ -91,7 +92,6 @@ def run_trial(params: dict[str, Any]) -> None:
     client.log_dict(run_id, config.to_flat(), "config.json")
     try:
         if config.resources.workers == 1 and not config.resources.torch_trainer:
-            quiet_data_context()
             torch.set_num_threads(max(1, int(config.resources.cpus_per_worker)))
             device = torch.device("cuda" if config.resources.use_gpu and torch.cuda.is_available() else "cpu")
             data = {split: _dataset(config, split).iterator() for split in SPLITS}
