@@ -150,9 +150,19 @@ def _headline_markdown(cells: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+SMALL_TEST_SET = 20
+"""Below this many test patients a bootstrap over patients understates the spread (it resamples too few)."""
+
+
 def _significance_markdown(table: pd.DataFrame | None, baseline: str) -> str:
     if table is None or table.empty:
         return f"No schema could be compared with {baseline} (it needs the same seeds in both)."
+    caution = ""
+    if "n_cases" in table and table["n_cases"].min() < SMALL_TEST_SET:
+        caution = (
+            f"\n\n*Caution: as few as {int(table['n_cases'].min())} test patients. With fewer than about "
+            f"{SMALL_TEST_SET}, resampling them understates the spread: read these p-values as indicative.*"
+        )
     lines = [
         "| task | metric | schema vs " + baseline + " | difference [95 % CI] | p | p (Holm) | significant | method |",
         "|---|---|---|---|---|---|---|---|",
@@ -164,7 +174,7 @@ def _significance_markdown(table: pd.DataFrame | None, baseline: str) -> str:
             f"{row['p_value']:.3g} | {row['p_holm']:.3g} | {'**yes**' if row['significant'] else 'no'} | "
             f"{row['method']} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines) + caution
 
 
 def _summary(sweep_id: str, runs: pd.DataFrame, report: Report, cohort: str, baseline: str, paper: str) -> str:

@@ -286,7 +286,8 @@ def read_split(
         batch_format="pyarrow",
         zero_copy_batch=True,
         num_cpus=num_cpus,
-        compute=ray.data.TaskPoolStrategy(size=concurrency) if concurrency else None,
+        # no more tasks than row groups: Ray warns about a pool larger than its inputs (a one-file val split)
+        compute=ray.data.TaskPoolStrategy(size=min(concurrency, len(pieces))) if concurrency else None,
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import sys
 import time
 import traceback
@@ -79,6 +80,8 @@ def run_trial(params: dict[str, Any]) -> None:
     """One Tune trial: build its config, open its MLflow child run, train (directly or with a TorchTrainer)."""
     trial_started = time.perf_counter()
     quiet_data_context()
+    # MLflow prints two "View run" lines whenever a run ends: 120 lines per sweep; the parent run's are enough
+    os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
     context = params[CONTEXT_KEY]
     chosen = {k: v for k, v in params.items() if k != CONTEXT_KEY}
     flat = {**_resolve(context, chosen), "data.shards": context["shards"]}
