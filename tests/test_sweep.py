@@ -248,6 +248,35 @@ def test_interrupted_sweep_resumes_without_duplicates_or_gaps(demo_prepared, mlf
     assert all(c.info.status == "FINISHED" for c in children)
 
 
+def test_an_optuna_search_with_asha_ends_every_trial_and_shows_its_search(
+    ray_cluster, demo_prepared, mlflow_server, tmp_path
+):
+    document = yaml.safe_load((ROOT / "search_spaces" / "lr_sweep.yaml").read_text(encoding="utf-8"))
+    document["presets"]["smoke"]["budget"] = {"samples": 4}
+    path = tmp_path / "lr_search.yaml"
+    path.write_text(yaml.safe_dump(document), encoding="utf-8")
+    options = SweepOptions(
+        space=str(path), output=tmp_path, data=demo_prepared.shard_dir, mlflow_uri=mlflow_server.uri,
+        presets=("demo", "smoke"),
+    )  # fmt: skip
+    result = run_sweep(options)
+    assert result.failed == 0 and result.finished >= 1 and result.finished + result.stopped_early == 4
+    client = MlflowClient(mlflow_server.uri)
+    assert client.get_run(result.parent_run_id).info.status == "FINISHED"  # nothing is left to resume
+    children = _children(mlflow_server.uri, result.sweep_id)
+    statuses = {c.info.status: [] for c in children}
+    for child in children:
+        statuses[child.info.status].append(child.data.tags.get("gx_ray.stopped_early"))
+    # ASHA's stopped trials are ended and tagged, not left RUNNING
+    assert statuses.get("FINISHED", []) == [None] * result.finished
+    assert statuses.get("KILLED", []) == ["true"] * result.stopped_early and "RUNNING" not in statuses
+    lrs = {c.data.params["optimiser.lr"] for c in children}
+    assert len(lrs) == 4  # Optuna sampled four learning rates
+    search = result.output / "report" / "search"
+    assert (search / "search_best_so_far.png").is_file()
+    assert (search / "search_parallel_stage_classification.svg").is_file()
+
+
 def test_the_same_loop_runs_under_a_torch_trainer(ray_cluster, demo_prepared, mlflow_server, tmp_path):
     """Trials with several workers use Ray Train's TorchTrainer (Train V2): the loop is the same function."""
     path = _small_space(tmp_path, [{"block_inplanes": [8, 16, 32, 64]}])

@@ -1,7 +1,8 @@
 """The tidy table of a sweep's runs: one row per (trial, split, metric), the contract of :mod:`gx_ray.analysis`.
 
 Columns (:data:`RUN_COLUMNS`): ``sweep_id``, ``run_id``, ``trial`` (the trial's name), ``status`` (MLflow's run
-status), ``start_time`` (ms since the epoch; the order trials began), ``task``, ``schema``, ``model`` (a label
+status), ``stopped_early`` (the scheduler ended the trial before its last epoch: it has validation values, no
+test values), ``start_time`` (ms since the epoch; the order trials began), ``task``, ``schema``, ``model`` (a label
 such as ``swin3d+minilm``), ``vision``, ``text``, ``fusion``, ``seed``, ``split`` (``val``: the best epoch's
 validation value; ``test``: the best checkpoint on the test split), ``metric`` (the task's metric name, e.g.
 ``auc`` or ``image_to_text_recall_at_5``) and ``value`` (NaN where the metric is undefined on the split), then
@@ -29,6 +30,7 @@ RUN_COLUMNS = (
     "run_id",
     "trial",
     "status",
+    "stopped_early",
     "start_time",
     "task",
     "schema",
@@ -103,6 +105,7 @@ def load_runs(tracking_uri: str, sweep_id: str) -> pd.DataFrame:
             "run_id": run.info.run_id,
             "trial": run.info.run_name,
             "status": run.info.status,
+            "stopped_early": tags.get("gx_ray.stopped_early") == "true",
             "start_time": run.info.start_time,
             "task": tags.get("task"),
             "schema": tags.get("schema"),

@@ -45,15 +45,20 @@ def _infer(seen: pd.Series) -> tuple[BaseDistribution, list]:
     return CategoricalDistribution(sorted(set(values), key=str)), values
 
 
+def _ended(runs: pd.DataFrame) -> pd.Series:
+    """Trials that ran to their end, or that the scheduler stopped (their best validation value is what the
+    searcher was told, as Tune's Optuna searcher records a stopped trial as complete)."""
+    stopped = runs["stopped_early"].eq(True) if "stopped_early" in runs else False
+    return (runs["status"] == "FINISHED") | stopped
+
+
 def study_from_runs(runs: pd.DataFrame, task: str, metric: str | None = None, split: str = "val") -> optuna.Study:
     """The task's finished trials as a study whose objective is ``metric`` on ``split`` (default: what it optimised).
 
     Trials are added in start order, so a trial's ``number`` is its place in the sweep; NaN objectives are left out.
     """
     metric = metric or headline_metric(task)
-    rows = runs[
-        (runs["task"] == task) & (runs["split"] == split) & (runs["metric"] == metric) & (runs["status"] == "FINISHED")
-    ]
+    rows = runs[(runs["task"] == task) & (runs["split"] == split) & (runs["metric"] == metric) & _ended(runs)]
     rows = rows.dropna(subset=["value"]).sort_values(["start_time", "trial"]).drop_duplicates("trial")
     params: dict[str, tuple[BaseDistribution, dict]] = {}
     for name in runs.attrs.get("searched", []):

@@ -32,7 +32,7 @@ from gx_ray.data.shards import read_manifest, read_split
 from gx_ray.data.splits import SPLITS
 from gx_ray.runtime import init_ray, quiet_data_context
 from gx_ray.sweep.spaces import SearchSpace, available_presets, load_space
-from gx_ray.sweep.tracking import LocalMlflowServer, child_run, parent_run
+from gx_ray.sweep.tracking import LocalMlflowServer, child_run, close_stopped_runs, parent_run
 from gx_ray.train.config import TrialConfig
 from gx_ray.train.loop import WorkerContext, run_loop, train_loop_per_worker
 from gx_ray.train.tracker import TrialTracker, log_metrics, set_tags
@@ -67,6 +67,8 @@ class SweepResult:
     parent_run_id: str
     finished: int
     failed: int
+    stopped_early: int = 0
+    """Trials the scheduler (ASHA) stopped before their last epoch: no test metrics, by design."""
     best: list[dict[str, Any]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     report: Path | None = None
@@ -283,13 +285,16 @@ def _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timin
     if space.searcher == "optuna":
         search_alg = OptunaSearch(metric=metric, mode=mode, seed=0)
     scheduler = None
-    if space.scheduler == "asha":
-        scheduler = tune.schedulers.ASHAScheduler(time_attr="epoch", grace_period=1, reduction_factor=2)
+    if space.scheduler == "asha":  # stops on the primary metric, also when Optuna searches several objectives
+        scheduler = tune.schedulers.ASHAScheduler(
+            time_attr="epoch", metric=METRIC, mode="max", grace_period=1, reduction_factor=2
+        )
     concurrency = _concurrency(space, options)
     timings["concurrency"] = concurrency
     tune_config = tune.TuneConfig(
-        metric=None if search_alg else metric,
-        mode=None if search_alg else mode,
+        # the searcher and the scheduler carry their own metric; Tune refuses it given twice
+        metric=None if search_alg or scheduler else metric,
+        mode=None if search_alg or scheduler else mode,
         search_alg=search_alg,
         scheduler=scheduler,
         num_samples=space.samples,
@@ -332,13 +337,19 @@ def _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timin
     rows = _result_rows(grid)
     failed = sum(1 for r in rows if r["error"])
     finished = sum(1 for r in rows if r["completed"] and not r["error"])
+    stopped = [r["trial"] for r in rows if r["stopped_early"]]
+    close_stopped_runs(client, parent, stopped)
     best = summarise(rows)
-    print(format_summary(best, finished, failed, len(rows)))
-    log_metrics(client, parent, {"trials_finished": finished, "trials_failed": failed}, step=0)
+    print(format_summary(best, finished, failed, len(rows), len(stopped)))
+    counts = {"trials_finished": finished, "trials_failed": failed, "trials_stopped_early": len(stopped)}
+    log_metrics(client, parent, counts, step=0)
     # an interrupted sweep's parent stays open for --resume; one whose trials all failed is FAILED
-    status = "FAILED" if failed == len(rows) else "FINISHED" if finished + failed == len(rows) else "KILLED"
+    done = finished + failed + len(stopped) == len(rows)
+    status = "FAILED" if failed == len(rows) else "FINISHED" if done else "KILLED"
     client.set_terminated(parent, status)
-    return SweepResult(sweep_id, output, tracking_uri, EXPERIMENT, parent, finished, failed, best, timings)
+    return SweepResult(
+        sweep_id, output, tracking_uri, EXPERIMENT, parent, finished, failed, len(stopped), best, timings
+    )
 
 
 def _write_report(result: SweepResult, shards: Path) -> Path | None:
@@ -378,6 +389,9 @@ def _result_rows(grid: Any) -> list[dict[str, Any]]:
                 "val_primary": metrics.get("best_val_primary"),
                 "test_primary": metrics.get("test_primary"),
                 "completed": "best_epoch" in metrics,  # the loop reports it with the test metrics, at its end
+                # Tune marks the result at which the scheduler stopped a trial done; a trial that ran to its end
+                # (or was interrupted) returned after its last report, which is not marked
+                "stopped_early": bool(metrics.get("done")) and "best_epoch" not in metrics and not result.error,
                 "error": str(result.error).splitlines()[0][:300] if result.error else None,
             }
         )
@@ -419,10 +433,13 @@ def _finite(value: float | None) -> float:
     return value if value is not None and math.isfinite(value) else -math.inf
 
 
-def format_summary(summary: list[dict[str, Any]], finished: int, failed: int, total: int) -> str:
-    unfinished = total - finished - failed
+def format_summary(
+    summary: list[dict[str, Any]], finished: int, failed: int, total: int, stopped_early: int = 0
+) -> str:
+    unfinished = total - finished - failed - stopped_early
     lines = [
         f"\n{finished} of {total} trials finished, {failed} failed"
+        + (f", {stopped_early} stopped early by the scheduler" if stopped_early else "")
         + (f", {unfinished} unfinished (resume with --resume)" if unfinished else ""),
         f"{'task':<22} {'schema':<18} {'metric':<26} {'test mean ± sd (n)':<24} best val → test",
     ]
@@ -443,7 +460,7 @@ def _write_sweep_file(result: SweepResult, space: SearchSpace) -> Path:
         "tracking_uri": result.tracking_uri,
         "experiment": result.experiment,
         "parent_run_id": result.parent_run_id,
-        "trials": {"finished": result.finished, "failed": result.failed},
+        "trials": {"finished": result.finished, "failed": result.failed, "stopped_early": result.stopped_early},
         "report": str(result.report) if result.report else None,
         "best": result.best,
         "timings_seconds": {k: round(v, 1) for k, v in result.timings.items()},

@@ -130,3 +130,12 @@ def child_run(
     run = client.create_run(experiment_id, run_name=run_name, tags=all_tags)
     log_params(client, run.info.run_id, params)
     return run.info.run_id
+
+
+def close_stopped_runs(client: MlflowClient, parent_run_id: str, trial_ids: list[str]) -> None:
+    """End the runs of trials the scheduler stopped early (their loop never reached its own end): KILLED, tagged."""
+    experiment_id = client.get_run(parent_run_id).info.experiment_id
+    for trial_id in trial_ids:
+        if run_id := _find_run(client, experiment_id, TRIAL_TAG, trial_id):
+            client.set_tag(run_id, "gx_ray.stopped_early", "true")
+            client.set_terminated(run_id, "KILLED")
