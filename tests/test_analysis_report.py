@@ -8,11 +8,12 @@ import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
-from gx_ray.analysis.report import write_report
+from gx_ray.analysis.report import schema_comparisons, write_report
 from gx_ray.analysis.runs import load_runs
 from gx_ray.schema import STAGE_GROUPS
 from gx_ray.sweep.tracking import LocalMlflowServer, child_run, parent_run
 from gx_ray.train.tracker import log_metrics
+from tests.analysis_fixture import make_runs
 
 SWEEP = "planted-0001"
 SKILL = {"image_only": 0.0, "image_table": 3.0, "image_bbox": 0.0}
@@ -86,3 +87,13 @@ def test_the_report_finds_the_planted_difference_and_only_it(planted_sweep, tmp_
     assert "| stage_classification | auc | image_table |" in summary and "**yes**" in summary
     logged = {a.path for a in MlflowClient(server.uri).list_artifacts(parent, "report")}
     assert {"report/summary.md", "report/summary.html", "report/significance.csv"} <= logged
+
+
+def test_a_schema_searched_over_other_parameters_is_not_compared(planted_sweep):
+    server, _ = planted_sweep
+    runs = make_runs(tasks=("stage_classification",))
+    searched = runs[runs["schema"] == "image_table"].assign(run_id=lambda r: r["run_id"] + "-lr2")
+    comparisons = schema_comparisons(pd.concat([runs, searched], ignore_index=True), server.uri)
+    # these runs logged no predictions: the seeds are the pairing unit
+    assert {c["schema_a"] for c in comparisons} == {"image_bbox", "image_table_bbox"}
+    assert {c["method"] for c in comparisons} == {"Wilcoxon signed-rank over seeds"}

@@ -88,7 +88,8 @@ def schema_comparisons(
     """Every schema against ``baseline`` on each task's headline metric, paired on seeds (and test patients).
 
     A pair of trials is compared on the test patients both scored; the bootstrap needs every trial's test
-    predictions, else the comparison falls back to a Wilcoxon test over seeds.
+    predictions, else the comparison falls back to a Wilcoxon test over seeds. Schemas with several trials per
+    seed (a search over other parameters too) are not compared: their difference is not the inputs' alone.
     """
     test = runs[runs["split"] == "test"]
     comparisons = []
@@ -96,6 +97,8 @@ def schema_comparisons(
         metric = headline_metric(task)
         values = group[group["metric"] == metric]
         arms = {schema: frame.set_index("seed") for schema, frame in values.groupby("schema")}
+        # a schema with two trials on one seed differs in more than its inputs (a search): no paired comparison
+        arms = {schema: frame for schema, frame in arms.items() if frame.index.is_unique}
         if baseline not in arms:
             continue
         for schema in sorted(set(arms) - {baseline}):
