@@ -5,7 +5,8 @@ Usage: ``python -m gx_ray.metrics.wordnet_setup [--target DIR] [--source DIR]``
 Where the data comes from, first that works:
 
 1. nothing to do when nltk already finds WordNet;
-2. Debian's ``wordnet-base`` package (``apt-get install wordnet-base``), whose database lives in
+2. Debian's ``wordnet-base`` package (installed here with ``apt-get`` when it is missing and we are root),
+   whose database lives in
    ``/usr/share/wordnet``. It lacks two files nltk's reader opens: ``lexnames`` (written here from the table
    in the package's ``lexnames(5WN)`` man page) and ``index.sense`` (sense keys, which METEOR never uses, so
    an empty file does);
@@ -18,7 +19,9 @@ path (``$NLTK_DATA`` if set, else ``~/nltk_data``), so nltk finds it with no fur
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -73,6 +76,17 @@ def default_target() -> Path:
     return Path(nltk.data.path[0])
 
 
+def _apt_install_wordnet_base() -> None:
+    """``apt-get install wordnet-base`` where that is possible (Debian or Ubuntu, as root); quietly nothing else."""
+    if shutil.which("apt-get") is None or not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return
+    environment = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "--no-install-recommends",
+                                                   "wordnet-base"]):  # fmt: skip
+        if subprocess.run(command, env=environment, capture_output=True, check=False).returncode != 0:
+            return
+
+
 def ensure_wordnet(target: Path | None = None, source: Path = DEBIAN_WORDNET) -> bool:
     """Make WordNet loadable by nltk; True on success."""
     import nltk
@@ -80,6 +94,8 @@ def ensure_wordnet(target: Path | None = None, source: Path = DEBIAN_WORDNET) ->
     if wordnet_available():
         return True
     target = target or default_target()
+    if not (source / "data.noun").exists() and source == DEBIAN_WORDNET:
+        _apt_install_wordnet_base()
     if (source / "data.noun").exists():
         install_from_debian(source, target)
     else:
