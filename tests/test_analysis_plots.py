@@ -18,7 +18,7 @@ from gx_ray.analysis.plots import (
     radar_figure,
     radar_plot,
 )
-from gx_ray.analysis.runs import higher_is_better
+from gx_ray.analysis.stats import cell_statistics
 from tests.analysis_fixture import SCHEMAS, make_runs
 
 TASKS = ("vqa", "retrieval", "stage_classification")
@@ -27,13 +27,7 @@ TASKS = ("vqa", "retrieval", "stage_classification")
 @pytest.fixture(scope="module")
 def cells() -> pd.DataFrame:
     """The cells contract from the fixture's test split: image_table_bbox best everywhere (effects 0, 2, 4, 6)."""
-    test = make_runs(tasks=TASKS, noise=0.1).query("split == 'test'")
-    keys = ["task", "model", "fusion", "schema", "metric"]
-    cells = test.groupby(keys, as_index=False)["value"].agg(mean="mean", sd="std", n="count")
-    half = 1.96 * cells["sd"] / np.sqrt(cells["n"])
-    cells["ci_low"], cells["ci_high"] = cells["mean"] - half, cells["mean"] + half
-    cells["higher_is_better"] = cells["metric"].map(higher_is_better)
-    return cells
+    return cell_statistics(make_runs(tasks=TASKS, noise=0.1), split="test")
 
 
 def test_normalise_axis_maps_best_to_one_and_inverts_lower_is_better():

@@ -208,30 +208,20 @@ def test_holm_monotone():
 # significance_table
 
 
+def _comparison(task: str, metric: str, schema_a: str, diff: float, p_value: float) -> dict:
+    return {"task": task, "metric": metric, "schema_a": schema_a, "schema_b": "image_only", "diff": diff,
+            "p_value": p_value}  # fmt: skip
+
+
 def test_significance_table_direction_and_holm():
+    rank, recall = "image_to_text_median_rank", "image_to_text_recall_at_5"
     comparisons = [
-        {
-            "task": "retrieval",
-            "metric": "image_to_text_median_rank",
-            "schema_a": "image_table",
-            "schema_b": "image_only",
-        }
-        | {"diff": -3.0, "p_value": 0.001},
-        {"task": "retrieval", "metric": "image_to_text_median_rank", "schema_a": "image_bbox", "schema_b": "image_only"}
-        | {"diff": 3.0, "p_value": 0.002},
-        {"task": "retrieval", "metric": "image_to_text_recall_at_5", "schema_a": "image_bbox", "schema_b": "image_only"}
-        | {"diff": 3.0, "p_value": 0.003},
-        {
-            "task": "retrieval",
-            "metric": "image_to_text_recall_at_5",
-            "schema_a": "image_table",
-            "schema_b": "image_only",
-        }
-        | {"diff": -3.0, "p_value": 0.004},
-        {"task": "vqa", "metric": "accuracy", "schema_a": "image_table", "schema_b": "image_only"}
-        | {"diff": 5.0, "p_value": 0.02},
-        {"task": "retrieval", "metric": "image_to_text_median_rank", "schema_a": "image_table_bbox"}
-        | {"schema_b": "image_only", "diff": -5.0, "p_value": float("nan")},
+        _comparison("retrieval", rank, "image_table", -3.0, 0.001),
+        _comparison("retrieval", rank, "image_bbox", 3.0, 0.002),
+        _comparison("retrieval", recall, "image_bbox", 3.0, 0.003),
+        _comparison("retrieval", recall, "image_table", -3.0, 0.004),
+        _comparison("vqa", "accuracy", "image_table", 5.0, 0.02),
+        _comparison("retrieval", rank, "image_table_bbox", -5.0, float("nan")),
     ]
     t = significance_table(comparisons)
     assert list(t["task"]) == ["retrieval"] * 5 + ["vqa"]

@@ -7,12 +7,12 @@ import math
 import re
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import pytest
 
 from gx_ray.analysis.reference import beside_paper, beside_paper_markdown, load_reference
 from gx_ray.analysis.runs import higher_is_better
+from gx_ray.analysis.stats import cell_statistics
 from gx_ray.analysis.tables import (
     format_cell,
     metric_label,
@@ -25,17 +25,6 @@ from gx_ray.analysis.tables import (
 from tests.analysis_fixture import SCHEMAS, make_runs
 
 SHARED_REFERENCE = Path("/work/shared/reference/gastric_x_paper_results.csv")
-
-
-def cells_from_runs(runs: pd.DataFrame) -> pd.DataFrame:
-    """The cells contract (what stats.cell_statistics gives), by a plain groupby over the test split."""
-    test = runs[runs["split"] == "test"]
-    keys = ["task", "model", "fusion", "schema", "metric"]
-    cells = test.groupby(keys, as_index=False)["value"].agg(mean="mean", sd="std", n="count")
-    half = 1.96 * cells["sd"] / np.sqrt(cells["n"])
-    cells["ci_low"], cells["ci_high"] = cells["mean"] - half, cells["mean"] + half
-    cells["higher_is_better"] = cells["metric"].map(higher_is_better)
-    return cells
 
 
 def constructed(means: dict[str, float], metric: str = "auc", task: str = "stage_classification", n: int = 3):
@@ -55,7 +44,7 @@ def ranks(table, metric: str) -> dict[str, int | None]:
 
 
 def test_known_best_bold_and_second_underlined():
-    cells = cells_from_runs(make_runs(noise=0.01, tasks=("stage_classification",)))
+    cells = cell_statistics(make_runs(noise=0.01, tasks=("stage_classification",)))
     table = task_table(cells, "stage_classification")
     assert table.schemas == list(SCHEMAS)
     expected = {"image_only": None, "image_table": None, "image_bbox": 2, "image_table_bbox": 1}
@@ -103,7 +92,7 @@ def test_sd_left_out_below_two_seeds_and_fusion_in_label_when_several():
     assert format_cell(50.0, float("nan"), 1) == "50.0" and format_cell(50.0, 0.25, 3) == "50.0 ± 0.2"
     assert format_cell(float("nan"), 1.0, 3) == "—"
     models = (("resnet10_3d", "bert_tiny", "concat"), ("resnet10_3d", "bert_tiny", "film"))
-    table = task_table(cells_from_runs(make_runs(seeds=1, tasks=("vqa",), models=models)), "vqa")
+    table = task_table(cell_statistics(make_runs(seeds=1, tasks=("vqa",), models=models)), "vqa")
     assert table.rows == ["resnet10_3d+bert_tiny (concat)", "resnet10_3d+bert_tiny (film)"]
     assert "±" not in to_markdown(table).split("\n\n")[0]
 
@@ -142,7 +131,7 @@ def test_markdown_latex_and_csv_mark_the_same_cells():
     second = make_runs(
         dict(zip(SCHEMAS, (-1.0, 0.0, 1.0, 2.0), strict=True)), noise=0.001, tasks=("vqa", "retrieval"), models=other
     )
-    cells = cells_from_runs(pd.concat([first, second], ignore_index=True))
+    cells = cell_statistics(pd.concat([first, second], ignore_index=True))
     for task in ("vqa", "retrieval"):
         table = task_table(cells, task)
         csv = pd.read_csv(io.StringIO(to_csv(table)))
@@ -170,7 +159,7 @@ def test_markdown_latex_and_csv_mark_the_same_cells():
 
 
 def test_arrows_in_headers():
-    cells = cells_from_runs(make_runs(seeds=2, tasks=("retrieval",)))
+    cells = cell_statistics(make_runs(seeds=2, tasks=("retrieval",)))
     table = task_table(cells, "retrieval")
     header = to_markdown(table).splitlines()[0]
     assert header.count("I→T R@5 ↑") == 4 and header.count("I→T MedR ↓") == 4 and "R@5 ↓" not in header
@@ -180,7 +169,7 @@ def test_arrows_in_headers():
 
 
 def test_latex_escapes_underscores_and_has_the_right_number_of_columns():
-    cells = cells_from_runs(make_runs(seeds=2, tasks=("vqa",)))
+    cells = cell_statistics(make_runs(seeds=2, tasks=("vqa",)))
     table = task_table(cells, "vqa")
     tex = to_latex(table)
     ncols = 1 + 4 * 3  # model + 4 schemas x (accuracy, f1, auc)
@@ -195,7 +184,7 @@ def test_latex_escapes_underscores_and_has_the_right_number_of_columns():
 
 
 def test_write_task_tables_one_set_per_task(tmp_path):
-    cells = cells_from_runs(make_runs(seeds=2, tasks=("vqa", "lesion_detection")))
+    cells = cell_statistics(make_runs(seeds=2, tasks=("vqa", "lesion_detection")))
     paths = write_task_tables(cells, tmp_path / "tables")
     assert sorted(p.name for p in paths) == sorted(
         f"table_{t}.{x}" for t in ("vqa", "lesion_detection") for x in ("md", "tex", "csv")
@@ -225,7 +214,7 @@ def test_reference_loads_369_rows_and_maps_retrieval():
 
 
 def test_beside_paper_labels_the_cohort_and_places_the_papers_numbers():
-    cells = cells_from_runs(make_runs(tasks=("stage_classification", "retrieval")))
+    cells = cell_statistics(make_runs(tasks=("stage_classification", "retrieval")))
     frame = beside_paper(cells, load_reference(), cohort="demo")
     assert len(frame) == len(cells)
     assert frame["cohort"].str.contains("synthetic").all() and frame["cohort"].str.contains("not comparable").all()

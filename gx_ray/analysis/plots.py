@@ -15,15 +15,12 @@ from __future__ import annotations
 import zlib
 from pathlib import Path
 
-import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-
-from gx_ray.analysis.runs import headline_metric, higher_is_better  # noqa: E402
-from gx_ray.analysis.tables import metric_label, schema_label, schema_order, task_order  # noqa: E402
+from gx_ray.analysis.runs import headline_metric, higher_is_better
+from gx_ray.analysis.tables import metric_label, schema_label, schema_order, task_order
 
 SCHEMA_COLOURS = {  # colour-blind-safe (Okabe–Ito)
     "image_only": "#0072B2",

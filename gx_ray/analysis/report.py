@@ -9,6 +9,7 @@ ours, search views and a one-page summary (Markdown and HTML); then logs the fol
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from gx_ray.analysis import plots, reference, search_views, stats, tables
-from gx_ray.analysis.cases import case_scorer
+from gx_ray.analysis.cases import CaseScorer, case_scorer
 from gx_ray.analysis.runs import headline_metric, higher_is_better, load_runs, test_records
 
 REPORT_FOLDER = "report"
@@ -85,50 +86,36 @@ def write_report(
 def schema_comparisons(
     runs: pd.DataFrame, tracking_uri: str, baseline: str = BASELINE, n_resamples: int = 1000
 ) -> list[dict]:
-    """Every schema against ``baseline`` on each task's headline metric, paired on seeds (and test patients).
+    """Every schema against ``baseline`` on each task's headline metric (:func:`stats.paired_arms`), paired on seeds
+    and test patients.
 
     A pair of trials is compared on the test patients both scored; the bootstrap needs every trial's test
-    predictions, else the comparison falls back to a Wilcoxon test over seeds. Schemas with several trials per
-    seed (a search over other parameters too) are not compared: their difference is not the inputs' alone.
+    predictions, else the comparison falls back to a Wilcoxon test over seeds.
     """
-    test = runs[runs["split"] == "test"]
+
+    @functools.cache  # the baseline's trials take part in every comparison of their task: read and score them once
+    def scorer(run_id: str, task: str, metric: str) -> CaseScorer | None:
+        records = test_records(tracking_uri, run_id)
+        return case_scorer(task, records, metric) if records else None
+
     comparisons = []
-    for (task, model, fusion), group in test.groupby(["task", "model", "fusion"], sort=True):
-        metric = headline_metric(task)
-        values = group[group["metric"] == metric]
-        arms = {schema: frame.set_index("seed") for schema, frame in values.groupby("schema")}
-        # a schema with two trials on one seed differs in more than its inputs (a search): no paired comparison
-        arms = {schema: frame for schema, frame in arms.items() if frame.index.is_unique}
-        if baseline not in arms:
-            continue
-        for schema in sorted(set(arms) - {baseline}):
-            seeds = sorted(set(arms[schema].index) & set(arms[baseline].index))
-            if not seeds:
-                continue
-            pair = (arms[schema].loc[seeds], arms[baseline].loc[seeds])
-            result = _paired_bootstrap(task, metric, pair, tracking_uri, n_resamples)
-            if result is None:
-                result = stats.wilcoxon_over_seeds(pair[0]["value"].to_numpy(), pair[1]["value"].to_numpy())
-            comparisons.append(
-                {"task": task, "model": model, "fusion": fusion, "metric": metric, "schema_a": schema,
-                 "schema_b": baseline, **result}
-            )  # fmt: skip
+    for cell, arm, base in stats.paired_arms(runs, baseline, headline_only=True):
+        arms = [[scorer(run_id, cell["task"], cell["metric"]) for run_id in frame["run_id"]] for frame in (arm, base)]
+        result = _paired_bootstrap(arms, n_resamples)
+        if result is None:
+            result = stats.wilcoxon_over_seeds(arm["value"].to_numpy(), base["value"].to_numpy())
+        comparisons.append({**cell, **result})
     return comparisons
 
 
-def _paired_bootstrap(task, metric, pair, tracking_uri, n_resamples) -> dict | None:
-    scorers = [[], []]
-    for arm, frame in enumerate(pair):
-        for run_id in frame["run_id"]:
-            records = test_records(tracking_uri, run_id)
-            scorer = records and case_scorer(task, records, metric)
-            if not scorer:
-                return None
-            scorers[arm].append(scorer)
-    common = sorted(set.intersection(*(set(s.case_ids) for arm in scorers for s in arm)))
+def _paired_bootstrap(arms: list[list[CaseScorer | None]], n_resamples: int) -> dict | None:
+    """The paired bootstrap on the test patients every trial scored; None without predictions or patients."""
+    if any(s is None for arm in arms for s in arm):
+        return None
+    common = sorted(set.intersection(*(set(s.case_ids) for arm in arms for s in arm)))
     if len(common) < 2:
         return None
-    score_a, score_b = ([s.aligned(common) for s in arm] for arm in scorers)
+    score_a, score_b = ([s.aligned(common) for s in arm] for arm in arms)
     return stats.paired_bootstrap(score_a, score_b, len(common), n_resamples=n_resamples)
 
 

@@ -24,7 +24,6 @@ from optuna.visualization import matplotlib as optuna_plots
 
 from gx_ray.analysis.runs import headline_metric, higher_is_better
 
-matplotlib.use("Agg")  # files only, also on machines without a display (after pyplot: it switches the backend)
 _log = logging.getLogger(__name__)
 MIN_TRIALS_FOR_IMPORTANCE = 4
 

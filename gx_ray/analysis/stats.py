@@ -3,13 +3,14 @@
 :func:`seed_summary` / :func:`cell_statistics` give mean, SD and a bootstrap interval of the mean over seeds for
 every cell of the runs table (:mod:`gx_ray.analysis.runs`). A schema is compared with another either by
 :func:`paired_bootstrap` over test patients (preferred: needs each seed's per-case predictions) or by
-:func:`wilcoxon_over_seeds` (the fallback on the runs table alone, see :func:`seed_comparisons`);
+:func:`wilcoxon_over_seeds` (the fallback on the runs table alone, see :func:`seed_comparisons`), on the pairs
+of trials :func:`paired_arms` finds;
 :func:`significance_table` Holm-corrects a family of such comparisons and says which schema is better.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import pandas as pd
@@ -163,26 +164,41 @@ def significance_table(comparisons: list[dict], alpha: float = 0.05) -> pd.DataF
     return table[COMPARISON_KEYS + rest].sort_values(["task", "p_value"], kind="stable").reset_index(drop=True)
 
 
+def paired_arms(
+    runs: pd.DataFrame, baseline: str = "image_only", split: str = "test", headline_only: bool = False
+) -> Iterator[tuple[dict, pd.DataFrame, pd.DataFrame]]:
+    """Every schema against ``baseline`` per task, model, fusion and metric: ``(cell, arm, baseline_arm)``, the two
+    arms' rows indexed by seed, on the seeds both have; ``cell`` names the comparison.
+
+    A schema with several trials on one seed differs from the baseline in more than its inputs (a search over other
+    parameters too) and is not paired. ``headline_only`` keeps each task's primary metric
+    (:func:`~gx_ray.analysis.runs.headline_metric`, which imports the tasks).
+    """
+    keys = ["task", "model", "fusion", "metric"]
+    for (task, model, fusion, metric), group in runs[runs["split"] == split].groupby(keys, dropna=False):
+        if headline_only and metric != headline_metric(task):
+            continue
+        arms = {schema: frame.set_index("seed") for schema, frame in group.groupby("schema")}
+        arms = {schema: frame for schema, frame in arms.items() if frame.index.is_unique}
+        if baseline not in arms:
+            continue
+        for schema in sorted(set(arms) - {baseline}):
+            seeds = sorted(set(arms[schema].index) & set(arms[baseline].index))
+            if seeds:
+                cell = {"task": task, "model": model, "fusion": fusion, "metric": metric}
+                yield (
+                    {**cell, "schema_a": schema, "schema_b": baseline},
+                    arms[schema].loc[seeds],
+                    arms[baseline].loc[seeds],
+                )
+
+
 def seed_comparisons(
     runs: pd.DataFrame, baseline: str = "image_only", split: str = "test", headline_only: bool = False
 ) -> list[dict]:
-    """Every schema against ``baseline`` per task, model, fusion and metric, paired by seed with
-    :func:`wilcoxon_over_seeds`: the fallback when per-case predictions are not available. ``headline_only``
-    keeps each task's primary metric (:func:`~gx_ray.analysis.runs.headline_metric`, which imports the tasks).
-    """
-    comparisons = []
-    for (task, model, fusion, metric), group in runs[runs["split"] == split].groupby(
-        ["task", "model", "fusion", "metric"], sort=False, dropna=False
-    ):
-        if headline_only and metric != headline_metric(task):
-            continue
-        by_seed = group.pivot_table(index="seed", columns="schema", values="value", aggfunc="mean", dropna=False)
-        if baseline not in by_seed:
-            continue
-        for schema in group["schema"].unique():
-            if schema == baseline or schema not in by_seed:
-                continue
-            result = wilcoxon_over_seeds(by_seed[schema].to_numpy(), by_seed[baseline].to_numpy())
-            cell = {"task": task, "metric": metric, "schema_a": schema, "schema_b": baseline}
-            comparisons.append({**cell, "model": model, "fusion": fusion, **result})
-    return comparisons
+    """Every pair of :func:`paired_arms` compared with :func:`wilcoxon_over_seeds`: the fallback when per-case
+    predictions are not available."""
+    return [
+        {**cell, **wilcoxon_over_seeds(arm["value"].to_numpy(), base["value"].to_numpy())}
+        for cell, arm, base in paired_arms(runs, baseline, split, headline_only)
+    ]

@@ -77,19 +77,23 @@ def batches(iterator: Any, layout: TensorLayout, batch_size: int, shuffle: int, 
 
 
 def evaluate(
-    model: TaskModel, task: Any, data: Any, layout: TensorLayout, config: TrialConfig, device
+    model: TaskModel, task: Any, data: Any, layout: TensorLayout, config: TrialConfig, device, records: bool = False
 ) -> tuple[dict, list]:
-    """The task's metrics and prediction records over one split, both gathered over all ranks."""
+    """The task's metrics over one split and, with ``records``, its prediction records; both gathered over all
+    ranks. Validation every epoch needs only the metrics; the test split's records are logged."""
     model.eval()
-    metric, records = task.metric(), []
+    metric, kept = task.metric(), []
     size = config.data.eval_batch_size or config.data.batch_size
     with torch.no_grad(), autocast(config, device):
         for batch in batches(data, layout, size, 0, 0):
             outputs = model(batch)
             metric.update(outputs, batch)
-            records += task.predict(outputs, batch)
+            if records:
+                kept += task.predict(outputs, batch)
+    if not records:
+        return metric.compute(), []
     # every rank's records (a collective call, like the metric's): the test predictions logged are the whole split's
-    return metric.compute(), [r for part in gather_state({"records": [records]}).get("records", []) for r in part]
+    return metric.compute(), [r for part in gather_state({"records": [kept]}).get("records", []) for r in part]
 
 
 def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
@@ -170,7 +174,7 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
             ctx.tracker.log_metrics(metrics, step=epoch)
         if epoch == config.schedule.epochs - 1:  # the best model scores the test split
             model.load_state_dict(best["state"])
-            test, records = evaluate(model, task, ctx.data["test"], layout, config, ctx.device)
+            test, records = evaluate(model, task, ctx.data["test"], layout, config, ctx.device, records=True)
             timing["train_seconds"] += time.perf_counter() - started
             final = {
                 **{f"test_{k}": v for k, v in test.items()},
