@@ -10,8 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from gx_ray.analysis.validate import planted_signal
 from gx_ray.runtime import tolerant_console
+from gx_ray.sweep.validate import planted_signal
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,8 +11,8 @@ from mlflow.tracking import MlflowClient
 from gx_ray.analysis.report import schema_comparisons, write_report
 from gx_ray.analysis.runs import load_runs
 from gx_ray.schema import STAGE_GROUPS
-from gx_ray.sweep.tracking import LocalMlflowServer, child_run, parent_run
-from gx_ray.train.tracker import log_metrics
+from gx_ray.tracking import child_run, log_metrics, parent_run
+from gx_ray.tracking.server import LocalMlflowServer
 from tests.analysis_fixture import make_runs
 
 SWEEP = "planted-0001"

@@ -235,7 +235,8 @@ def report_sweep(sweep: str, mlflow_uri: str | None = None, output: Path | None 
     import json
 
     from gx_ray.data.shards import read_manifest
-    from gx_ray.sweep.tracking import SWEEP_TAG, LocalMlflowServer
+    from gx_ray.tracking import SWEEP_TAG
+    from gx_ray.tracking.server import LocalMlflowServer
 
     folder = Path(sweep)
     document = json.loads((folder / "sweep.json").read_text(encoding="utf-8")) if folder.is_dir() else None

@@ -23,7 +23,7 @@ from mlflow.entities import Run
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from gx_ray.sweep.tracking import SWEEP_TAG, TRIAL_TAG
+from gx_ray.tracking import SWEEP_TAG, TRIAL_TAG
 
 RUN_COLUMNS = (
     "sweep_id",

@@ -257,14 +257,42 @@ def list_tensor(column: pa.ChunkedArray | pa.Array, dtype: np.dtype) -> np.ndarr
     return values.reshape(len(array), -1)
 
 
+def row_groups(shard_dir: Path, split: str) -> list[dict[str, Any]]:
+    """Every Parquet row group of a split in file order: ``{"path", "row_group", "rows"}`` (the unit a read task reads,
+    a rank owns and an epoch orders)."""
+    files = split_files(shard_dir, split)
+    if not files:
+        raise ValueError(f"{shard_dir} has no {split} shards")
+    pieces = []
+    for f in files:
+        metadata = pq.ParquetFile(f).metadata
+        pieces += [
+            {"path": str(f), "row_group": i, "rows": metadata.row_group(i).num_rows}
+            for i in range(metadata.num_row_groups)
+        ]
+    return pieces
+
+
+def rank_pieces(
+    pieces: list[dict[str, Any]], rank: int = 0, world: int = 1, order_seed: int | None = None
+) -> list[dict[str, Any]]:
+    """The row groups rank ``rank`` of ``world`` reads: every ``world``-th of them, after a permutation seeded with
+    ``order_seed`` (a new order each epoch, the same on every rank, so the ranks' parts never overlap)."""
+    if order_seed is not None:
+        pieces = [pieces[i] for i in np.random.default_rng(order_seed).permutation(len(pieces))]
+    return pieces[rank::world]
+
+
 def read_split(
     shard_dir: Path,
     split: str,
     columns: Iterable[str] | None = None,
     num_cpus: float = 1.0,
     concurrency: int | None = None,
+    pieces: list[dict[str, Any]] | None = None,
 ) -> ray.data.Dataset:
-    """The rows of one split as a streaming Ray Dataset of Arrow blocks, one block per Parquet row group.
+    """The rows of one split (or of the given row groups, :func:`rank_pieces`) as a streaming Ray Dataset of Arrow
+    blocks, one block per Parquet row group, in order.
 
     Feed it to ``iter_torch_batches(collate_fn=BatchCollate(...), batch_size=...)``: decoding happens in the
     consumer's prefetch threads, straight from the Arrow buffers.
@@ -275,11 +303,10 @@ def read_split(
     files in a task of one CPU that no setting changes, which never starts while every CPU is held by trials
     (a deadlock on small machines), and costs 0.8-6 s before the first batch of every epoch.
     """
-    files = split_files(shard_dir, split)
-    if not files:
-        raise ValueError(f"{shard_dir} has no {split} shards")
-    pieces = [{"path": str(f), "row_group": i} for f in files for i in range(pq.ParquetFile(f).metadata.num_row_groups)]
-    return ray.data.from_items(pieces, override_num_blocks=len(pieces)).map_batches(
+    pieces = [{"path": p["path"], "row_group": p["row_group"]} for p in (pieces or row_groups(shard_dir, split))]
+    if not pieces:
+        raise ValueError(f"no {split} row groups to read from {shard_dir}")
+    dataset = ray.data.from_items(pieces, override_num_blocks=len(pieces)).map_batches(
         _read_row_groups,
         fn_kwargs={"columns": list(columns) if columns else None},
         batch_size=1,
@@ -289,6 +316,9 @@ def read_split(
         # no more tasks than row groups: Ray warns about a pool larger than its inputs (a one-file val split)
         compute=ray.data.TaskPoolStrategy(size=min(concurrency, len(pieces))) if concurrency else None,
     )
+    # blocks in the order of the pieces, whichever read task finishes first: a seeded run sees the same batches
+    dataset.context.execution_options.preserve_order = True
+    return dataset
 
 
 def _read_row_groups(pieces: pa.Table, columns: list[str] | None) -> pa.Table:
@@ -312,10 +342,19 @@ class BatchCollate(ArrowBatchCollateFn):
     (:func:`to_device`).
     """
 
-    def __init__(self, layout: TensorLayout):
+    def __init__(self, layout: TensorLayout, pin_memory: bool = False):
         self.layout = layout
+        self.pin_memory = pin_memory
+        """Copy the tensors into page-locked memory here, in Ray's prefetch threads, so that the training loop's
+        copy to the GPU is asynchronous (``non_blocking``) and costs the loop nothing."""
 
     def __call__(self, batch: pa.Table) -> dict[str, Any]:
+        out = self._collate(batch)
+        if self.pin_memory:
+            out = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+        return out
+
+    def _collate(self, batch: pa.Table) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for name in batch.column_names:
             column = batch.column(name)

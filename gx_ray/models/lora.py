@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from peft import LoraConfig, get_peft_model
 from torch import nn
 
 
@@ -33,6 +32,8 @@ class LoraSettings:
 
 def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     """``model`` with LoRA adapters on ``settings.target_modules``; only the adapters require grad."""
+    from peft import LoraConfig, get_peft_model  # peft takes about a second to import: only when LoRA is configured
+
     config = LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,

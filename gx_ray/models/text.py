@@ -4,18 +4,22 @@ Names follow timm's convention: a registered name (``bert_tiny``, ``minilm``), `
 from the Hugging Face hub (or its local cache), or a path to a local model folder. Keeping hub names behind a
 prefix means a misspelt name fails at once with the valid choices instead of trying the network.
 Offline, the MiniLM tokenizer (bert-base-uncased vocabulary) serves every registered encoder.
+transformers' model classes are imported when an encoder is built, not with this module (a sweep driver that only
+checks names need not pay for them).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 HUB_PREFIX = "hf-hub:"
 BERT_TINY = {
@@ -26,6 +30,28 @@ BERT_TINY = {
     "max_position_embeddings": 512,
 }
 """A small BERT, initialised at random: the fast offline default."""
+TEXT_BUCKETS: tuple[int, ...] = tuple(2**k for k in range(4, 16))
+"""The padded lengths of tokenised batches (16, 32, …, 32768), capped at the tokenizer's ``max_length``."""
+
+
+def bucket_length(longest: int, max_length: int) -> int:
+    """The smallest bucket that holds ``longest`` tokens; ``max_length`` when none does or it is smaller."""
+    return min(next((b for b in TEXT_BUCKETS if b >= longest), max_length), max_length)
+
+
+def tokenize_bucketed(
+    tokenizer: PreTrainedTokenizerBase, texts: Sequence[str | None], max_length: int
+) -> BatchEncoding:
+    """Tokenise ``texts`` (``None`` as empty), truncated to ``max_length``, padded to the bucket of the longest.
+
+    Padding per batch meets a new length at most steps, and cuDNN/SDPA attention re-plans for every new shape;
+    a few fixed lengths keep the number of shapes small. Padding is masked out, so features do not change.
+    """
+    encoded = tokenizer([t or "" for t in texts], truncation=True, max_length=max_length)
+    longest = max((len(ids) for ids in encoded["input_ids"]), default=0)
+    return tokenizer.pad(
+        encoded, padding="max_length", max_length=bucket_length(longest, max_length), return_tensors="pt"
+    )
 
 
 class TextEncoder(nn.Module):
@@ -44,13 +70,7 @@ class TextEncoder(nn.Module):
 
     def forward(self, texts: list[str | None]) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, L, dim) last hidden states and the (B, L) bool mask of real tokens."""
-        batch = self.tokenizer(
-            [t or "" for t in texts],
-            padding=True,
-            truncation=True,
-            max_length=self.max_length,
-            return_tensors="pt",
-        ).to(self.device)
+        batch = tokenize_bucketed(self.tokenizer, texts, self.max_length).to(self.device)
         hidden = self.model(**batch).last_hidden_state
         return hidden, batch["attention_mask"].bool()
 
@@ -63,6 +83,8 @@ def masked_mean(tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _tokenizer(path: str) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
@@ -84,6 +106,8 @@ def offline_tokenizer() -> PreTrainedTokenizerBase:
 
 def bert_tiny(max_length: int = 256, **bert_config: Any) -> TextEncoder:
     """A random-init small BERT (``BERT_TINY``, overridable) over the offline tokenizer's vocabulary."""
+    from transformers import BertConfig, BertModel
+
     tokenizer = offline_tokenizer()
     config = BertConfig(vocab_size=tokenizer.vocab_size, **{**BERT_TINY, **bert_config})
     return TextEncoder(BertModel(config, add_pooling_layer=False), tokenizer, max_length)
@@ -96,6 +120,8 @@ def minilm(max_length: int = 256) -> TextEncoder:
 
 def pretrained(name_or_path: str | Path, max_length: int = 256, **load: Any) -> TextEncoder:
     """Any transformers encoder (``AutoModel``) with its own tokenizer, by hub name or local folder."""
+    from transformers import AutoModel, AutoTokenizer
+
     model = AutoModel.from_pretrained(str(name_or_path), **load)
     tokenizer = AutoTokenizer.from_pretrained(str(name_or_path), **load)
     return TextEncoder(model, tokenizer, max_length)

@@ -3,18 +3,21 @@
 Each CT encoder wraps one MONAI network (``backbone``) and keeps the arguments it was built with
 (``backbone_arguments``), so the model benchmark can instantiate the same MONAI class raw and compare rates.
 Every CT encoder returns 5D maps ``(B, C_i, d_i, h_i, w_i)``, finest first; ``channels`` lists the ``C_i``.
+MONAI is imported when an encoder is built: ``import monai`` loads all of MONAI (its apps, handlers and MLflow),
+seconds that a process which only reads the registry's names (a sweep driver validating configs) need not pay.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from monai.networks.nets.resnet import ResNet
-from monai.networks.nets.swin_unetr import SwinTransformer
 from torch import nn
+
+if TYPE_CHECKING:
+    from monai.networks.nets.resnet import ResNet
 
 RESNET_DEPTHS: dict[int, tuple[str, list[int]]] = {
     10: ("basic", [1, 1, 1, 1]),
@@ -37,6 +40,13 @@ def resnet_arguments(depth: int, spatial_dims: int, in_channels: int, **override
         "feed_forward": False,
         **overrides,
     }
+
+
+def monai_resnet(**arguments: Any) -> ResNet:
+    """MONAI's ``ResNet`` built from ``arguments`` (MONAI imported here, on first use: see the module docstring)."""
+    from monai.networks.nets.resnet import ResNet
+
+    return ResNet(**arguments)
 
 
 def resnet_feature_maps(net: ResNet, x: torch.Tensor) -> list[torch.Tensor]:
@@ -80,6 +90,8 @@ class Swin3d(nn.Module):
             "use_checkpoint": gradient_checkpointing,
             **overrides,
         }
+        from monai.networks.nets.swin_unetr import SwinTransformer  # on first use: see the module docstring
+
         self.backbone = SwinTransformer(**self.backbone_arguments)
         self.channels = [feature_size * 2**i for i in range(len(depths) + 1)]
 
@@ -93,7 +105,7 @@ class ResNet3d(nn.Module):
     def __init__(self, in_channels: int, depth: int = 18, **overrides: Any):
         super().__init__()
         self.backbone_arguments = resnet_arguments(depth, 3, in_channels, **overrides)
-        self.backbone = ResNet(**self.backbone_arguments)
+        self.backbone = monai_resnet(**self.backbone_arguments)
         self.channels = [w * self.backbone.layer1[0].expansion for w in self.backbone_arguments["block_inplanes"]]
 
     def forward(self, ct: torch.Tensor) -> list[torch.Tensor]:
@@ -111,7 +123,7 @@ class MultiChannel2d(nn.Module):
         super().__init__()
         self.slices = slices
         self.backbone_arguments = resnet_arguments(depth, 2, in_channels * slices, **overrides)
-        self.backbone = ResNet(**self.backbone_arguments)
+        self.backbone = monai_resnet(**self.backbone_arguments)
         self.channels = [w * self.backbone.layer1[0].expansion for w in self.backbone_arguments["block_inplanes"]]
 
     def forward(self, ct: torch.Tensor) -> list[torch.Tensor]:
@@ -130,7 +142,7 @@ class Endoscopy2d(nn.Module):
     def __init__(self, depth: int = 18, **overrides: Any):
         super().__init__()
         self.backbone_arguments = resnet_arguments(depth, 2, 3, **overrides)
-        self.backbone = ResNet(**self.backbone_arguments)
+        self.backbone = monai_resnet(**self.backbone_arguments)
         self.dim = RESNET_WIDTHS[-1] * self.backbone.layer1[0].expansion
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:

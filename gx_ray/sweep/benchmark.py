@@ -16,7 +16,7 @@ import numpy as np
 from mlflow.tracking import MlflowClient
 
 from gx_ray.sweep.driver import SweepOptions, run_sweep
-from gx_ray.sweep.tracking import PARENT_TAG
+from gx_ray.tracking import PARENT_TAG
 
 
 def run_sweep_benchmark(options: SweepOptions) -> dict[str, Any]:

@@ -32,10 +32,10 @@ from gx_ray.data.shards import read_manifest, read_split
 from gx_ray.data.splits import SPLITS
 from gx_ray.runtime import init_ray, quiet_data_context
 from gx_ray.sweep.spaces import SearchSpace, available_presets, load_space
-from gx_ray.sweep.tracking import LocalMlflowServer, child_run, close_stopped_runs, parent_run
+from gx_ray.tracking import TrialTracker, child_run, close_stopped_runs, log_metrics, parent_run, set_tags
+from gx_ray.tracking.server import LocalMlflowServer
 from gx_ray.train.config import TrialConfig
 from gx_ray.train.loop import WorkerContext, run_loop, train_loop_per_worker
-from gx_ray.train.tracker import TrialTracker, log_metrics, set_tags
 
 SWEEP_FILE = "sweep.json"
 EXPERIMENT = "gx-ray"

@@ -131,15 +131,11 @@ class ReportGeneration(Task):
         return ReportDecoder(decoder, dim, tokenizer)
 
     def forward(self, encoder: nn.Module, head: nn.Module, inputs: ModelInputs, batch: Batch) -> Outputs:
+        from gx_ray.models.text import tokenize_bucketed  # the models package imports MONAI: only when asked
+
         encoded = encoder(inputs)
         references = batch[self.column]
-        tokens = head.tokenizer(
-            [r or "" for r in references],
-            padding=True,
-            truncation=True,
-            max_length=self.max_report_tokens,
-            return_tensors="pt",
-        ).to(encoded.tokens.device)
+        tokens = tokenize_bucketed(head.tokenizer, references, self.max_report_tokens).to(encoded.tokens.device)
         has_report = torch.tensor([bool(r) for r in references], device=encoded.tokens.device)
         labels = tokens.input_ids.masked_fill(~tokens.attention_mask.bool() | ~has_report[:, None], IGNORE)
         outputs = {

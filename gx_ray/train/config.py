@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field, fields
-from typing import Any, get_type_hints
+from typing import Any, get_args, get_type_hints
 
 from gx_ray.modalities import ModalitySchema, check_leakage, resolve_schema
 from gx_ray.models.registry import ModelConfig
@@ -37,19 +37,41 @@ class ScheduleConfig:
     """Caps an epoch (smoke runs); None reads the whole training split."""
 
 
+AUTO = "auto"
+RETIRED_KEYS = {
+    "data.batch_size": "data.batch_size is ambiguous (per forward pass or per optimiser step?) and no longer read: "
+    "set data.effective_batch (samples per optimiser step over all ranks: the batch size papers report) and "
+    "data.micro_batch (samples per rank per forward pass, or auto: the largest that fits the GPU)",
+    "data.grad_accum": "data.grad_accum is no longer set by hand: it is data.effective_batch / (resources.workers x "
+    "data.micro_batch)",
+}
+
+
 @dataclass(frozen=True)
 class DataConfig:
     shards: str = ""
     """The shard folder (``prepare_data`` output's ``shards/``); filled in by the sweep."""
-    batch_size: int = 32
-    grad_accum: int = 1
+    effective_batch: int = 32
+    """Samples per optimiser step, over all ranks and accumulation steps: the batch size a paper reports."""
+    micro_batch: int | str = AUTO
+    """Samples per rank per forward pass; ``auto``: the whole per-rank batch on the CPU, on a GPU the largest divisor
+    of it whose training step fits the trial's share of the card (measured). Accumulation makes up the rest."""
     eval_batch_size: int | None = None
-    shuffle_buffer: int = 64
+    """Samples per rank per evaluation forward pass; None: the micro-batch."""
+    shuffle_buffer: int = 16
+    """Rows in the local shuffle buffer, on top of a seeded per-epoch order of row groups (8 rows each)."""
     read_cpus: float = 0.0
     """CPUs each read task asks for. 0: the trial's workers already hold the CPUs the sweep gave them, and a read
     task that waits for one more would wait for ever on a machine whose CPUs the trials fill; reading then runs
     beside training, ``read_concurrency`` tasks at a time per split."""
     read_concurrency: int = 2
+
+    def per_rank_batch(self, workers: int) -> int:
+        return self.effective_batch // workers
+
+    def accumulation(self, workers: int, micro_batch: int) -> int:
+        """Micro-batches per optimiser step on each rank."""
+        return self.per_rank_batch(workers) // micro_batch
 
 
 @dataclass(frozen=True)
@@ -58,6 +80,9 @@ class ResourcesConfig:
     """Ray Train workers (DDP ranks); 1 runs the loop inside the Tune trial itself (no TorchTrainer start-up)."""
     use_gpu: bool = False
     cpus_per_worker: float = 1.0
+    gpus_per_worker: float | str = 0.0
+    """GPUs per worker: 1, a fraction (0.25 packs four trials on a GPU), or ``auto``: a measured training step of
+    the trial's model at its micro-batch decides how many trials share a GPU."""
     torch_trainer: bool = False
     """Run even a one-worker trial under a Ray Train ``TorchTrainer`` (several workers always do)."""
 
@@ -82,12 +107,37 @@ class TrialConfig:
         if self.amp not in ("auto", "bf16", "off"):
             raise ValueError(f"unknown amp {self.amp!r}; valid: auto, bf16, off")
         check_leakage(self.schema, self.task)
+        self._check_batch()
+
+    def _check_batch(self) -> None:
+        data, workers = self.data, self.resources.workers
+        if workers < 1:
+            raise ValueError(f"resources.workers must be at least 1, got {workers}")
+        if data.effective_batch < 1 or data.effective_batch % workers:
+            raise ValueError(
+                f"data.effective_batch {data.effective_batch} must be a positive multiple of "
+                f"resources.workers {workers}"
+            )
+        micro = data.micro_batch
+        if micro != AUTO and (not isinstance(micro, int) or micro < 1 or data.per_rank_batch(workers) % micro):
+            raise ValueError(
+                f"data.micro_batch {micro!r} must be auto or a positive divisor of the per-rank batch "
+                f"{data.per_rank_batch(workers)} (data.effective_batch {data.effective_batch} / {workers} workers)"
+            )
+        gpus = self.resources.gpus_per_worker
+        if gpus != AUTO and (not isinstance(gpus, int | float) or gpus < 0):
+            raise ValueError(f"resources.gpus_per_worker {gpus!r} must be auto, 0, a fraction or a whole number")
+        if workers > 1 and gpus not in (0, 0.0) and gpus != 1 and (gpus == AUTO or gpus < 1):
+            raise ValueError("a DDP trial (resources.workers > 1) takes whole GPUs: set resources.gpus_per_worker: 1")
 
     # --- flat dotted keys <-> nested config ---
 
     @classmethod
     def from_flat(cls, flat: dict[str, Any]) -> TrialConfig:
         """Build from ``{"task": ..., "schema": "image_table" | {...}, "optimiser.lr": 1e-4, ...}``."""
+        retired = [key for key in flat if key in RETIRED_KEYS]
+        if retired:
+            raise ValueError(RETIRED_KEYS[retired[0]])
         nested: dict[str, Any] = {}
         for key, value in flat.items():
             section, _, name = key.partition(".")
@@ -145,12 +195,23 @@ def _build(kind: type, values: dict[str, Any], section: str) -> Any:
     if unknown:
         raise ValueError(f"unknown {section} keys {unknown}; valid: {', '.join(sorted(known))}")
     hints = get_type_hints(kind)
-    converted = {}
-    for name, value in values.items():
-        hint = hints[name]
-        if hint in (int, float) and isinstance(value, str | int | float) and not isinstance(value, bool):
-            value = hint(value)  # YAML reads 5e-5 as a string
-        elif isinstance(value, list):
-            value = tuple(value)
-        converted[name] = value
-    return kind(**converted)
+    return kind(**{name: _convert(hints[name], value) for name, value in values.items()})
+
+
+def _convert(hint: Any, value: Any) -> Any:
+    """A YAML or MLflow value as the field's type: ``5e-5`` read as a string, ``1`` for a float, ``"8"`` for an int;
+    ``auto`` kept where the field allows it."""
+    kinds = get_args(hint) or (hint,)
+    if isinstance(value, bool) or value is None or (value == AUTO and str in kinds):
+        return value
+    if isinstance(value, list):
+        return tuple(value)
+    for number in (int, float):
+        if number in kinds and isinstance(value, str | int | float):
+            try:
+                converted = number(value)
+            except ValueError:
+                continue
+            if number is float or converted == float(value):
+                return converted
+    return value

@@ -1,10 +1,16 @@
 """The per-worker training loop of a trial: one readable function that Ray Train's workers and a one-worker Tune trial
 both run (torchtune style: the recipe is the loop; no trainer framework in between).
 
-Per epoch: stream the worker's share of the training split, AdamW with the text encoder at its own learning rate,
-linear warm-up then linear decay, gradient accumulation, bf16 autocast on GPU; validate with the task's metric;
-report the epoch's metrics and a checkpoint (the latest and the best model). After the last epoch the best
-model scores the test split. Metrics go to Ray (Tune sees them) and, from rank 0, to the trial's MLflow run.
+Per epoch: stream this rank's share of the training split in a seeded per-epoch order, AdamW with the text encoder at
+its own learning rate, linear warm-up then linear decay, micro-batches accumulated to the effective batch, bf16
+autocast on GPU; validate with the task's metric; report the epoch's metrics and a checkpoint (the latest and the
+best model). After the last epoch the best model scores the test split. Metrics go to Ray (Tune sees them) and,
+from rank 0, to the trial's MLflow run.
+
+What keeps a GPU busy here: batches are collated and pinned in Ray's prefetch threads and copied to the GPU one batch
+ahead; the loss is read once per epoch, not per step (a read waits for the GPU); the next epoch's first batch is
+fetched while this epoch validates; each rank reads its own row groups (no coordinator between ranks); DDP looks
+for unused parameters only when a measured step found some.
 """
 
 from __future__ import annotations
@@ -16,43 +22,58 @@ import random
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from transformers import get_linear_schedule_with_warmup
 
-from gx_ray.data.shards import TENSOR_COLUMNS, BatchCollate, TensorLayout, read_manifest, split_files
-from gx_ray.data.splits import SPLITS
+from gx_ray.data.shards import (
+    TENSOR_COLUMNS,
+    BatchCollate,
+    TensorLayout,
+    rank_pieces,
+    read_manifest,
+    read_split,
+    row_groups,
+    split_files,
+    to_device,
+)
 from gx_ray.models.registry import build_encoder, param_groups
 from gx_ray.runtime import quiet_data_context
 from gx_ray.tasks import TaskModel, build_task, gather_state
-from gx_ray.train.config import TrialConfig
-from gx_ray.train.tracker import TrialTracker
+from gx_ray.tracking import TrialTracker
+from gx_ray.train import probe
+from gx_ray.train.config import AUTO, TrialConfig
 
 CHECKPOINT_FILE = "state.pt"
 
 
 @dataclass
 class WorkerContext:
-    """Where this copy of the loop runs: its rank, its device, its data, and how it reports."""
+    """Where this copy of the loop runs: its rank, its device, and how it reports."""
 
     rank: int
     world_size: int
     device: torch.device
-    data: dict[str, Any]
-    """split → Ray DataIterator of this worker's share."""
     report: Callable[..., None]
     """``report(metrics, checkpoint=None)``: ray.train.report or ray.tune.report."""
     latest_checkpoint: Any
     """The checkpoint to resume from (Ray's), or None."""
     tracker: Any = None
     """Logs metrics and artifacts to the trial's MLflow run (rank 0 only), or None."""
+    micro_batch: int | None = None
+    """The micro-batch measured for this trial before it started (``gpus_per_worker: auto``), or None."""
+    timing: dict[str, float] = field(default_factory=dict)
+    """Start-up seconds measured before the loop (added to the loop's own timing metrics)."""
 
 
 def seed_everything(seed: int) -> None:
@@ -66,26 +87,82 @@ def autocast(config: TrialConfig, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
 
 
-def batches(iterator: Any, layout: TensorLayout, batch_size: int, shuffle: int, seed: int) -> Iterator[dict]:
-    return iterator.iter_torch_batches(
-        batch_size=batch_size,
-        collate_fn=BatchCollate(layout),
-        prefetch_batches=2,
-        local_shuffle_buffer_size=shuffle or None,
-        local_shuffle_seed=seed if shuffle else None,
-    )
+class SplitStream:
+    """One split's batches for one rank, epoch by epoch, on the device.
+
+    The row groups are ordered by a seed per epoch (training only) and dealt to the ranks, so every rank streams its
+    own rows and an epoch's batches are the same on every run with the same seed. :meth:`prefetch` starts the next
+    epoch's stream (its first batch waits for reads and the shuffle buffer to fill) while the current epoch ends.
+    """
+
+    def __init__(self, config: TrialConfig, split: str, layout: TensorLayout, ctx: WorkerContext, batch_size: int):
+        self.config, self.split, self.layout, self.ctx, self.batch_size = config, split, layout, ctx, batch_size
+        self.pieces = row_groups(Path(config.data.shards), split)
+        self.shuffle = config.data.shuffle_buffer if split == "train" else 0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"prefetch-{split}")
+        self._next: tuple[int, Iterator, Future] | None = None
+
+    def order_seed(self, epoch: int) -> int | None:
+        return self.config.seed * 1000 + epoch if self.split == "train" else None
+
+    def my_pieces(self, epoch: int) -> list[dict[str, Any]]:
+        return rank_pieces(self.pieces, self.ctx.rank, self.ctx.world_size, self.order_seed(epoch))
+
+    def rows(self, epoch: int, rank: int | None = None) -> int:
+        rank = self.ctx.rank if rank is None else rank
+        return sum(p["rows"] for p in rank_pieces(self.pieces, rank, self.ctx.world_size, self.order_seed(epoch)))
+
+    def fewest_rows(self, epoch: int) -> int:
+        """The rows of the rank with fewest this epoch: every rank takes as many optimiser steps as it allows."""
+        return min(self.rows(epoch, r) for r in range(self.ctx.world_size))
+
+    def _iterator(self, epoch: int) -> Iterator[dict]:
+        data = self.config.data
+        dataset = read_split(
+            Path(data.shards), self.split, num_cpus=data.read_cpus, concurrency=data.read_concurrency,
+            pieces=self.my_pieces(epoch),
+        )  # fmt: skip
+        seed = self.order_seed(epoch)
+        batches = dataset.iter_torch_batches(
+            batch_size=self.batch_size,
+            collate_fn=BatchCollate(self.layout, pin_memory=self.ctx.device.type == "cuda"),
+            prefetch_batches=2,
+            local_shuffle_buffer_size=max(self.shuffle, self.batch_size) if self.shuffle else None,
+            local_shuffle_seed=seed if self.shuffle else None,
+        )
+        return iter(batches)
+
+    def prefetch(self, epoch: int) -> None:
+        """Start the stream of ``epoch`` now: its first batch is fetched in the background."""
+        if self._next is None or self._next[0] != epoch:
+            iterator = self._iterator(epoch)
+            self._next = (epoch, iterator, self._pool.submit(next, iterator, None))
+
+    def batches(self, epoch: int) -> Iterator[dict]:
+        """The epoch's batches on the device, each copied while the one before it trains."""
+        self.prefetch(epoch)
+        _, iterator, first = self._next
+        self._next = None
+        batch = first.result()
+        if batch is None:
+            return
+        current = to_device(batch, self.ctx.device)
+        for batch in iterator:
+            upcoming = to_device(batch, self.ctx.device)
+            yield current
+            current = upcoming
+        yield current
 
 
 def evaluate(
-    model: TaskModel, task: Any, data: Any, layout: TensorLayout, config: TrialConfig, device, records: bool = False
+    model: TaskModel, task: Any, stream: SplitStream, config: TrialConfig, device, records: bool = False
 ) -> tuple[dict, list]:
     """The task's metrics over one split and, with ``records``, its prediction records; both gathered over all
     ranks. Validation every epoch needs only the metrics; the test split's records are logged."""
     model.eval()
     metric, kept = task.metric(), []
-    size = config.data.eval_batch_size or config.data.batch_size
     with torch.no_grad(), autocast(config, device):
-        for batch in batches(data, layout, size, 0, 0):
+        for batch in stream.batches(0):
             outputs = model(batch)
             metric.update(outputs, batch)
             if records:
@@ -96,32 +173,71 @@ def evaluate(
     return metric.compute(), [r for part in gather_state({"records": [kept]}).get("records", []) for r in part]
 
 
-def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
-    """Train, validate every epoch, test the best model; returns the final metrics."""
-    setup_started = time.perf_counter()
-    seed_everything(config.seed)
+def build_trial(config: TrialConfig, device: torch.device) -> tuple[Any, TaskModel, TensorLayout]:
+    """The trial's task (fitted on the training split) and model, on ``device``."""
     manifest = read_manifest(Path(config.data.shards))
     layout = TensorLayout(tuple(manifest["ct_shape"]), tuple(manifest["endoscopy_shape"]), tuple(manifest["lab_names"]))
     task = build_task(config.task, **config.task_options)
     task.prepare(_train_rows(Path(config.data.shards), task))  # fitted on the training split only
-    model = TaskModel(task, build_encoder(config.model, config.schema), config.schema).to(ctx.device)
-    groups = param_groups(
-        model, config.optimiser.lr, config.optimiser.weight_decay, config.optimiser.text_lr_multiplier
+    model = TaskModel(task, build_encoder(config.model, config.schema), config.schema).to(device)
+    return task, model, layout
+
+
+def loss_function(task: Any, config: TrialConfig, device: torch.device) -> Callable[[torch.nn.Module, dict], Any]:
+    def loss_of(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        with autocast(config, device):
+            return task.loss(model(batch), batch)
+
+    return loss_of
+
+
+def micro_batch_for(
+    config: TrialConfig, model: TaskModel, task: Any, layout: TensorLayout, device: torch.device, world_size: int,
+    share: float = 1.0,
+) -> tuple[int, int | None]:  # fmt: skip
+    """The trial's micro-batch and its measured step peak (bytes; None where not measured). ``auto``: the whole
+    per-rank batch on the CPU; on a GPU the largest divisor of it whose step fits ``share`` of the card."""
+    per_rank = config.data.per_rank_batch(world_size)
+    if config.data.micro_batch != AUTO:
+        return int(config.data.micro_batch), None
+    if device.type != "cuda":
+        return per_rank, None
+    rows = first_rows(Path(config.data.shards), "train", per_rank, layout)
+    loss_of = loss_function(task, config, device)
+
+    def peak_of(micro: int) -> int | None:
+        return probe.step_peak_bytes(model, loss_of, to_device(slice_batch(rows, micro), device), device)
+
+    card = torch.cuda.get_device_properties(device).total_memory
+    budget = card * share * (1 - probe.MARGIN) - probe.CONTEXT_BYTES
+    return probe.choose_micro_batch(per_rank, peak_of, budget)
+
+
+def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
+    """Train, validate every epoch, test the best model; returns the final metrics."""
+    setup_started = time.perf_counter()
+    seed_everything(config.seed)
+    task, model, layout = build_trial(config, ctx.device)
+    micro = ctx.micro_batch or micro_batch_for(config, model, task, layout, ctx.device, ctx.world_size)[0]
+    accumulation = config.data.accumulation(ctx.world_size, micro)
+    eval_size = config.data.eval_batch_size or micro
+    streams = {split: SplitStream(config, split, layout, ctx, micro if split == "train" else eval_size)
+               for split in ("train", "val", "test")}  # fmt: skip
+    train = streams["train"]
+    optimiser = torch.optim.AdamW(
+        param_groups(model, config.optimiser.lr, config.optimiser.weight_decay, config.optimiser.text_lr_multiplier)
     )
-    optimiser = torch.optim.AdamW(groups)
-    per_rank = math.ceil(manifest["rows"]["train"] / ctx.world_size)
-    steps_per_epoch = math.ceil(per_rank / (config.data.batch_size * config.data.grad_accum))
-    if config.schedule.max_steps_per_epoch:
-        steps_per_epoch = min(steps_per_epoch, config.schedule.max_steps_per_epoch)
-    total_steps = max(1, steps_per_epoch * config.schedule.epochs)
+    epochs = range(config.schedule.epochs)
+    steps = {epoch: optimiser_steps(train.fewest_rows(epoch), micro, accumulation, config) for epoch in epochs}
+    if ctx.world_size > 1 and min(steps.values()) < 1:
+        raise ValueError(
+            f"the training split has too few rows for an effective batch of {config.data.effective_batch} on "
+            f"{ctx.world_size} ranks ({train.fewest_rows(0)} rows on the smallest rank)"
+        )
+    total_steps = max(1, sum(steps.values()))
     scheduler = get_linear_schedule_with_warmup(
         optimiser, math.ceil(config.schedule.warmup_fraction * total_steps), total_steps
     )
-    train_model = model
-    if ctx.world_size > 1:  # Ray Train has set up the process group
-        device_ids = [ctx.device] if ctx.device.type == "cuda" else None
-        train_model = DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=True)
-
     start_epoch, best = 0, {"score": -math.inf, "epoch": -1, "state": None}
     if ctx.latest_checkpoint is not None:
         with ctx.latest_checkpoint.as_directory() as folder:
@@ -130,39 +246,55 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
         optimiser.load_state_dict(state["optimiser"])
         scheduler.load_state_dict(state["scheduler"])
         start_epoch, best = state["epoch"] + 1, state["best"]
+    train.prefetch(start_epoch)  # reads start while DDP is set up
+    train_model, no_sync = model, None
+    if ctx.world_size > 1:  # Ray Train has set up the process group
+        train_model = _ddp(model, task, config, ctx, first_rows(Path(config.data.shards), "train", micro, layout))
+        no_sync = train_model.no_sync
 
+    loss_of = loss_function(task, config, ctx.device)
     sign = 1.0 if task.mode == "max" else -1.0
     metrics: dict[str, float] = {}
-    timing = {"setup_seconds": time.perf_counter() - setup_started, "train_seconds": 0.0}
+    timing = {
+        **ctx.timing,
+        "setup_seconds": time.perf_counter() - setup_started,
+        "train_seconds": 0.0,
+        "micro_batch": micro,
+        "accumulation": accumulation,
+        "effective_batch": micro * accumulation * ctx.world_size,
+    }
     for epoch in range(start_epoch, config.schedule.epochs):
         started = time.perf_counter()
         model.train()
-        losses, samples = [], 0
-        seed = config.seed * 1000 + epoch
-        for step, batch in enumerate(
-            batches(ctx.data["train"], layout, config.data.batch_size, config.data.shuffle_buffer, seed)
-        ):
-            if step >= steps_per_epoch * config.data.grad_accum:
+        loss_sum, micro_steps, samples = torch.zeros((), device=ctx.device), 0, 0
+        group: list[dict] = []
+        for batch in train.batches(epoch):
+            group.append(batch)
+            if len(group) < accumulation:
+                continue
+            loss_sum += probe.accumulate(train_model, loss_of, group, accumulation, no_sync)
+            micro_steps += len(group)
+            samples += sum(len(b["case_id"]) for b in group)
+            group = []
+            _optimiser_step(model, optimiser, scheduler, config)
+            if micro_steps >= steps[epoch] * accumulation:
                 break
-            with autocast(config, ctx.device):
-                loss = task.loss(train_model(batch), batch) / config.data.grad_accum
-            loss.backward()
-            losses.append(loss.item() * config.data.grad_accum)
-            samples += len(batch["case_id"])
-            if (step + 1) % config.data.grad_accum == 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimiser.grad_clip)
-                optimiser.step()
-                scheduler.step()
-                optimiser.zero_grad(set_to_none=True)
+        if group and steps[epoch] == 0:  # fewer rows than one effective batch (tiny cohorts, one rank): step anyway
+            loss_sum += probe.accumulate(train_model, loss_of, group, accumulation, no_sync)
+            micro_steps, samples = len(group), sum(len(b["case_id"]) for b in group)
+            _optimiser_step(model, optimiser, scheduler, config)
+        if epoch + 1 < config.schedule.epochs:
+            train.prefetch(epoch + 1)  # the next epoch's first batch is read while this one validates
+        train_loss = (loss_sum / max(1, micro_steps)).item()  # the epoch's one wait for the GPU
         train_seconds = time.perf_counter() - started
-        val, _ = evaluate(model, task, ctx.data["val"], layout, config, ctx.device)
+        val, _ = evaluate(model, task, streams["val"], config, ctx.device)
         score = sign * val[task.primary_metric]
         score = -math.inf if math.isnan(score) else score  # undefined on this split: never better than a number
         if best["state"] is None or score > best["score"] or score == best["score"] == -math.inf:
             best = {"score": score, "epoch": epoch, "state": copy.deepcopy(model.state_dict())}
         metrics = {
             "epoch": epoch,
-            "train_loss": float(np.mean(losses)) if losses else math.nan,
+            "train_loss": train_loss if micro_steps else math.nan,
             "lr": scheduler.get_last_lr()[0],
             "epoch_seconds": time.perf_counter() - started,
             "train_samples_per_second": samples * ctx.world_size / train_seconds,
@@ -174,7 +306,7 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
             ctx.tracker.log_metrics(metrics, step=epoch)
         if epoch == config.schedule.epochs - 1:  # the best model scores the test split
             model.load_state_dict(best["state"])
-            test, records = evaluate(model, task, ctx.data["test"], layout, config, ctx.device, records=True)
+            test, records = evaluate(model, task, streams["test"], config, ctx.device, records=True)
             timing["train_seconds"] += time.perf_counter() - started
             final = {
                 **{f"test_{k}": v for k, v in test.items()},
@@ -190,6 +322,37 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
             timing["train_seconds"] += time.perf_counter() - started
         _report(ctx, metrics, model, optimiser, scheduler, epoch, best)
     return metrics
+
+
+def optimiser_steps(rows: int, micro: int, accumulation: int, config: TrialConfig) -> int:
+    """Optimiser steps in an epoch of ``rows`` rows: whole effective batches only (the remainder is dropped, as
+    every rank must take the same number of steps), capped by ``schedule.max_steps_per_epoch``."""
+    steps = rows // (micro * accumulation)
+    cap = config.schedule.max_steps_per_epoch
+    return min(steps, cap) if cap else steps
+
+
+def _optimiser_step(model: torch.nn.Module, optimiser, scheduler, config: TrialConfig) -> None:
+    torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimiser.grad_clip)
+    optimiser.step()
+    scheduler.step()
+    optimiser.zero_grad(set_to_none=True)
+
+
+def _ddp(model: TaskModel, task: Any, config: TrialConfig, ctx: WorkerContext, batch: dict) -> DistributedDataParallel:
+    """DDP over the model; ``find_unused_parameters`` only if a measured backward on any rank left a parameter
+    without a gradient (e.g. a text encoder under an image-only schema), since it costs a graph walk per step.
+    The probe step trains nothing: its gradients are dropped and the normalisation statistics it moved restored."""
+    state = copy.deepcopy(model.state_dict())
+    probe.accumulate(model, loss_function(task, config, ctx.device), [to_device(batch, ctx.device)], 1)
+    unused = torch.tensor(float(bool(probe.unused_parameters(model))), device=ctx.device)
+    dist.all_reduce(unused, op=dist.ReduceOp.MAX)
+    model.zero_grad(set_to_none=True)
+    model.load_state_dict(state)
+    device_ids = [ctx.device] if ctx.device.type == "cuda" else None
+    return DistributedDataParallel(
+        model, device_ids=device_ids, find_unused_parameters=bool(unused.item()), gradient_as_bucket_view=True
+    )
 
 
 def _report(ctx: WorkerContext, metrics: dict, model, optimiser, scheduler, epoch: int, best: dict) -> None:
@@ -219,8 +382,36 @@ def _train_rows(shard_dir: Path, task: Any) -> list[dict]:
     return [row for f in files for row in pq.read_table(f, columns=columns).to_pylist()]
 
 
+def first_rows(shard_dir: Path, split: str, rows: int, layout: TensorLayout) -> dict[str, Any]:
+    """The first ``rows`` rows of a split as one collated batch (what a probe step trains on)."""
+    tables = []
+    for f in split_files(shard_dir, split):
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=rows):
+            tables.append(batch)
+            if sum(len(b) for b in tables) >= rows:
+                break
+        if sum(len(b) for b in tables) >= rows:
+            break
+    table = pa.Table.from_batches(tables).slice(0, rows)
+    return BatchCollate(layout)(table)
+
+
+def slice_batch(batch: dict[str, Any], rows: int) -> dict[str, Any]:
+    """The first ``rows`` samples of a collated batch; a batch smaller than ``rows`` is repeated to fill it."""
+    size = len(batch["case_id"])
+    index = [i % size for i in range(rows)]
+    return {k: v[index] if isinstance(v, torch.Tensor) else [v[i] for i in index] for k, v in batch.items()}
+
+
+def _train_rows(shard_dir: Path, task: Any) -> list[dict]:
+    """The training split's rows without the image columns (what a task may learn from, e.g. VQA answers)."""
+    files = split_files(shard_dir, "train")
+    columns = [c for c in pq.read_schema(files[0]).names if c not in TENSOR_COLUMNS]
+    return [row for f in files for row in pq.read_table(f, columns=columns).to_pylist()]
+
+
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    """Ray Train's entry point (one call per DDP rank): the same loop, fed by this rank's dataset shards."""
+    """Ray Train's entry point (one call per DDP rank): the same loop; each rank reads its own row groups."""
     import ray.train
     import ray.train.torch
 
@@ -228,15 +419,14 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     config = TrialConfig.from_flat(loop_config["trial"])
     context = ray.train.get_context()
     rank = context.get_world_rank()
-    data = {split: ray.train.get_dataset_shard(split) for split in SPLITS}
     tracker = TrialTracker(loop_config["tracking_uri"], loop_config["run_id"]) if rank == 0 else None
     worker = WorkerContext(
         rank,
         context.get_world_size(),
         ray.train.torch.get_device(),
-        data,
         ray.train.report,
         ray.train.get_checkpoint(),
         tracker,
+        loop_config.get("micro_batch"),
     )
     run_loop(config, worker)

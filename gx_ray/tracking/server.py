@@ -1,8 +1,7 @@
-"""MLflow for a sweep: a local tracking server when none is given, one parent run per sweep, one child run per trial.
+"""The local MLflow tracking server a sweep starts when it is given none: ``mlflow server`` on the loopback
+interface, backed by SQLite and an artifact folder in the sweep's output.
 
-The tracking URI is always explicit: every client here is built with it, and it travels to every worker in the
-trial config. MLflow's default store is a ``mlflow.db`` in the working directory, which inside a Tune trial is
-a throwaway per-trial folder, so a run logged without a URI would silently vanish.
+Only the driver (and the report command) import this module; trial processes log through :mod:`gx_ray.tracking`.
 """
 
 from __future__ import annotations
@@ -15,14 +14,6 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
-
-from mlflow.tracking import MlflowClient
-
-from gx_ray.train.tracker import log_params
-
-SWEEP_TAG, TRIAL_TAG = "gx_ray.sweep_id", "gx_ray.trial_id"
-PARENT_TAG = "mlflow.parentRunId"  # MLflow's own tag: the UI nests child runs under it
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -93,49 +84,3 @@ class LocalMlflowServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _experiment_id(client: MlflowClient, name: str) -> str:
-    experiment = client.get_experiment_by_name(name)
-    return experiment.experiment_id if experiment else client.create_experiment(name)
-
-
-def _find_run(client: MlflowClient, experiment_id: str, tag: str, value: str) -> str | None:
-    runs = client.search_runs([experiment_id], filter_string=f"tags.`{tag}` = '{value}'", max_results=2)
-    return runs[0].info.run_id if runs else None
-
-
-def parent_run(client: MlflowClient, experiment: str, sweep_id: str, params: dict[str, Any]) -> str:
-    """The sweep's parent run, created once and found again on resume."""
-    experiment_id = _experiment_id(client, experiment)
-    if run_id := _find_run(client, experiment_id, SWEEP_TAG, sweep_id):
-        if (run := client.get_run(run_id)) and run.info.status != "RUNNING":
-            client.update_run(run_id, status="RUNNING")
-        return run_id
-    run = client.create_run(experiment_id, run_name=sweep_id, tags={SWEEP_TAG: sweep_id, "gx_ray.kind": "sweep"})
-    log_params(client, run.info.run_id, params)
-    return run.info.run_id
-
-
-def child_run(
-    client: MlflowClient, parent_run_id: str, trial_id: str, run_name: str, tags: dict[str, str], params: dict[str, Any]
-) -> str:
-    """A trial's child run, nested under the sweep's parent; the same run again when a trial is retried or resumed."""
-    parent = client.get_run(parent_run_id)
-    experiment_id = parent.info.experiment_id
-    if run_id := _find_run(client, experiment_id, TRIAL_TAG, trial_id):
-        client.update_run(run_id, status="RUNNING")
-        return run_id
-    all_tags = {**tags, TRIAL_TAG: trial_id, PARENT_TAG: parent_run_id, SWEEP_TAG: parent.data.tags[SWEEP_TAG]}
-    run = client.create_run(experiment_id, run_name=run_name, tags=all_tags)
-    log_params(client, run.info.run_id, params)
-    return run.info.run_id
-
-
-def close_stopped_runs(client: MlflowClient, parent_run_id: str, trial_ids: list[str]) -> None:
-    """End the runs of trials the scheduler stopped early (their loop never reached its own end): KILLED, tagged."""
-    experiment_id = client.get_run(parent_run_id).info.experiment_id
-    for trial_id in trial_ids:
-        if run_id := _find_run(client, experiment_id, TRIAL_TAG, trial_id):
-            client.set_tag(run_id, "gx_ray.stopped_early", "true")
-            client.set_terminated(run_id, "KILLED")

@@ -1,0 +1,105 @@
+"""MLflow for gx-ray, client side: one parent run per sweep, one child run per trial, and what a trial logs into
+its run (batched metrics, params, predictions, figures).
+
+The tracking URI is always explicit: every client here is built with it, and it travels to every worker in the
+trial config. MLflow's default store is a ``mlflow.db`` in the working directory, which inside a Tune trial is
+a throwaway per-trial folder, so a run logged without a URI would silently vanish. The local server a sweep
+starts when given none lives apart, in :mod:`gx_ray.tracking.server`, so trial processes never import it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.tracking import MlflowClient
+
+SWEEP_TAG, TRIAL_TAG = "gx_ray.sweep_id", "gx_ray.trial_id"
+PARENT_TAG = "mlflow.parentRunId"  # MLflow's own tag: the UI nests child runs under it
+MAX_PARAM_LENGTH = 6000  # MLflow 3 stores param values up to 6000 characters
+PREDICTION_SAMPLE = 50
+
+
+def log_params(client: MlflowClient, run_id: str, params: dict[str, Any]) -> None:
+    items = [Param(k, str(v)[:MAX_PARAM_LENGTH]) for k, v in sorted(params.items())]
+    for start in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
+        client.log_batch(run_id, params=items[start : start + 100])
+
+
+def log_metrics(client: MlflowClient, run_id: str, metrics: dict[str, float], step: int) -> None:
+    """One batched request for all metrics of a step. An undefined metric (AUC of a one-class split) is NaN."""
+    now = int(time.time() * 1000)
+    items = [Metric(k, float(v), now, step) for k, v in sorted(metrics.items())]
+    for start in range(0, len(items), 1000):
+        client.log_batch(run_id, metrics=items[start : start + 1000])
+
+
+def set_tags(client: MlflowClient, run_id: str, tags: dict[str, str]) -> None:
+    client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+
+class TrialTracker:
+    """The MLflow run of one trial, as rank 0 of its training loop sees it."""
+
+    def __init__(self, tracking_uri: str, run_id: str):
+        self.client, self.run_id = MlflowClient(tracking_uri), run_id
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        log_metrics(self.client, self.run_id, metrics, step)
+
+    def log_predictions(self, records: list[dict[str, Any]], task: Any) -> None:
+        """Every test prediction (what the analysis's paired bootstrap rescoring reads), a readable sample of
+        them (reports, answers, boxes ..., without embeddings) and the task's figures, as artifacts."""
+        self.client.log_dict(self.run_id, records, "predictions/test.json")
+        sample = [{k: v for k, v in r.items() if not k.endswith("_embedding")} for r in records[:PREDICTION_SAMPLE]]
+        self.client.log_dict(self.run_id, sample, "predictions/test_sample.json")
+        for name, figure in getattr(task, "figures", lambda r: {})(records).items():
+            self.client.log_figure(self.run_id, figure, f"figures/{name}.png")
+            figure.clf()
+
+
+def _experiment_id(client: MlflowClient, name: str) -> str:
+    experiment = client.get_experiment_by_name(name)
+    return experiment.experiment_id if experiment else client.create_experiment(name)
+
+
+def _find_run(client: MlflowClient, experiment_id: str, tag: str, value: str) -> str | None:
+    runs = client.search_runs([experiment_id], filter_string=f"tags.`{tag}` = '{value}'", max_results=2)
+    return runs[0].info.run_id if runs else None
+
+
+def parent_run(client: MlflowClient, experiment: str, sweep_id: str, params: dict[str, Any]) -> str:
+    """The sweep's parent run, created once and found again on resume."""
+    experiment_id = _experiment_id(client, experiment)
+    if run_id := _find_run(client, experiment_id, SWEEP_TAG, sweep_id):
+        if (run := client.get_run(run_id)) and run.info.status != "RUNNING":
+            client.update_run(run_id, status="RUNNING")
+        return run_id
+    run = client.create_run(experiment_id, run_name=sweep_id, tags={SWEEP_TAG: sweep_id, "gx_ray.kind": "sweep"})
+    log_params(client, run.info.run_id, params)
+    return run.info.run_id
+
+
+def child_run(
+    client: MlflowClient, parent_run_id: str, trial_id: str, run_name: str, tags: dict[str, str], params: dict[str, Any]
+) -> str:
+    """A trial's child run, nested under the sweep's parent; the same run again when a trial is retried or resumed."""
+    parent = client.get_run(parent_run_id)
+    experiment_id = parent.info.experiment_id
+    if run_id := _find_run(client, experiment_id, TRIAL_TAG, trial_id):
+        client.update_run(run_id, status="RUNNING")
+        return run_id
+    all_tags = {**tags, TRIAL_TAG: trial_id, PARENT_TAG: parent_run_id, SWEEP_TAG: parent.data.tags[SWEEP_TAG]}
+    run = client.create_run(experiment_id, run_name=run_name, tags=all_tags)
+    log_params(client, run.info.run_id, params)
+    return run.info.run_id
+
+
+def close_stopped_runs(client: MlflowClient, parent_run_id: str, trial_ids: list[str]) -> None:
+    """End the runs of trials the scheduler stopped early (their loop never reached its own end): KILLED, tagged."""
+    experiment_id = client.get_run(parent_run_id).info.experiment_id
+    for trial_id in trial_ids:
+        if run_id := _find_run(client, experiment_id, TRIAL_TAG, trial_id):
+            client.set_tag(run_id, "gx_ray.stopped_early", "true")
+            client.set_terminated(run_id, "KILLED")

@@ -1,0 +1,133 @@
+"""Measured training steps: the GPU memory a trial's step takes, the micro-batch that fits, how many trials share a
+GPU, and which parameters a model leaves without a gradient (DDP must be told).
+
+Nothing here guesses memory from parameter counts: a real step (forward, backward, AdamW) of the trial's own model
+on rows of its own training split is measured on the device it will train on.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+CONTEXT_BYTES = 768 * 2**20
+"""What a CUDA process holds outside PyTorch's allocator (context, cuBLAS/cuDNN handles and workspaces), added to
+each packed trial's measured peak."""
+MARGIN = 0.1
+"""Share of a card kept free when packing trials (allocator fragmentation, longer texts than the probe's)."""
+MAX_TRIALS_PER_GPU = 8
+
+
+def accumulate(
+    model: nn.Module,
+    loss_of: Callable[[nn.Module, Any], torch.Tensor],
+    micro_batches: Sequence[Any],
+    accumulation: int,
+    no_sync: Callable[[], AbstractContextManager] | None = None,
+) -> torch.Tensor:
+    """Forward and backward over the micro-batches of one optimiser step; the gradients are those of the mean loss
+    over the whole (effective) batch when each micro-batch's loss is a mean over equal-size micro-batches.
+
+    ``no_sync`` (DDP's) skips the gradient all-reduce on every micro-batch but the last. Returns the summed
+    unscaled loss as a device tensor: reading it (``.item()``) would stall the GPU, so the caller decides when.
+    """
+    total = None
+    for i, batch in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        with no_sync() if no_sync is not None and not last else nullcontext():
+            loss = loss_of(model, batch)
+            (loss / accumulation).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    return total
+
+
+def unused_parameters(model: nn.Module) -> list[str]:
+    """Trainable parameters that the last backward left without a gradient (DDP needs ``find_unused_parameters``
+    for them, which costs a graph traversal every step, so it is asked for only when this is not empty)."""
+    return [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+
+
+def step_peak_bytes(
+    model: nn.Module, loss_of: Callable[[nn.Module, Any], torch.Tensor], batch: Any, device: torch.device
+) -> int | None:
+    """Peak GPU memory of one training step (forward, backward, AdamW with its state) on a copy of the model, so the
+    model itself is untouched; None when the step runs out of memory."""
+    trial = copy.deepcopy(model)
+    optimiser = torch.optim.AdamW(trial.parameters())
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        accumulate(trial, loss_of, [batch], 1)
+        optimiser.step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        del trial, optimiser
+        torch.cuda.empty_cache()
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def choose_micro_batch(per_rank: int, peak_of: Callable[[int], int | None], budget_bytes: float) -> tuple[int, int]:
+    """The largest divisor of ``per_rank`` whose measured step peak fits ``budget_bytes``, and that peak.
+
+    Memory grows about linearly with the micro-batch, so two small measurements predict the rest and only the
+    candidates predicted to fit are measured, largest first (usually three steps in all).
+    """
+    candidates = divisors(per_rank)
+    measured: dict[int, int | None] = {}
+
+    def fits(m: int) -> bool:
+        if m not in measured:
+            measured[m] = peak_of(m)
+        return measured[m] is not None and measured[m] <= budget_bytes
+
+    if not fits(candidates[0]):
+        raise MemoryError(
+            f"a training step at micro-batch {candidates[0]} needs {_gib(measured[candidates[0]])}, more than the "
+            f"{_gib(budget_bytes)} this trial may use: give it more of a GPU (resources.gpus_per_worker) or a "
+            "smaller input (preprocessing shape) or gradient checkpointing (model.gradient_checkpointing)"
+        )
+    if len(candidates) > 1:
+        fits(candidates[1])
+    small = [m for m in candidates[:2] if measured.get(m) is not None]
+    slope = (measured[small[1]] - measured[small[0]]) / (small[1] - small[0]) if len(small) == 2 else math.inf
+    base = measured[small[0]] - slope * small[0] if math.isfinite(slope) else 0.0
+    for m in reversed(candidates):
+        predicted_to_fit = m in measured or not math.isfinite(slope) or base + slope * m <= budget_bytes
+        if predicted_to_fit and fits(m):
+            return m, int(measured[m])
+    return candidates[0], int(measured[candidates[0]])
+
+
+def gpu_share(
+    need_bytes: float, card_bytes: float, margin: float = MARGIN, max_trials: int = MAX_TRIALS_PER_GPU
+) -> float:
+    """The fraction of a GPU to give each trial (``num_gpus``) so that as many trials as fit share it: 1/k for the
+    largest k (at most ``max_trials``) whose k x ``need_bytes`` fit the card less the margin; 1 if even one does not
+    (a trial then gets the card to itself and its own micro-batch choice)."""
+    if need_bytes <= 0 or card_bytes <= 0:
+        raise ValueError(f"need {need_bytes} and card {card_bytes} bytes must be positive")
+    trials = int(card_bytes * (1 - margin) // need_bytes)
+    trials = max(1, min(max_trials, trials))
+    return math.floor(10_000 / trials) / 10_000  # Ray's resource precision: k shares never exceed one GPU
+
+
+def trials_per_gpu(share: float) -> int:
+    """How many trials of this share Ray places on one GPU."""
+    return int(1 // share) if share <= 1 else 0
+
+
+def _gib(value: float | None) -> str:
+    return "more memory than the card has" if value is None else f"{value / 2**30:.1f} GiB"
