@@ -26,16 +26,26 @@ from ray import tune
 from ray.tune.search.optuna import OptunaSearch
 
 from gx_ray.data.demo.cohort import DemoConfig
-from gx_ray.data.prepare import PrepareConfig, prepare_data
+from gx_ray.data.prepare import SHARD_DIR, PrepareConfig, prepare_data
 from gx_ray.data.preprocess import PreprocessConfig
-from gx_ray.data.shards import read_manifest, read_split
-from gx_ray.data.splits import SPLITS
+from gx_ray.data.shards import read_manifest
 from gx_ray.runtime import init_ray, quiet_data_context
 from gx_ray.sweep.spaces import SearchSpace, available_presets, load_space
-from gx_ray.tracking import TrialTracker, child_run, close_stopped_runs, log_metrics, parent_run, set_tags
+from gx_ray.tracking import (
+    PARENT_TAG,
+    TrialTracker,
+    child_run,
+    close_stopped_runs,
+    log_metrics,
+    log_series,
+    parent_run,
+    set_tags,
+)
 from gx_ray.tracking.server import LocalMlflowServer
-from gx_ray.train.config import TrialConfig
-from gx_ray.train.loop import WorkerContext, run_loop, train_loop_per_worker
+from gx_ray.train.config import AUTO, TrialConfig
+from gx_ray.train.loop import WorkerContext, probe_trial, run_loop, train_loop_per_worker
+from gx_ray.train.probe import CONTEXT_BYTES, gpu_share, trials_per_gpu
+from gx_ray.train.telemetry import GpuSampler, busy_fraction, sample_metrics, visible_gpu_uuids
 
 SWEEP_FILE = "sweep.json"
 EXPERIMENT = "gx-ray"
@@ -73,6 +83,8 @@ class SweepResult:
     timings: dict[str, float] = field(default_factory=dict)
     report: Path | None = None
     """``OUTPUT/report/summary.md``, or None when the report failed (rerun ``analysis/report.py``)."""
+    gpus: dict[str, Any] = field(default_factory=dict)
+    """GPU sweeps: busy fraction per GPU from the first trial's start to the last one's end, trials per GPU-hour."""
 
 
 # --- the trial -------------------------------------------------------------------------------------------
@@ -88,6 +100,7 @@ def run_trial(params: dict[str, Any]) -> None:
     chosen = {k: v for k, v in params.items() if k != CONTEXT_KEY}
     flat = {**_resolve(context, chosen), "data.shards": context["shards"]}
     config = TrialConfig.from_flat(flat)
+    plan = context["gpu_plan"].get(gpu_plan_key(flat), {})
     trial = tune.get_context()
     client = MlflowClient(context["tracking_uri"])
     tags = {"task": config.task, "schema": config.schema.name, "seed": str(config.seed), "space": context["space"]}
@@ -95,40 +108,58 @@ def run_trial(params: dict[str, Any]) -> None:
         client, context["parent_run_id"], trial.get_trial_id(), trial.get_trial_name(), tags, config.to_flat()
     )
     client.log_dict(run_id, config.to_flat(), "config.json")
+    if plan:
+        log_metrics(client, run_id, {"gpu_share": plan["share"], "probe_peak_gib": plan["peak_bytes"] / 2**30}, 0)
+    sampler = GpuSampler(visible_gpu_uuids()).start() if config.resources.use_gpu else None
     try:
         if config.resources.workers == 1 and not config.resources.torch_trainer:
             torch.set_num_threads(max(1, int(config.resources.cpus_per_worker)))
             device = torch.device("cuda" if config.resources.use_gpu and torch.cuda.is_available() else "cpu")
-            data = {split: _dataset(config, split).iterator() for split in SPLITS}
             worker = WorkerContext(
-                0, 1, device, data, tune.report, tune.get_checkpoint(), TrialTracker(context["tracking_uri"], run_id)
-            )
+                0, 1, device, tune.report, tune.get_checkpoint(), TrialTracker(context["tracking_uri"], run_id),
+                plan.get("micro_batch"), {"trial_start_seconds": time.perf_counter() - trial_started},
+            )  # fmt: skip
             run_loop(config, worker)
         else:
-            _fit_torch_trainer(config, flat, context, run_id, trial)
+            _fit_torch_trainer(config, flat, context, run_id, trial, plan.get("micro_batch"))
         log_metrics(client, run_id, {"trial_seconds": time.perf_counter() - trial_started}, step=0)
+        _log_gpu(client, run_id, sampler)
         client.set_terminated(run_id, "FINISHED")
     except Exception as err:
+        _log_gpu(client, run_id, sampler)
         set_tags(client, run_id, {"gx_ray.error": f"{type(err).__name__}: {err}"[:5000]})
         client.log_text(run_id, traceback.format_exc(), "error.txt")
         client.set_terminated(run_id, "FAILED")
         raise
 
 
-def _fit_torch_trainer(config: TrialConfig, flat: dict, context: dict, run_id: str, trial: Any) -> None:
+def _log_gpu(client: MlflowClient, run_id: str, sampler: GpuSampler | None) -> None:
+    """The trial's GPU utilisation and memory over time (MLflow's system-metric names) and their summary."""
+    if sampler is None:
+        return
+    summary = sampler.stop()
+    log_series(client, run_id, sample_metrics(sampler.samples()))
+    log_metrics(client, run_id, summary.as_metrics(), step=0)
+
+
+def _fit_torch_trainer(
+    config: TrialConfig, flat: dict, context: dict, run_id: str, trial: Any, micro_batch: int | None
+) -> None:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
     from ray.tune.integration.ray_train import TuneReportCallback
 
+    gpus = config.resources.gpus_per_worker if config.resources.use_gpu else 0
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"trial": flat, "tracking_uri": context["tracking_uri"], "run_id": run_id},
+        train_loop_config={
+            "trial": flat, "tracking_uri": context["tracking_uri"], "run_id": run_id, "micro_batch": micro_batch,
+        },  # fmt: skip
         scaling_config=ScalingConfig(
             num_workers=config.resources.workers,
             use_gpu=config.resources.use_gpu,
-            resources_per_worker={"CPU": config.resources.cpus_per_worker},
+            resources_per_worker={"CPU": config.resources.cpus_per_worker, **({"GPU": gpus} if gpus else {})},
         ),
-        datasets={split: _dataset(config, split) for split in SPLITS},
         run_config=RunConfig(
             name=f"{context['sweep_id']}-{trial.get_trial_name()}",  # deterministic: Train resumes by name
             storage_path=context["storage_path"],
@@ -138,9 +169,24 @@ def _fit_torch_trainer(config: TrialConfig, flat: dict, context: dict, run_id: s
     trainer.fit()
 
 
-def _dataset(config: TrialConfig, split: str) -> ray.data.Dataset:
-    shards = Path(config.data.shards)
-    return read_split(shards, split, num_cpus=config.data.read_cpus, concurrency=config.data.read_concurrency)
+def gpu_plan_key(flat: dict[str, Any]) -> str:
+    """What decides a trial's GPU memory: task, inputs, model, batch and workers (not its seed or learning rate)."""
+    kept = {k: v for k, v in flat.items() if k.split(".")[0] in ("task", "schema", "model", "task_options")}
+    kept.update({k: flat.get(k) for k in ("data.effective_batch", "data.micro_batch", "resources.workers")})
+    return json.dumps(kept, sort_keys=True, default=str)
+
+
+def trial_resources(params: dict[str, Any]) -> dict[str, float]:
+    """What Ray reserves for a trial: the worker's CPUs and its GPU share (the measured one for ``auto``). A trial that
+    starts a TorchTrainer holds a sliver; the trainer's workers ask for theirs."""
+    context = params[CONTEXT_KEY]
+    flat = _resolve(context, {k: v for k, v in params.items() if k != CONTEXT_KEY})
+    if flat.get("resources.workers", 1) > 1 or flat.get("resources.torch_trainer"):
+        return {"cpu": 0.1}
+    gpus = flat.get("resources.gpus_per_worker", 0)
+    if gpus == AUTO:
+        gpus = context["gpu_plan"][gpu_plan_key(flat)]["share"]
+    return {"cpu": flat.get("resources.cpus_per_worker", 1), "gpu": gpus}
 
 
 def _resolve(context: dict, chosen: dict[str, Any]) -> dict[str, Any]:
@@ -164,26 +210,61 @@ def _sweep_id(space: SearchSpace, shards: Path) -> str:
     return "-".join([space.name, *space.presets_applied, digest])
 
 
-def _shard_dir(options: SweepOptions) -> Path:
+def _shard_path(options: SweepOptions) -> Path:
+    """Where the sweep's shards are (the demo cohort's, once prepared)."""
+    if options.data is None:
+        return Path(options.demo_dir) / SHARD_DIR
+    data = Path(options.data)
+    return data if (data / "manifest.json").is_file() else data / SHARD_DIR
+
+
+def _prepare_demo(options: SweepOptions) -> None:
+    """The built-in demo cohort, prepared once (a no-op when ``--data`` is given or the cohort is there)."""
     if options.data is None:
         config = PrepareConfig(preprocess=PreprocessConfig.preset("demo"), endoscopy_size=64)
-        result = prepare_data(
-            "demo", options.demo_dir, config, DemoConfig(cases=options.demo_cases), address=options.address
-        )
-        return result.shard_dir
-    data = Path(options.data)
-    return data if (data / "manifest.json").is_file() else data / "shards"
+        prepare_data("demo", options.demo_dir, config, DemoConfig(cases=options.demo_cases), address=options.address)
 
 
-def _concurrency(space: SearchSpace, options: SweepOptions) -> int:
-    """How many trials fit the cluster at once, from its GPUs (or CPUs) and one trial's needs."""
+def _concurrency(space: SearchSpace, options: SweepOptions, context: dict[str, Any]) -> int:
+    """How many trials fit the cluster at once, from its GPUs (or CPUs) and the trials' needs: the smallest GPU share
+    of the plan decides how many trials a GPU holds; Ray places each trial by its own share."""
     resources = ray.cluster_resources()
-    if space.gpus_per_worker > 0:
-        fit = int(resources.get("GPU", 0) // (space.gpus_per_worker * space.workers))
-    else:
-        fit = int(resources.get("CPU", 1) // (space.cpus_per_worker * space.workers))
-    fit = max(1, fit)
+    workers = 1 if space.workers == 1 and not context["fixed"].get("resources.torch_trainer") else space.workers
+    fit = int(resources.get("CPU", 1) // (space.cpus_per_worker * workers))
+    if space.gpus_per_worker != 0:
+        shares = [plan["share"] for plan in context["gpu_plan"].values()] or [1.0]
+        share = min(shares) if space.gpus_per_worker == AUTO else float(space.gpus_per_worker)
+        fit = min(fit, round(resources.get("GPU", 0) / (share * workers), 6) // 1)
+    fit = max(1, int(fit))
     return min(fit, options.max_concurrent) if options.max_concurrent else fit
+
+
+def gpu_plan(space: SearchSpace, context: dict[str, Any], output: Path) -> dict[str, dict[str, Any]]:
+    """Each distinct model setting's micro-batch and GPU share, from one measured training step of it on a GPU (Ray
+    tasks, one setting per task, all GPUs at once), where the space asks for ``auto``. Written to
+    ``OUTPUT/gpu_plan.json`` and read back on resume; empty for CPU sweeps and fixed settings."""
+    if space.gpus_per_worker == 0:
+        return {}
+    path = output / "gpu_plan.json"
+    if path.is_file():
+        return json.loads(path.read_text(encoding="utf-8"))
+    settings: dict[str, dict[str, Any]] = {}
+    for cell in space.cells():
+        flat = {**_resolve(context, cell), "data.shards": context["shards"]}
+        if flat.get("resources.gpus_per_worker") == AUTO or flat.get("data.micro_batch") == AUTO:
+            settings.setdefault(gpu_plan_key(flat), flat)
+    if not settings:
+        return {}
+    print(f"measuring a training step of {len(settings)} model settings on the GPUs ...", file=sys.stderr)
+    probe = ray.remote(num_gpus=1, num_cpus=1)(probe_trial)
+    measured = ray.get([probe.remote(flat) for flat in settings.values()])
+    plan = {}
+    for (key, flat), m in zip(settings.items(), measured, strict=True):
+        gpus = flat.get("resources.gpus_per_worker")
+        share = gpu_share(m["peak_bytes"] + CONTEXT_BYTES, m["card_bytes"]) if gpus == AUTO else float(gpus)
+        plan[key] = {**m, "share": share, "trials_per_gpu": trials_per_gpu(share)}
+    path.write_text(json.dumps(plan, indent=1) + "\n", encoding="utf-8")
+    return plan
 
 
 def _param_space(space: SearchSpace, context: dict[str, Any]) -> dict[str, Any]:
@@ -215,22 +296,23 @@ def run_sweep(options: SweepOptions) -> SweepResult:
     if options.data is None and "demo" not in presets and "demo" in available_presets(options.space):
         presets = ("demo", *presets)
     space = load_space(options.space, presets)  # a malformed space fails here, before Ray starts
-    init_ray(options.address)
-    timings: dict[str, float] = {"ray_seconds": time.perf_counter() - started}
-    shards = _shard_dir(options)
-    timings["data_seconds"] = time.perf_counter() - started - timings["ray_seconds"]
-    read_manifest(shards, verify=False)
+    shards = _shard_path(options)
     sweep_id = _sweep_id(space, shards)
     output = Path(options.output) / sweep_id
     storage = output / "ray"
     if (storage / sweep_id).exists() and not options.resume:
         raise FileExistsError(f"{output} holds this sweep already: pass --resume to continue it, or another --output")
     output.mkdir(parents=True, exist_ok=True)
-    server = None
-    if options.mlflow_uri is None:
-        mlflow_started = time.perf_counter()
-        server = LocalMlflowServer(output / "mlflow").start()
-        timings["mlflow_seconds"] = time.perf_counter() - mlflow_started
+    # the MLflow server, Ray and the demo cohort start side by side: the server is only waited for once both are up
+    server = LocalMlflowServer(output / "mlflow").launch() if options.mlflow_uri is None else None
+    init_ray(options.address)
+    timings: dict[str, float] = {"ray_seconds": time.perf_counter() - started}
+    _prepare_demo(options)
+    timings["data_seconds"] = time.perf_counter() - started - timings["ray_seconds"]
+    read_manifest(shards, verify=False)
+    if server:
+        server.wait()
+        timings["mlflow_seconds"] = time.perf_counter() - started
     tracking_uri = options.mlflow_uri or server.uri
     try:
         result = _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timings)
@@ -267,19 +349,14 @@ def _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timin
         "shards": str(shards.resolve()),
         "storage_path": str(storage.resolve()),
         # the space's resources section decides what every trial config says about resources
-        "fixed": {
-            "resources.workers": space.workers,
-            "resources.cpus_per_worker": space.cpus_per_worker,
-            "resources.use_gpu": space.gpus_per_worker > 0,
-            **space.fixed,
-        },
+        "fixed": {**space.resource_keys(), **space.fixed},
         "overrides": space.overrides,
     }
-    in_trial = space.workers == 1 and not context["fixed"].get("resources.torch_trainer", False)
-    # a trial that runs its own loop holds the worker's resources; one that starts a TorchTrainer holds none
-    # but a sliver (the trainer's workers ask for theirs)
-    resources = {"cpu": space.cpus_per_worker, "gpu": space.gpus_per_worker} if in_trial else {"cpu": 0.1}
-    trainable = tune.with_resources(run_trial, resources)
+    started = time.perf_counter()
+    context["gpu_plan"] = gpu_plan(space, context, output)
+    if context["gpu_plan"]:
+        timings["gpu_plan_seconds"] = time.perf_counter() - started
+    trainable = tune.with_resources(run_trial, trial_resources)
     metric, mode = (space.metric, ["max"] * len(space.metric)) if space.multi_objective else (METRIC, "max")
     search_alg = None
     if space.searcher == "optuna":
@@ -289,7 +366,7 @@ def _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timin
         scheduler = tune.schedulers.ASHAScheduler(
             time_attr="epoch", metric=METRIC, mode="max", grace_period=1, reduction_factor=2
         )
-    concurrency = _concurrency(space, options)
+    concurrency = _concurrency(space, options, context)
     timings["concurrency"] = concurrency
     tune_config = tune.TuneConfig(
         # the searcher and the scheduler carry their own metric; Tune refuses it given twice
@@ -332,7 +409,12 @@ def _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timin
         file=sys.stderr,
     )
     tune_started = time.perf_counter()
-    grid = tuner.fit()
+    host = GpuSampler(None, interval_s=1.0).start() if space.gpus_per_worker != 0 else None  # every GPU of the node
+    try:
+        grid = tuner.fit()
+    finally:
+        if host:
+            host.stop()
     timings["tune_seconds"] = time.perf_counter() - tune_started
     rows = _result_rows(grid)
     failed = sum(1 for r in rows if r["error"])
@@ -342,14 +424,39 @@ def _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timin
     best = summarise(rows)
     print(format_summary(best, finished, failed, len(rows), len(stopped)))
     counts = {"trials_finished": finished, "trials_failed": failed, "trials_stopped_early": len(stopped)}
-    log_metrics(client, parent, counts, step=0)
+    gpus = _gpu_usage(client, parent, host, finished) if host else {}
+    log_metrics(client, parent, {**counts, **{k: v for k, v in gpus.items() if isinstance(v, int | float)}}, step=0)
     # an interrupted sweep's parent stays open for --resume; one whose trials all failed is FAILED
     done = finished + failed + len(stopped) == len(rows)
     status = "FAILED" if failed == len(rows) else "FINISHED" if done else "KILLED"
     client.set_terminated(parent, status)
     return SweepResult(
-        sweep_id, output, tracking_uri, EXPERIMENT, parent, finished, failed, len(stopped), best, timings
+        sweep_id, output, tracking_uri, EXPERIMENT, parent, finished, failed, len(stopped), best, timings, gpus=gpus
     )
+
+
+def _gpu_usage(client: MlflowClient, parent: str, host: GpuSampler, finished: int) -> dict[str, Any]:
+    """The node's GPUs from the first trial's start to the last trial's end: busy fraction per GPU (mean NVML
+    utilisation), trials finished per GPU-hour, and the node's GPU utilisation over time on the parent run."""
+    runs = client.search_runs(
+        [client.get_run(parent).info.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent}'"
+    )
+    starts = [r.info.start_time / 1000 for r in runs if r.info.start_time]
+    ends = [r.info.end_time / 1000 for r in runs if r.info.end_time]
+    samples = host.samples()
+    if not samples or not starts or not ends:
+        return {}
+    start, end = min(starts), max(ends)
+    per_gpu = busy_fraction(samples, start, end)
+    gpu_hours = len(per_gpu) * (end - start) / 3600
+    log_series(client, parent, sample_metrics(samples))
+    return {
+        "gpu_busy_fraction": float(np.mean(list(per_gpu.values()))) if per_gpu else math.nan,
+        "gpu_busy_fraction_per_gpu": {str(k): round(v, 4) for k, v in per_gpu.items()},
+        "gpus": len(per_gpu),
+        "trials_window_seconds": end - start,
+        "trials_per_gpu_hour": finished / gpu_hours if gpu_hours else math.nan,
+    }
 
 
 def _write_report(result: SweepResult, shards: Path) -> Path | None:
@@ -464,6 +571,7 @@ def _write_sweep_file(result: SweepResult, space: SearchSpace) -> Path:
         "report": str(result.report) if result.report else None,
         "best": result.best,
         "timings_seconds": {k: round(v, 1) for k, v in result.timings.items()},
+        "gpus": result.gpus,
     }
     path = result.output / SWEEP_FILE
     path.write_text(json.dumps(document, indent=1, default=str) + "\n", encoding="utf-8")

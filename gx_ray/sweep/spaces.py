@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from gx_ray.schema import TASKS
-from gx_ray.train.config import TrialConfig, valid_keys
+from gx_ray.train.config import AUTO, TrialConfig, valid_keys
 
 SPACES_DIR = Path(__file__).resolve().parents[2] / "search_spaces"
 TOP_LEVEL_KEYS = (
@@ -77,7 +77,8 @@ class SearchSpace:
     time_s: float | None
     workers: int
     cpus_per_worker: float
-    gpus_per_worker: float
+    gpus_per_worker: float | str
+    """GPUs per worker: a whole number, a fraction (trials packed on a GPU) or ``auto`` (packing measured)."""
     overrides: list[dict[str, dict[str, Any]]] = field(default_factory=list)
     presets_applied: tuple[str, ...] = field(default_factory=tuple)
 
@@ -88,6 +89,15 @@ class SearchSpace:
             if all(flat.get(k) == v for k, v in rule["when"].items()):
                 flat.update(rule["set"])
         return flat
+
+    def resource_keys(self) -> dict[str, Any]:
+        """What the space's ``resources`` section says, as trial config keys (a trial's ``fixed`` may refine them)."""
+        return {
+            "resources.workers": self.workers,
+            "resources.cpus_per_worker": self.cpus_per_worker,
+            "resources.gpus_per_worker": self.gpus_per_worker,
+            "resources.use_gpu": self.gpus_per_worker != 0,
+        }
 
     @property
     def multi_objective(self) -> bool:
@@ -229,17 +239,30 @@ def _parse(path: Path, doc: dict[str, Any], presets: tuple[str, ...]) -> SearchS
         time_s=budget.get("time_s"),
         workers=int(resources.get("workers", 1)),
         cpus_per_worker=float(resources.get("cpus_per_worker", 1)),
-        gpus_per_worker=float(resources.get("gpus_per_worker", 0)),
+        gpus_per_worker=_gpus(path, resources.get("gpus_per_worker", 0)),
         overrides=overrides,
         presets_applied=tuple(presets),
     )
+
+
+def _gpus(path: Path, value: Any) -> float | str:
+    if value == AUTO:
+        return AUTO
+    try:
+        gpus = float(value)
+    except (TypeError, ValueError):
+        gpus = -1.0
+    if gpus < 0 or (gpus > 1 and not gpus.is_integer()):
+        valid = "auto, 0, a fraction up to 1, a whole number"
+        raise SpaceError(path, "resources.gpus_per_worker", f"{value!r}: valid: {valid}")
+    return gpus
 
 
 def _validate_trials(space: SearchSpace) -> None:
     """Build the trial config of every grid cell (sampled keys at a valid value): bad names and leaks fail here."""
     probe = {key: _probe_value(spec) for key, spec in space.sample.items()}
     for cell in space.cells():
-        flat = space.resolve({**probe, **cell})
+        flat = {**space.resource_keys(), **space.resolve({**probe, **cell})}
         try:
             TrialConfig.from_flat(flat)
         except ValueError as err:

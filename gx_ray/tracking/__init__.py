@@ -35,6 +35,13 @@ def log_metrics(client: MlflowClient, run_id: str, metrics: dict[str, float], st
         client.log_batch(run_id, metrics=items[start : start + 1000])
 
 
+def log_series(client: MlflowClient, run_id: str, points: list[tuple[str, float, int, int]]) -> None:
+    """Time series points ``(key, value, step, timestamp_ms)`` (GPU utilisation over a trial), batched."""
+    items = [Metric(key, float(value), int(timestamp), int(step)) for key, value, step, timestamp in points]
+    for start in range(0, len(items), 1000):
+        client.log_batch(run_id, metrics=items[start : start + 1000])
+
+
 def set_tags(client: MlflowClient, run_id: str, tags: dict[str, str]) -> None:
     client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 

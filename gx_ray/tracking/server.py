@@ -43,6 +43,10 @@ class LocalMlflowServer:
         return f"mlflow ui --backend-store-uri {self.backend_uri} --artifacts-destination {self.root / 'artifacts'}"
 
     def start(self) -> LocalMlflowServer:
+        return self.launch().wait()
+
+    def launch(self) -> LocalMlflowServer:
+        """Start the server process and return at once (:meth:`wait` for it to answer)."""
         self.root.mkdir(parents=True, exist_ok=True)
         log = open(self.root / "server.log", "ab")  # noqa: SIM115 - lives as long as the server
         command = [
@@ -53,8 +57,12 @@ class LocalMlflowServer:
         ]  # fmt: skip
         # a session of its own, so stopping it stops gunicorn/uvicorn workers too and Ctrl-C on the sweep is ours
         self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
+        self._deadline = time.monotonic() + self.start_timeout_s
+        return self
+
+    def wait(self) -> LocalMlflowServer:
+        """Block until the launched server answers its health check."""
+        while time.monotonic() < self._deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"mlflow server exited with {self.process.returncode}: {self._log_tail()}")
             try:
@@ -62,7 +70,7 @@ class LocalMlflowServer:
                     if response.status == 200:
                         return self
             except OSError:
-                time.sleep(0.5)
+                time.sleep(0.25)
         self.stop()
         raise TimeoutError(f"mlflow server did not answer on {self.uri} within {self.start_timeout_s:.0f} s")
 

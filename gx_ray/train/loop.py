@@ -430,3 +430,17 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         loop_config.get("micro_batch"),
     )
     run_loop(config, worker)
+
+
+def probe_trial(flat: dict[str, Any]) -> dict[str, Any]:
+    """One measured training step of a trial's model on a whole GPU, before the sweep places its trials: the
+    micro-batch it will use (``auto``: the largest that fits the card) and the step's peak memory at it."""
+    config = TrialConfig.from_flat(flat)
+    device = torch.device("cuda")
+    task, model, layout = build_trial(config, device)
+    micro, peak = micro_batch_for(config, model, task, layout, device, config.resources.workers)
+    if peak is None:
+        rows = slice_batch(first_rows(Path(config.data.shards), "train", micro, layout), micro)
+        peak = probe.step_peak_bytes(model, loss_function(task, config, device), to_device(rows, device), device)
+    properties = torch.cuda.get_device_properties(device)
+    return {"micro_batch": micro, "peak_bytes": peak, "card_bytes": properties.total_memory, "gpu": properties.name}
