@@ -12,7 +12,7 @@ import ray
 import gx_ray
 
 
-def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+def init_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: int | None = None) -> None:
     """Connect to ``address`` (``"auto"`` or ``host:port``) or start a local cluster; no-op when connected.
 
     On a cluster the workers may not have gx-ray installed, so the package travels in the runtime
@@ -24,6 +24,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     ray.init(
         address=address,
         num_cpus=None if address else num_cpus,
+        num_gpus=None if address else num_gpus,
         runtime_env=runtime_env,
         include_dashboard=False,
         log_to_driver=True,

@@ -4,6 +4,8 @@ python jobs/benchmark.py ingest [--cpus 4] [--consumers 1]     # preprocessing a
 python jobs/benchmark.py model --model swin3d --shape 4,64,128,128 --batch 8 [--steps 10] [--amp bf16|off]
                                                                # training samples/s: registry model vs raw MONAI
 python jobs/benchmark.py sweep [--space modality_ablation]    # a sweep's wall time: data, start-up, training
+python jobs/benchmark.py cluster [--gpus N] [--budget 540]    # the ablation on every GPU of a node: busy fraction,
+                                                               # start-up, DDP scaling, loop/raw, 8-GPU projection
 """
 
 from __future__ import annotations
@@ -55,7 +57,22 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("--preset", action="append", default=[])
     sweep.add_argument("--output", type=Path, default=Path("outputs/benchmark/sweep"))
     sweep.add_argument("--data", type=Path, help="prepared data; default: the demo cohort, prepared afresh")
+    cluster = commands.add_parser("cluster", help="GPU busy fraction, start-up, DDP scaling, loop/raw, projection")
+    cluster.add_argument("--gpus", type=int, help="GPUs to use (default: all)")
+    cluster.add_argument("--budget", type=float, default=540.0, help="seconds for the whole run (default 540)")
+    cluster.add_argument("--output", type=Path, default=Path("outputs/benchmark/cluster"))
+    cluster.add_argument("--steps-per-epoch", type=int, default=30)
+    cluster.add_argument("--gpus-per-trial", default="auto", help="auto (measured packing), 1, 0.5, ...")
     args = parser.parse_args(argv)
+
+    if args.command == "cluster":
+        from gx_ray.sweep.cluster_benchmark import ClusterBenchmarkConfig, format_cluster_result, run_cluster_benchmark
+
+        share = args.gpus_per_trial if args.gpus_per_trial == "auto" else float(args.gpus_per_trial)
+        config = ClusterBenchmarkConfig(
+            gpus=args.gpus, budget_s=args.budget, steps_per_epoch=args.steps_per_epoch, gpus_per_trial=share
+        )
+        print(format_cluster_result(run_cluster_benchmark(args.output, config)))
 
     if args.command == "sweep":
         from gx_ray.sweep.benchmark import format_sweep_result, run_sweep_benchmark

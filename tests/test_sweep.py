@@ -196,7 +196,7 @@ def _small_space(tmp_path: Path, vision_kwargs: list, name: str = "small") -> Pa
             "optimiser.lr": 1.0e-3,
             "schedule.epochs": 1,
             "schedule.max_steps_per_epoch": 1,
-            "data.batch_size": 4,
+            "data.effective_batch": 4,
         },
         "grid": {"model.vision_kwargs": vision_kwargs, "seed": [0, 1]},
     }

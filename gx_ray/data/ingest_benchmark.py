@@ -54,13 +54,21 @@ class IngestBenchmarkConfig:
 
 def _replicate_rows(prepared: Path, out: Path, rows: int, codec: str) -> Path:
     """A train split of ``rows`` rows cycling through the prepared cases (real content, realistic compression)."""
+    return replicate_splits(prepared, out, {"train": rows}, codec)
+
+
+def replicate_splits(prepared: Path, out: Path, rows: dict[str, int], codec: str = "lz4") -> Path:
+    """Shards whose splits hold ``rows[split]`` rows each, cycling through every prepared case (real content,
+    realistic compression): a cohort of a chosen size for throughput benchmarks. Each row is a new patient id, but
+    the same case appears in several splits: never use it for a metric, only for a rate."""
     tables = [pq.read_table(p) for p in sorted(prepared.glob("*.parquet"))]
     source = [row for table in tables for row in table.to_pylist()]
     schema = tables[0].schema
     writer = ShardWriter(out, schema, rows_per_shard=64, row_group_rows=8, compression=codec)
-    for i in range(rows):
-        row = dict(source[i % len(source)], case_id=f"R{i:05d}", patient_id=f"R{i:05d}", split="train")
-        writer.write(row)
+    for split, count in rows.items():
+        for i in range(count):
+            case = f"R{split[:2]}{i:05d}"
+            writer.write(dict(source[i % len(source)], case_id=case, patient_id=case, split=split))
     files = writer.close()
     write_manifest(out, files, TensorLayout.from_schema(schema), {"replicated_from": str(prepared)}, codec)
     return out

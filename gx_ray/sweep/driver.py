@@ -66,6 +66,8 @@ class SweepOptions:
     max_concurrent: int | None = None
     demo_cases: int = 48
     demo_dir: Path = Path("outputs/demo")
+    time_budget_s: float | None = None
+    """Stop starting trials after this many seconds (default: the space's ``budget.time_s``)."""
 
 
 @dataclass
@@ -291,6 +293,7 @@ def _trial_name(trial: Any) -> str:
 def run_sweep(options: SweepOptions) -> SweepResult:
     """Run (or resume) a sweep; writes ``OUTPUT/sweep.json`` and prints a summary table."""
     started = time.perf_counter()
+    launched_at = time.time()
     # on the built-in demo cohort a space's "demo" preset (CPU-sized models) comes first, when it has one
     presets = options.presets
     if options.data is None and "demo" not in presets and "demo" in available_presets(options.space):
@@ -306,7 +309,7 @@ def run_sweep(options: SweepOptions) -> SweepResult:
     # the MLflow server, Ray and the demo cohort start side by side: the server is only waited for once both are up
     server = LocalMlflowServer(output / "mlflow").launch() if options.mlflow_uri is None else None
     init_ray(options.address)
-    timings: dict[str, float] = {"ray_seconds": time.perf_counter() - started}
+    timings: dict[str, float] = {"ray_seconds": time.perf_counter() - started, "launched_at": launched_at}
     _prepare_demo(options)
     timings["data_seconds"] = time.perf_counter() - started - timings["ray_seconds"]
     read_manifest(shards, verify=False)
@@ -376,7 +379,7 @@ def _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timin
         scheduler=scheduler,
         num_samples=space.samples,
         max_concurrent_trials=concurrency,
-        time_budget_s=space.time_s,
+        time_budget_s=options.time_budget_s or space.time_s,
         trial_name_creator=_trial_name,
         trial_dirname_creator=_trial_name,
         reuse_actors=True,
@@ -424,7 +427,13 @@ def _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timin
     best = summarise(rows)
     print(format_summary(best, finished, failed, len(rows), len(stopped)))
     counts = {"trials_finished": finished, "trials_failed": failed, "trials_stopped_early": len(stopped)}
-    gpus = _gpu_usage(client, parent, host, finished) if host else {}
+    runs = client.search_runs(
+        [client.get_run(parent).info.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent}'"
+    )
+    first_steps = [r.data.metrics["first_step_at"] for r in runs if "first_step_at" in r.data.metrics]
+    if first_steps:  # launch → the first optimiser step of any trial: what a user waits before GPUs work
+        timings["first_step_seconds"] = min(first_steps) - timings["launched_at"]
+    gpus = _gpu_usage(client, parent, runs, host, finished) if host else {}
     log_metrics(client, parent, {**counts, **{k: v for k, v in gpus.items() if isinstance(v, int | float)}}, step=0)
     # an interrupted sweep's parent stays open for --resume; one whose trials all failed is FAILED
     done = finished + failed + len(stopped) == len(rows)
@@ -435,12 +444,9 @@ def _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timin
     )
 
 
-def _gpu_usage(client: MlflowClient, parent: str, host: GpuSampler, finished: int) -> dict[str, Any]:
+def _gpu_usage(client: MlflowClient, parent: str, runs: list, host: GpuSampler, finished: int) -> dict[str, Any]:
     """The node's GPUs from the first trial's start to the last trial's end: busy fraction per GPU (mean NVML
     utilisation), trials finished per GPU-hour, and the node's GPU utilisation over time on the parent run."""
-    runs = client.search_runs(
-        [client.get_run(parent).info.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent}'"
-    )
     starts = [r.info.start_time / 1000 for r in runs if r.info.start_time]
     ends = [r.info.end_time / 1000 for r in runs if r.info.end_time]
     samples = host.samples()
@@ -570,7 +576,7 @@ def _write_sweep_file(result: SweepResult, space: SearchSpace) -> Path:
         "trials": {"finished": result.finished, "failed": result.failed, "stopped_early": result.stopped_early},
         "report": str(result.report) if result.report else None,
         "best": result.best,
-        "timings_seconds": {k: round(v, 1) for k, v in result.timings.items()},
+        "timings_seconds": {k: round(v, 1) for k, v in result.timings.items() if k != "launched_at"},
         "gpus": result.gpus,
     }
     path = result.output / SWEEP_FILE

@@ -277,6 +277,7 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
             samples += sum(len(b["case_id"]) for b in group)
             group = []
             _optimiser_step(model, optimiser, scheduler, config)
+            timing.setdefault("first_step_at", time.time())  # wall clock: the sweep measures launch → first step
             if micro_steps >= steps[epoch] * accumulation:
                 break
         if group and steps[epoch] == 0:  # fewer rows than one effective batch (tiny cohorts, one rank): step anyway
@@ -288,6 +289,7 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
         train_loss = (loss_sum / max(1, micro_steps)).item()  # the epoch's one wait for the GPU
         train_seconds = time.perf_counter() - started
         val, _ = evaluate(model, task, streams["val"], config, ctx.device)
+        eval_seconds = time.perf_counter() - started - train_seconds
         score = sign * val[task.primary_metric]
         score = -math.inf if math.isnan(score) else score  # undefined on this split: never better than a number
         if best["state"] is None or score > best["score"] or score == best["score"] == -math.inf:
@@ -297,6 +299,7 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
             "train_loss": train_loss if micro_steps else math.nan,
             "lr": scheduler.get_last_lr()[0],
             "epoch_seconds": time.perf_counter() - started,
+            "eval_seconds": eval_seconds,
             "train_samples_per_second": samples * ctx.world_size / train_seconds,
             **{f"val_{k}": v for k, v in val.items()},
             "val_primary": val[task.primary_metric],

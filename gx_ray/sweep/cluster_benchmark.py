@@ -1,0 +1,318 @@
+"""`python jobs/benchmark.py cluster`: the paper's ablation on every GPU of a node, measured in one time-boxed run.
+
+1. A bench-shape cohort (4 x 64 x 128 x 128): demo cases preprocessed at the ``bench`` preset, their rows replicated
+   to Gastric-X's size (about 1.2 K training rows). Replicated rows are for rates only, never for metrics.
+2. Raw step rates: each task's registry model at the slice's micro-batch on one GPU, inputs already on the GPU, text
+   at the loop's bucket lengths (one Ray task per GPU at a time).
+3. The slice: every task under the lightest and the heaviest schema (``image_only``, ``image_table_bbox``), one seed,
+   a few capped epochs, the paper's model (3D Swin + MiniLM + cross-attention), ``gpus_per_worker: auto``: the sweep
+   itself, through :func:`~gx_ray.sweep.driver.run_sweep`, with its GPU busy fraction per GPU, start-up share,
+   trials per GPU-hour and loop/raw ratio per cell.
+4. DDP weak scaling: stage classification at micro-batch 8 per rank on 1, 2 and 4 GPUs (epoch 2's rate).
+5. The projection for the paper's whole ablation (5 tasks x 4 schemas x 3 seeds, 20 epochs) at Gastric-X's size
+   on one 8-GPU node: each task's measured epoch time (training at its measured per-trial rate, evaluation at its
+   measured rate), with the measured packing and the slice's scheduling efficiency.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import yaml
+from mlflow.tracking import MlflowClient
+
+from gx_ray.data.demo.cohort import DemoConfig
+from gx_ray.data.ingest_benchmark import replicate_splits
+from gx_ray.data.prepare import PrepareConfig, prepare_data
+from gx_ray.data.preprocess import PreprocessConfig
+from gx_ray.runtime import init_ray
+from gx_ray.schema import TASKS
+from gx_ray.sweep.driver import SweepOptions, SweepResult, run_sweep
+from gx_ray.sweep.spaces import space_path
+from gx_ray.tracking import PARENT_TAG
+
+GASTRIC_X = {"train": 1190, "val": 255, "test": 255}
+"""Gastric-X's 1.7 K cases split 70/15/15."""
+PAPER_ABLATION = {"tasks": len(TASKS), "schemas": 4, "seeds": 3, "epochs": 20}
+SLICE_SCHEMAS = ("image_only", "image_table_bbox")
+
+
+@dataclass(frozen=True)
+class ClusterBenchmarkConfig:
+    gpus: int | None = None
+    """GPUs to use (default: every GPU Ray sees)."""
+    budget_s: float = 540.0
+    """Wall-clock budget of the whole run: each sweep is cut at its share (Tune's time budget)."""
+    cases: int = 16
+    train_rows: int = GASTRIC_X["train"]
+    eval_rows: int = 64
+    micro_batch: int = 8
+    effective_batch: int = 32
+    steps_per_epoch: int = 30
+    epochs: int = 2
+    gpus_per_trial: float | str = "auto"
+    ddp_sizes: tuple[int, ...] = (1, 2, 4)
+    raw_steps: int = 10
+    target_gpus: int = 8
+
+
+def run_cluster_benchmark(out: Path, config: ClusterBenchmarkConfig = ClusterBenchmarkConfig()) -> dict[str, Any]:
+    started = time.perf_counter()
+    out = Path(out)
+    init_ray(num_gpus=config.gpus)
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    if gpus < 1:
+        raise RuntimeError("the cluster benchmark needs GPUs: Ray sees none on this node")
+    shards = _bench_cohort(out, config)
+    prepared_at = time.perf_counter()
+    result: dict[str, Any] = {"config": asdict(config), "gpus": gpus, "gpu": _gpu_name(), "seconds": {}}
+    result["seconds"]["cohort"] = prepared_at - started
+
+    slice_space = _space(out / "slice.yaml", config, SLICE_SCHEMAS, workers=None)
+    cells = [(task, schema) for task in TASKS for schema in SLICE_SCHEMAS]
+    result["raw"] = _raw_rates(shards, slice_space, cells)
+    result["seconds"]["raw"] = time.perf_counter() - prepared_at
+
+    left = config.budget_s - (time.perf_counter() - started)
+    sizes = [n for n in config.ddp_sizes if n <= gpus]
+    ddp_share = 0.3 if len(sizes) > 1 else 0.0
+    sweep = run_sweep(
+        SweepOptions(space=str(slice_space), output=out / "sweeps", data=shards, time_budget_s=left * (1 - ddp_share))
+    )
+    result["slice"] = _slice_figures(sweep, result["raw"], config.eval_rows)
+    result["seconds"]["slice"] = sweep.timings["total_seconds"]
+
+    if ddp_share:
+        left = config.budget_s - (time.perf_counter() - started)
+        ddp_space = _space(out / "ddp.yaml", config, ("image_only",), workers=sizes)
+        ddp = run_sweep(SweepOptions(space=str(ddp_space), output=out / "sweeps", data=shards, time_budget_s=left))
+        result["ddp"] = _ddp_figures(ddp)
+        result["seconds"]["ddp"] = ddp.timings["total_seconds"]
+    result["projection"] = project(result["slice"], config.target_gpus)
+    result["seconds"]["total"] = time.perf_counter() - started
+    (out / "cluster_benchmark.json").write_text(json.dumps(result, indent=1, default=float) + "\n", encoding="utf-8")
+    return result
+
+
+def _gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "unknown GPU"
+
+
+def _bench_cohort(out: Path, config: ClusterBenchmarkConfig) -> Path:
+    prepared = prepare_data(
+        "demo",
+        out / "prepared",
+        PrepareConfig(preprocess=PreprocessConfig.preset("bench"), endoscopy_size=64),
+        DemoConfig(cases=config.cases, seed=0),
+    )
+    shards = out / "cohort"
+    if not (shards / "manifest.json").is_file():
+        rows = {"train": config.train_rows, "val": config.eval_rows, "test": config.eval_rows}
+        replicate_splits(prepared.shard_dir, shards, rows)
+    return shards
+
+
+def _space(path: Path, config: ClusterBenchmarkConfig, schemas: tuple[str, ...], workers: list[int] | None) -> Path:
+    """The paper's ablation space (its model and recipe), cut to a capped slice; ``workers``: the DDP sizes."""
+    document = yaml.safe_load(space_path("modality_ablation").read_text(encoding="utf-8"))
+    document.pop("presets")
+    document["fixed"].update(
+        {
+            "schedule.epochs": config.epochs,
+            "schedule.max_steps_per_epoch": config.steps_per_epoch,
+            "data.micro_batch": config.micro_batch,
+            "data.effective_batch": config.effective_batch,
+        }
+    )
+    document["grid"] = {"task": list(TASKS), "schema": list(schemas), "seed": [0]}
+    document["resources"] = {"workers": 1, "cpus_per_worker": 4, "gpus_per_worker": config.gpus_per_trial}
+    if workers:  # weak scaling: the micro-batch per rank stays; the effective batch grows with the ranks
+        document["grid"] = {"task": ["stage_classification"], "schema": list(schemas), "resources.workers": workers}
+        document["resources"]["gpus_per_worker"] = 1
+        document["fixed"]["data.effective_batch"] = config.micro_batch
+        document["fixed"]["resources.torch_trainer"] = True
+        document["overrides"] = [
+            {"when": {"resources.workers": n}, "set": {"data.effective_batch": config.micro_batch * n}} for n in workers
+        ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(document, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def _raw_rates(shards: Path, space: Path, cells: list[tuple[str, str]]) -> dict[str, dict[str, float]]:
+    """Each cell's raw training step (samples/s, peak GiB) on one GPU, the cells spread over the GPUs."""
+    from gx_ray.sweep.spaces import load_space
+
+    loaded = load_space(str(space))
+    measure = ray.remote(num_gpus=1, num_cpus=1)(raw_step_rate)
+    flats = [
+        {**loaded.resource_keys(), **loaded.resolve({"task": t, "schema": s, "seed": 0}), "data.shards": str(shards)}
+        for t, s in cells
+    ]
+    rates = ray.get([measure.remote(flat) for flat in flats])
+    return {f"{t}/{s}": rate for (t, s), rate in zip(cells, rates, strict=True)}
+
+
+def raw_step_rate(flat: dict[str, Any], steps: int = 10, warmup: int = 3) -> dict[str, float]:
+    """Training samples/s of the trial's own model (built as the loop builds it) on one fixed batch already on the
+    GPU: forward, backward, clipping and AdamW, as the loop's step, with no data path at all."""
+    import torch
+
+    from gx_ray.data.shards import to_device
+    from gx_ray.train import probe
+    from gx_ray.train.config import TrialConfig
+    from gx_ray.train.loop import build_trial, first_rows, loss_function, slice_batch
+
+    config = TrialConfig.from_flat(flat)
+    device = torch.device("cuda")
+    task, model, layout = build_trial(config, device)
+    micro = int(config.data.micro_batch)
+    batch = to_device(slice_batch(first_rows(Path(config.data.shards), "train", micro, layout), micro), device)
+    loss_of = loss_function(task, config, device)
+    optimiser = torch.optim.AdamW(model.parameters(), config.optimiser.lr)
+    torch.cuda.reset_peak_memory_stats(device)
+    for i in range(warmup + steps):
+        if i == warmup:
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+        probe.accumulate(model, loss_of, [batch], 1)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimiser.grad_clip)
+        optimiser.step()
+        optimiser.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    return {"samples_per_s": steps * micro / seconds, "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+
+
+def _children(sweep: SweepResult) -> list[Any]:
+    client = MlflowClient(_store_uri(sweep))
+    experiment = client.get_experiment_by_name(sweep.experiment)
+    return client.search_runs([experiment.experiment_id], f"tags.`{PARENT_TAG}` = '{sweep.parent_run_id}'")
+
+
+def _store_uri(sweep: SweepResult) -> str:
+    """The sweep's own MLflow store, read directly: its server is stopped by now."""
+    store = sweep.output / "mlflow" / "mlflow.db"
+    return f"sqlite:///{store}" if store.is_file() else sweep.tracking_uri
+
+
+def _epoch_rate(client: MlflowClient, run: Any, epoch: int) -> float:
+    """``train_samples_per_second`` of one epoch (epoch 1: the loop warmed up, its data stream running)."""
+    history = client.get_metric_history(run.info.run_id, "train_samples_per_second")
+    rates = [m.value for m in history if m.step == epoch] or [m.value for m in history]
+    return rates[-1] if rates else math.nan
+
+
+def _slice_figures(sweep: SweepResult, raw: dict[str, dict[str, float]], eval_rows: int) -> dict[str, Any]:
+    client = MlflowClient(_store_uri(sweep))
+    cells, slots = {}, []
+    for run in _children(sweep):
+        params, metrics = run.data.params, run.data.metrics
+        key = f"{params['task']}/{params['schema']}"
+        rate = _epoch_rate(client, run, 1)
+        trial = metrics.get("trial_seconds", math.nan)
+        train = metrics.get("train_seconds", math.nan)
+        epochs = max(1, int(metrics.get("epoch", 0)) + 1)
+        cells[key] = {
+            "status": run.info.status,
+            "train_samples_per_s": rate,
+            "raw_samples_per_s": raw.get(key, {}).get("samples_per_s", math.nan),
+            "loop_over_raw": rate / raw.get(key, {}).get("samples_per_s", math.nan),
+            "gpu_share": metrics.get("gpu_share", 1.0),
+            "micro_batch": metrics.get("micro_batch"),
+            "trial_seconds": trial,
+            "train_seconds": train,
+            "startup_seconds": trial - train,
+            "startup_share": (trial - train) / trial,
+            "epoch_seconds": train / epochs,
+            "eval_seconds_per_row": metrics.get("eval_seconds", math.nan) / eval_rows,
+            "gpu_busy_fraction": metrics.get("gpu_busy_fraction", math.nan),
+            "gpu_shared": metrics.get("gpu_shared", math.nan),
+        }
+        if run.info.start_time and run.info.end_time:
+            slots.append((run.info.end_time - run.info.start_time) / 1000)
+    window = sweep.gpus.get("trials_window_seconds", math.nan)
+    shares = [c["gpu_share"] for c in cells.values()]
+    return {
+        "cells": cells,
+        "trials": len(cells),
+        "finished": sweep.finished,
+        "wall_seconds": sweep.timings.get("total_seconds"),
+        "first_step_after_seconds": sweep.timings.get("first_step_seconds"),
+        "gpu_busy_fraction": sweep.gpus.get("gpu_busy_fraction"),
+        "gpu_busy_fraction_per_gpu": sweep.gpus.get("gpu_busy_fraction_per_gpu"),
+        "trials_per_gpu_hour": sweep.gpus.get("trials_per_gpu_hour"),
+        "startup_share": float(np.nanmean([c["startup_share"] for c in cells.values()])) if cells else math.nan,
+        "loop_over_raw": {k: c["loop_over_raw"] for k, c in cells.items()},
+        # how well the slice kept its GPU slots filled: trial time over (slots x window)
+        "scheduling_efficiency": sum(slots) / (window * sweep.gpus.get("gpus", 1) / min(shares)) if slots else math.nan,
+    }
+
+
+def _ddp_figures(sweep: SweepResult) -> dict[str, Any]:
+    client = MlflowClient(_store_uri(sweep))
+    rates = {}
+    for run in _children(sweep):
+        rates[int(run.data.params["resources.workers"])] = _epoch_rate(client, run, 1)
+    one = rates.get(1, math.nan)
+    return {"samples_per_s": rates, "speed_up": {n: r / one for n, r in sorted(rates.items())}}
+
+
+def project(slice_figures: dict[str, Any], gpus: int = 8) -> dict[str, Any]:
+    """Hours for the paper's whole ablation at Gastric-X's size on ``gpus`` GPUs: per task, the slice's heaviest
+    schema's per-trial training rate and evaluation time scaled to Gastric-X's splits, 20 epochs, start-up once per
+    trial; 12 trials a task (4 schemas x 3 seeds) packed as measured; over the slice's scheduling efficiency."""
+    cells = slice_figures["cells"]
+    efficiency = slice_figures.get("scheduling_efficiency") or 1.0
+    per_task, total_slot_seconds = {}, 0.0
+    for task in TASKS:
+        measured = [c for k, c in cells.items() if k.startswith(f"{task}/") and math.isfinite(c["train_samples_per_s"])]
+        if not measured:
+            per_task[task] = None
+            continue
+        cell = min(measured, key=lambda c: c["train_samples_per_s"])  # the heaviest schema stands for all four
+        epoch = GASTRIC_X["train"] / cell["train_samples_per_s"] + GASTRIC_X["val"] * cell["eval_seconds_per_row"]
+        trials = PAPER_ABLATION["schemas"] * PAPER_ABLATION["seeds"]
+        slot = PAPER_ABLATION["epochs"] * epoch + cell["startup_seconds"]
+        per_task[task] = {"epoch_seconds": epoch, "trial_seconds": slot, "trials_per_gpu": int(1 // cell["gpu_share"])}
+        total_slot_seconds += trials * slot * cell["gpu_share"]
+    hours = total_slot_seconds / gpus / max(efficiency, 1e-6) / 3600
+    return {"gpus": gpus, "hours": hours, "per_task": per_task, "scheduling_efficiency": efficiency}
+
+
+def format_cluster_result(result: dict[str, Any]) -> str:
+    s = result["slice"]
+    lines = [
+        f"cluster benchmark on {result['gpus']} x {result['gpu']}: {result['seconds']['total']:.0f} s in all "
+        f"(cohort {result['seconds']['cohort']:.0f} s, raw steps {result['seconds']['raw']:.0f} s)",
+        f"slice: {s['finished']} of {s['trials']} trials, {s['wall_seconds']:.0f} s; GPU busy "
+        f"{_pct(s['gpu_busy_fraction'])} (per GPU {s['gpu_busy_fraction_per_gpu']}), start-up share "
+        f"{_pct(s['startup_share'])}, {s['trials_per_gpu_hour']:.1f} trials per GPU-hour",
+        f"{'cell':<40}{'share':>7}{'micro':>7}{'loop/s':>9}{'raw/s':>9}{'loop/raw':>10}{'start-up s':>12}",
+    ]
+    for key, c in sorted(s["cells"].items()):
+        lines.append(
+            f"{key:<40}{c['gpu_share']:>7.2f}{c['micro_batch'] or 0:>7.0f}{c['train_samples_per_s']:>9.1f}"
+            f"{c['raw_samples_per_s']:>9.1f}{c['loop_over_raw']:>10.2f}{c['startup_seconds']:>12.1f}"
+        )
+    if "ddp" in result:
+        d = result["ddp"]
+        sizes = sorted(d["speed_up"])
+        scaling = ", ".join(f"{n} GPU {d['samples_per_s'][n]:.1f}/s ({d['speed_up'][n]:.2f}x)" for n in sizes)
+        lines.append(f"DDP weak scaling (micro-batch 8 per rank): {scaling}")
+    p = result["projection"]
+    lines.append(f"projection: the paper's whole ablation at Gastric-X size on {p['gpus']} GPUs: {p['hours']:.2f} h")
+    return "\n".join(lines)
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None or not math.isfinite(value) else f"{value:.0%}"
