@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from gx_ray.schema import TASKS
 from gx_ray.sweep.driver import SweepOptions, SweepResult, run_sweep
 from gx_ray.sweep.spaces import space_path
 from gx_ray.tracking import PARENT_TAG
+from gx_ray.train.probe import trials_per_gpu
 
 GASTRIC_X = {"train": 1190, "val": 255, "test": 255}
 """Gastric-X's 1.7 K cases split 70/15/15."""
@@ -77,28 +79,41 @@ def run_cluster_benchmark(out: Path, config: ClusterBenchmarkConfig = ClusterBen
 
     slice_space = _space(out / "slice.yaml", config, SLICE_SCHEMAS, workers=None)
     cells = [(task, schema) for task in TASKS for schema in SLICE_SCHEMAS]
-    result["raw"] = _raw_rates(shards, slice_space, cells)
-    result["seconds"]["raw"] = time.perf_counter() - prepared_at
-
-    left = config.budget_s - (time.perf_counter() - started)
+    result["raw"] = _phase(result, "raw", lambda: _raw_rates(shards, slice_space, cells), {})
     sizes = [n for n in config.ddp_sizes if n <= gpus]
     ddp_share = 0.3 if len(sizes) > 1 else 0.0
-    sweep = run_sweep(
-        SweepOptions(space=str(slice_space), output=out / "sweeps", data=shards, time_budget_s=left * (1 - ddp_share))
-    )
-    result["slice"] = _slice_figures(sweep, result["raw"], config.eval_rows)
-    result["seconds"]["slice"] = sweep.timings["total_seconds"]
 
-    if ddp_share:
+    def slice_run() -> dict[str, Any]:
         left = config.budget_s - (time.perf_counter() - started)
-        ddp_space = _space(out / "ddp.yaml", config, ("image_only",), workers=sizes)
-        ddp = run_sweep(SweepOptions(space=str(ddp_space), output=out / "sweeps", data=shards, time_budget_s=left))
-        result["ddp"] = _ddp_figures(ddp)
-        result["seconds"]["ddp"] = ddp.timings["total_seconds"]
+        options = SweepOptions(str(slice_space), out / "sweeps", shards, time_budget_s=left * (1 - ddp_share))
+        return _slice_figures(run_sweep(options), result["raw"], config.eval_rows)
+
+    result["slice"] = _phase(result, "slice", slice_run, {"cells": {}})
+    if ddp_share:
+
+        def ddp_run() -> dict[str, Any]:
+            left = config.budget_s - (time.perf_counter() - started)
+            space = _space(out / "ddp.yaml", config, ("image_only",), workers=sizes)
+            return _ddp_figures(run_sweep(SweepOptions(str(space), out / "sweeps", shards, time_budget_s=left)))
+
+        result["ddp"] = _phase(result, "ddp", ddp_run, {})
     result["projection"] = project(result["slice"], config.target_gpus)
     result["seconds"]["total"] = time.perf_counter() - started
     (out / "cluster_benchmark.json").write_text(json.dumps(result, indent=1, default=float) + "\n", encoding="utf-8")
     return result
+
+
+def _phase(result: dict[str, Any], name: str, run: Any, empty: Any) -> Any:
+    """One part of the benchmark, timed; a failure is recorded and the other parts still run."""
+    started = time.perf_counter()
+    try:
+        return run()
+    except Exception as err:  # a benchmark reports what it could measure
+        traceback.print_exc()
+        result.setdefault("errors", {})[name] = f"{type(err).__name__}: {err}"
+        return empty
+    finally:
+        result["seconds"][name] = time.perf_counter() - started
 
 
 def _gpu_name() -> str:
@@ -271,8 +286,9 @@ def project(slice_figures: dict[str, Any], gpus: int = 8) -> dict[str, Any]:
     """Hours for the paper's whole ablation at Gastric-X's size on ``gpus`` GPUs: per task, the slice's heaviest
     schema's per-trial training rate and evaluation time scaled to Gastric-X's splits, 20 epochs, start-up once per
     trial; 12 trials a task (4 schemas x 3 seeds) packed as measured; over the slice's scheduling efficiency."""
-    cells = slice_figures["cells"]
+    cells = slice_figures.get("cells", {})
     efficiency = slice_figures.get("scheduling_efficiency") or 1.0
+    efficiency = efficiency if math.isfinite(efficiency) else 1.0
     per_task, total_slot_seconds = {}, 0.0
     for task in TASKS:
         measured = [c for k, c in cells.items() if k.startswith(f"{task}/") and math.isfinite(c["train_samples_per_s"])]
@@ -283,34 +299,41 @@ def project(slice_figures: dict[str, Any], gpus: int = 8) -> dict[str, Any]:
         epoch = GASTRIC_X["train"] / cell["train_samples_per_s"] + GASTRIC_X["val"] * cell["eval_seconds_per_row"]
         trials = PAPER_ABLATION["schemas"] * PAPER_ABLATION["seeds"]
         slot = PAPER_ABLATION["epochs"] * epoch + cell["startup_seconds"]
-        per_task[task] = {"epoch_seconds": epoch, "trial_seconds": slot, "trials_per_gpu": int(1 // cell["gpu_share"])}
+        per_task[task] = {"epoch_seconds": epoch, "trial_seconds": slot, "trials_per_gpu": trials_per_gpu(cell["gpu_share"])}
         total_slot_seconds += trials * slot * cell["gpu_share"]
-    hours = total_slot_seconds / gpus / max(efficiency, 1e-6) / 3600
+    measured = any(per_task.values())
+    hours = total_slot_seconds / gpus / max(efficiency, 1e-6) / 3600 if measured else math.nan
     return {"gpus": gpus, "hours": hours, "per_task": per_task, "scheduling_efficiency": efficiency}
 
 
 def format_cluster_result(result: dict[str, Any]) -> str:
-    s = result["slice"]
+    s, seconds = result["slice"], result["seconds"]
     lines = [
-        f"cluster benchmark on {result['gpus']} x {result['gpu']}: {result['seconds']['total']:.0f} s in all "
-        f"(cohort {result['seconds']['cohort']:.0f} s, raw steps {result['seconds']['raw']:.0f} s)",
-        f"slice: {s['finished']} of {s['trials']} trials, {s['wall_seconds']:.0f} s; GPU busy "
-        f"{_pct(s['gpu_busy_fraction'])} (per GPU {s['gpu_busy_fraction_per_gpu']}), start-up share "
-        f"{_pct(s['startup_share'])}, {s['trials_per_gpu_hour']:.1f} trials per GPU-hour",
-        f"{'cell':<40}{'share':>7}{'micro':>7}{'loop/s':>9}{'raw/s':>9}{'loop/raw':>10}{'start-up s':>12}",
+        f"cluster benchmark on {result['gpus']} x {result['gpu']}: {seconds['total']:.0f} s in all "
+        f"(cohort {seconds.get('cohort', 0):.0f} s, raw steps {seconds.get('raw', 0):.0f} s)",
     ]
-    for key, c in sorted(s["cells"].items()):
+    if s.get("cells"):
+        lines += [
+            f"slice: {s['finished']} of {s['trials']} trials, {s['wall_seconds']:.0f} s; first step after "
+            f"{s['first_step_after_seconds'] or math.nan:.1f} s; GPU busy {_pct(s['gpu_busy_fraction'])} (per GPU "
+            f"{s['gpu_busy_fraction_per_gpu']}), start-up share {_pct(s['startup_share'])}, "
+            f"{s['trials_per_gpu_hour'] or math.nan:.1f} trials per GPU-hour",
+            f"{'cell':<40}{'share':>7}{'micro':>7}{'loop/s':>9}{'raw/s':>9}{'loop/raw':>10}{'start-up s':>12}",
+        ]
+    for key, c in sorted(s.get("cells", {}).items()):
         lines.append(
             f"{key:<40}{c['gpu_share']:>7.2f}{c['micro_batch'] or 0:>7.0f}{c['train_samples_per_s']:>9.1f}"
             f"{c['raw_samples_per_s']:>9.1f}{c['loop_over_raw']:>10.2f}{c['startup_seconds']:>12.1f}"
         )
-    if "ddp" in result:
+    if result.get("ddp"):
         d = result["ddp"]
         sizes = sorted(d["speed_up"])
         scaling = ", ".join(f"{n} GPU {d['samples_per_s'][n]:.1f}/s ({d['speed_up'][n]:.2f}x)" for n in sizes)
         lines.append(f"DDP weak scaling (micro-batch 8 per rank): {scaling}")
     p = result["projection"]
     lines.append(f"projection: the paper's whole ablation at Gastric-X size on {p['gpus']} GPUs: {p['hours']:.2f} h")
+    for name, error in result.get("errors", {}).items():
+        lines.append(f"{name} failed: {error}")
     return "\n".join(lines)
 
 

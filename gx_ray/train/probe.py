@@ -126,7 +126,7 @@ def gpu_share(
 
 def trials_per_gpu(share: float) -> int:
     """How many trials of this share Ray places on one GPU."""
-    return int(1 // share) if share <= 1 else 0
+    return int(1 / share + 1e-6) if share <= 1 else 0  # not 1 // share: 1 // 0.2 is 4.0 in floating point
 
 
 def _gib(value: float | None) -> str:

@@ -1,0 +1,239 @@
+"""What lets trials scale on GPUs, checked where no GPU is: packing arithmetic, the micro-batch choice, micro-batches
+accumulated to the effective batch (the same gradients as one big batch), per-rank data parts, the batch keys, and a
+two-worker DDP trial on CPU."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from mlflow.tracking import MlflowClient
+
+from gx_ray.data.shards import rank_pieces, row_groups
+from gx_ray.sweep.driver import EXPERIMENT, SweepOptions, run_sweep
+from gx_ray.tracking import PARENT_TAG
+from gx_ray.tracking.server import LocalMlflowServer
+from gx_ray.train import probe
+from gx_ray.train.config import TrialConfig
+from gx_ray.train.loop import build_trial, first_rows, loss_function, optimiser_steps, slice_batch
+
+GIB = 2**30
+
+
+# --- packing ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "need_gib, card_gib, trials",
+    [(35, 80, 2), (34, 141, 3), (10, 80, 7), (1, 80, 8), (79, 80, 1), (100, 80, 1), (24, 80, 3), (8, 80, 8)],
+)
+def test_gpu_share_packs_as_many_trials_as_fit_with_the_margin(need_gib, card_gib, trials):
+    share = probe.gpu_share(need_gib * GIB, card_gib * GIB)
+    assert probe.trials_per_gpu(share) == trials
+    assert trials * share <= 1.0  # Ray never places more than a GPU's worth
+    # the packed trials' memory fits the card less the margin (a trial alone gets the card whatever it needs)
+    assert trials == 1 or trials * need_gib <= card_gib * (1 - probe.MARGIN)
+
+
+def test_gpu_share_on_random_cases_never_overcommits_and_never_wastes_a_slot():
+    rng = random.Random(0)
+    for _ in range(500):
+        card, need = rng.uniform(16, 141) * GIB, rng.uniform(0.1, 150) * GIB
+        trials = probe.trials_per_gpu(probe.gpu_share(need, card))
+        assert 1 <= trials <= probe.MAX_TRIALS_PER_GPU
+        usable = card * (1 - probe.MARGIN)
+        assert trials == 1 or trials * need <= usable
+        assert trials == probe.MAX_TRIALS_PER_GPU or (trials + 1) * need > usable
+
+
+def test_gpu_share_refuses_nonsense():
+    with pytest.raises(ValueError):
+        probe.gpu_share(0, 80 * GIB)
+
+
+def test_micro_batch_choice_is_the_largest_divisor_that_fits_in_few_measurements():
+    rng = random.Random(1)
+    for _ in range(300):
+        per_rank = rng.choice([1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64])
+        base, slope = rng.uniform(0.5, 4) * GIB, rng.uniform(0.2, 6) * GIB
+        budget = rng.uniform(base + slope, base + slope * per_rank * 1.5)
+        calls = []
+
+        def peak_of(m: int, base=base, slope=slope, budget=budget, calls=calls) -> int | None:
+            calls.append(m)
+            peak = base + slope * m
+            return None if peak > 1.3 * budget else int(peak)  # far over the budget: out of memory
+
+        micro, peak = probe.choose_micro_batch(per_rank, peak_of, budget)
+        fitting = [d for d in probe.divisors(per_rank) if base + slope * d <= budget]
+        assert micro == max(fitting) and peak <= budget and per_rank % micro == 0
+        assert len(calls) <= 4  # two small steps predict the rest
+
+
+def test_micro_batch_choice_says_when_not_even_one_sample_fits():
+    with pytest.raises(MemoryError, match="gradient checkpointing"):
+        probe.choose_micro_batch(8, lambda m: None, 10 * GIB)
+
+
+# --- batch keys -------------------------------------------------------------------------------------------
+
+
+def test_the_old_ambiguous_batch_key_is_refused_with_what_to_write_instead():
+    with pytest.raises(ValueError, match="data.effective_batch .* data.micro_batch"):
+        TrialConfig.from_flat({"task": "vqa", "data.batch_size": 8})
+    with pytest.raises(ValueError, match="data.grad_accum"):
+        TrialConfig.from_flat({"task": "vqa", "data.grad_accum": 2})
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        ({"data.effective_batch": 32, "data.micro_batch": 5}, "positive divisor of the per-rank batch 32"),
+        ({"data.effective_batch": 6, "resources.workers": 4}, "multiple of resources.workers 4"),
+        ({"data.effective_batch": 0}, "positive multiple"),
+        ({"resources.workers": 2, "resources.gpus_per_worker": 0.5}, "whole GPUs"),
+        ({"resources.gpus_per_worker": "most"}, "must be auto"),
+    ],
+)
+def test_inconsistent_batch_and_resource_keys_fail_naming_the_values(keys, message):
+    with pytest.raises(ValueError, match=message):
+        TrialConfig.from_flat({"task": "stage_classification", **keys})
+
+
+def test_accumulation_makes_up_the_effective_batch():
+    config = TrialConfig.from_flat(
+        {"task": "vqa", "data.effective_batch": 32, "data.micro_batch": 4, "resources.workers": 2}
+    )
+    assert config.data.per_rank_batch(2) == 16 and config.data.accumulation(2, 4) == 4
+    assert optimiser_steps(100, 4, 4, config) == 6  # whole effective batches per rank only
+
+
+# --- data parts -------------------------------------------------------------------------------------------
+
+
+def test_ranks_read_disjoint_parts_that_cover_the_split_in_a_seeded_order_per_epoch(demo_prepared):
+    pieces = row_groups(demo_prepared.shard_dir, "train")
+    keys = {(p["path"], p["row_group"]) for p in pieces}
+    for world in (1, 2, 3):
+        for seed in (None, 0, 1):
+            parts = [rank_pieces(pieces, r, world, seed) for r in range(world)]
+            seen = [(p["path"], p["row_group"]) for part in parts for p in part]
+            assert len(seen) == len(set(seen)) and set(seen) == keys
+            assert parts == [rank_pieces(pieces, r, world, seed) for r in range(world)]  # reproducible
+    orders = {tuple((p["path"], p["row_group"]) for p in rank_pieces(pieces, 0, 1, s)) for s in range(6)}
+    assert len(orders) > 1 or len(pieces) < 3  # a new order per epoch
+
+
+# --- accumulation ---------------------------------------------------------------------------------------------
+
+
+def test_micro_batches_accumulated_give_the_gradients_of_one_big_batch(demo_prepared):
+    """Four micro-batches of 2 with accumulation 4 give the gradients of one batch of 8: the loss of each is a mean
+    over equal micro-batches (stage classification), normalisation layers in eval mode (batch statistics differ by
+    definition) and no dropout."""
+    config = TrialConfig.from_flat(
+        {
+            "task": "stage_classification",
+            "schema": "image_table",
+            "model.vision": "resnet10_3d",
+            "model.vision_kwargs": {"block_inplanes": [4, 8, 8, 8]},
+            "model.text": "bert_tiny",
+            "model.hidden": 16,
+            "data.shards": str(demo_prepared.shard_dir),
+            "data.effective_batch": 8,
+            "amp": "off",
+        }
+    )
+    torch.manual_seed(0)
+    device = torch.device("cpu")
+    task, model, layout = build_trial(config, device)
+    model.eval()
+    batch = slice_batch(first_rows(demo_prepared.shard_dir, "train", 8, layout), 8)
+    loss_of = loss_function(task, config, device)
+
+    def gradients(micro_batches: list[dict], accumulation: int) -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        probe.accumulate(model, loss_of, micro_batches, accumulation)
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    whole = gradients([batch], 1)
+    parts = [{k: v[i : i + 2] for k, v in batch.items()} for i in range(0, 8, 2)]
+    accumulated = gradients(parts, 4)
+    assert whole.keys() == accumulated.keys() and len(whole) > 10
+    for name, grad in whole.items():
+        torch.testing.assert_close(accumulated[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    # and the test can fail: without dividing by the accumulation the gradients are 4 times too large
+    model.zero_grad(set_to_none=True)
+    probe.accumulate(model, loss_of, parts, 1)
+    name = next(iter(whole))
+    assert not torch.allclose(dict(model.named_parameters())[name].grad, whole[name], rtol=1e-2)
+
+
+def test_probe_steps_leave_the_model_untouched_and_name_unused_parameters(demo_prepared):
+    config = TrialConfig.from_flat(
+        {
+            "task": "stage_classification",
+            "schema": "image_only",
+            "model.vision": "resnet10_3d",
+            "model.vision_kwargs": {"block_inplanes": [4, 8, 8, 8]},
+            "model.text": "bert_tiny",
+            "model.hidden": 16,
+            "data.shards": str(demo_prepared.shard_dir),
+            "data.effective_batch": 2,
+        }
+    )
+    device = torch.device("cpu")
+    task, model, layout = build_trial(config, device)
+    batch = first_rows(demo_prepared.shard_dir, "train", 2, layout)
+    probe.accumulate(model, loss_function(task, config, device), [batch], 1)
+    unused = probe.unused_parameters(model)
+    # image only: the text encoder (always built, for tasks that send a query) gets no gradient; the vision does
+    assert any(name.startswith("encoder.text.") for name in unused)
+    assert not any(name.startswith(("encoder.vision.", "head.")) for name in unused)
+
+
+# --- DDP on CPU ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_two_worker_ddp_trial_trains_each_rank_on_its_own_rows(ray_cluster, demo_prepared, tmp_path):
+    """Two Ray Train workers (gloo) train one trial: one MLflow run, its effective batch 2 ranks x micro-batch x
+    accumulation, and the ranks' weights in step (DDP averaged the gradients: the test metrics exist)."""
+    document = {
+        "description": "two-worker DDP trial",
+        "fixed": {
+            "task": "stage_classification",
+            "schema": "image_only",
+            "model.vision": "resnet10_3d",
+            "model.vision_kwargs": {"block_inplanes": [4, 8, 8, 8]},
+            "model.text": "bert_tiny",
+            "model.hidden": 16,
+            "optimiser.lr": 1.0e-3,
+            "schedule.epochs": 2,
+            "data.effective_batch": 4,
+            "data.micro_batch": 1,
+        },
+        "grid": {"seed": [0]},
+        "resources": {"workers": 2, "cpus_per_worker": 0.5, "gpus_per_worker": 0},
+    }
+    path = tmp_path / "ddp.yaml"
+    path.write_text(yaml.safe_dump(document), encoding="utf-8")
+    with LocalMlflowServer(tmp_path / "mlflow") as server:
+        result = run_sweep(
+            SweepOptions(space=str(path), output=tmp_path, data=demo_prepared.shard_dir, mlflow_uri=server.uri)
+        )
+        assert (result.finished, result.failed) == (1, 0)
+        client = MlflowClient(server.uri)
+        experiment = client.get_experiment_by_name(EXPERIMENT)
+        (child,) = client.search_runs(
+            [experiment.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{result.parent_run_id}'"
+        )
+        metrics = child.data.metrics
+        assert child.info.status == "FINISHED" and child.data.params["resources.workers"] == "2"
+        assert (metrics["micro_batch"], metrics["accumulation"], metrics["effective_batch"]) == (1, 2, 4)
+        assert np.isfinite(metrics["train_loss"]) and "test_accuracy" in metrics
+        losses = [m.step for m in client.get_metric_history(child.info.run_id, "train_loss")]
+        assert losses == [0, 1]  # rank 0 logs each epoch once
