@@ -35,7 +35,7 @@ from gx_ray.schema import BOX_LEVELS, PHASES, STAGE_GROUPS, TASKS, VQA_CATEGORIE
 from gx_ray.tasks import TASK_CLASSES, TaskModel, build_task, task_class
 from gx_ray.tasks.lesion_detection import flatten_maps, tumour_boxes
 from gx_ray.tasks.retrieval import info_nce
-from gx_ray.tasks.vqa import UNKNOWN_ANSWER, select_inputs
+from gx_ray.tasks.vqa import UNKNOWN_ANSWER
 
 DIM = 16
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -54,6 +54,16 @@ class TinyVision(nn.Module):
     def forward(self, ct: torch.Tensor) -> list[torch.Tensor]:
         first = F.relu(self.first(ct))
         return [first, F.relu(self.second(first))]
+
+
+def select_inputs(inputs: ModelInputs, index: torch.Tensor) -> ModelInputs:
+    """The rows ``index`` of every input (repeats allowed): one row per (case, question) pair."""
+
+    def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.index_select(0, index.to(t.device))
+
+    text = None if inputs.text is None else [inputs.text[i] for i in index.tolist()]
+    return ModelInputs(rows(inputs.ct), rows(inputs.phase_mask), rows(inputs.endoscopy), text, rows(inputs.table))
 
 
 class TinyEncoder(nn.Module):
@@ -76,7 +86,11 @@ class TinyEncoder(nn.Module):
         tokens, mask = self._words(texts)
         return (tokens * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
 
-    def forward(self, inputs: ModelInputs, query: list[str] | None = None) -> Encoded:
+    def forward(
+        self, inputs: ModelInputs, query: list[str] | None = None, case_index: torch.Tensor | None = None
+    ) -> Encoded:
+        if case_index is not None:  # one row per question, as the real encoder's repeated features
+            inputs = select_inputs(inputs, case_index)
         maps = self.vision(inputs.ct)
         tokens = self.project(maps[-1].flatten(2).transpose(1, 2))
         mask = torch.ones(tokens.shape[:2], dtype=torch.bool)

@@ -378,6 +378,17 @@ class BatchCollate(ArrowBatchCollateFn):
         return out
 
 
-def to_device(batch: dict[str, Any], device: Any, non_blocking: bool = True) -> dict[str, Any]:
-    """Move the tensors of a collated batch to ``device``; text stays as it is."""
-    return {k: v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+IMAGE_COLUMNS = TENSOR_COLUMNS
+"""The columns worth moving to the GPU ahead of the step: the volumes. Labels, boxes and masks stay on the host,
+where tasks read them with NumPy (the inputs builder moves what a model needs)."""
+
+
+def to_device(
+    batch: dict[str, Any], device: Any, non_blocking: bool = True, keys: Iterable[str] | None = None
+) -> dict[str, Any]:
+    """Move the tensors of a collated batch (those under ``keys``, default all) to ``device``; text stays as it is."""
+    keys = set(batch) if keys is None else set(keys)
+    return {
+        k: v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) and k in keys else v
+        for k, v in batch.items()
+    }

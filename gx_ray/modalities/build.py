@@ -42,8 +42,8 @@ def _ct(batch: dict[str, Any], schema: ModalitySchema, device: torch.device) -> 
     if order == list(range(len(PHASES))):  # every phase in stored order: no copy (a 67 MB batch costs 15-40 ms)
         ct, phase_mask = batch["ct"], batch["phase_present"]
     else:  # select before moving: only the schema's phases travel, as float16
-        index = torch.tensor(order, dtype=torch.long)
-        ct, phase_mask = batch["ct"].index_select(1, index), batch["phase_present"].index_select(1, index)
+        index = torch.tensor(order, dtype=torch.long, device=batch["ct"].device)
+        ct, phase_mask = batch["ct"].index_select(1, index), batch["phase_present"].index_select(1, index.cpu())
     ct, phase_mask = ct.to(device, non_blocking=True).float(), phase_mask.to(device)
     if schema.boxes == "off" or not schema.box_levels:
         return ct, phase_mask

@@ -102,18 +102,29 @@ class MultimodalEncoder(nn.Module):
         """(B, dim) mean-pooled text embedding with the same encoder the fusion uses (retrieval's text side)."""
         return masked_mean(*self.text_tokens(texts))
 
-    def forward(self, inputs: ModelInputs, query: list[str] | None = None) -> Encoded:
-        self._check(inputs, query)
+    def forward(
+        self, inputs: ModelInputs, query: list[str] | None = None, case_index: torch.Tensor | None = None
+    ) -> Encoded:
+        """``case_index``: the case each query asks about (VQA: several questions per case). Each case is then
+        encoded once and its features repeated per query, rather than the volume encoded once per question."""
+        self._check(inputs, query if case_index is None else None)
         maps = self.vision(inputs.ct)
         endoscopy = None if self.endoscopy is None else self.endoscopy(inputs.endoscopy)
         # Missing lab values must never turn into NaN features.
         table = None if self.table is None else self.table(torch.nan_to_num(inputs.table))
+        context = self.text_tokens(inputs.text) if self.schema.has_text else None
+        if case_index is not None:
+            if query is not None and len(query) != len(case_index):
+                raise ValueError(f"{len(query)} queries for {len(case_index)} case indices")
+            index = case_index.to(inputs.ct.device)
+            maps = [m.index_select(0, index) for m in maps]
+            endoscopy, table = (None if x is None else x.index_select(0, index) for x in (endoscopy, table))
+            context = None if context is None else tuple(x.index_select(0, index) for x in context)
         # Context tokens, then query tokens; with neither, the text encoder is not run at all.
-        texts = [t for t in (inputs.text if self.schema.has_text else None, query) if t is not None]
+        parts = [p for p in (context, None if query is None else self.text_tokens(query)) if p is not None]
         text = text_mask = None
-        if texts:
-            tokens, masks = zip(*(self.text_tokens(t) for t in texts), strict=True)
-            text, text_mask = torch.cat(tokens, 1), torch.cat(masks, 1)
+        if parts:
+            text, text_mask = torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
         return self.fusion(maps, text, text_mask, endoscopy=endoscopy, table=table)
 
     def _check(self, inputs: ModelInputs, query: list[str] | None) -> None:

@@ -182,7 +182,7 @@ def raw_step_rate(flat: dict[str, Any], steps: int = 10, warmup: int = 3) -> dic
     GPU: forward, backward, clipping and AdamW, as the loop's step, with no data path at all."""
     import torch
 
-    from gx_ray.data.shards import to_device
+    from gx_ray.data.shards import IMAGE_COLUMNS, to_device
     from gx_ray.train import probe
     from gx_ray.train.config import TrialConfig
     from gx_ray.train.loop import build_trial, first_rows, loss_function, slice_batch
@@ -191,7 +191,8 @@ def raw_step_rate(flat: dict[str, Any], steps: int = 10, warmup: int = 3) -> dic
     device = torch.device("cuda")
     task, model, layout = build_trial(config, device)
     micro = int(config.data.micro_batch)
-    batch = to_device(slice_batch(first_rows(Path(config.data.shards), "train", micro, layout), micro), device)
+    rows = slice_batch(first_rows(Path(config.data.shards), "train", micro, layout), micro)
+    batch = to_device(rows, device, keys=IMAGE_COLUMNS)
     loss_of = loss_function(task, config, device)
     optimiser = torch.optim.AdamW(model.parameters(), config.optimiser.lr)
     torch.cuda.reset_peak_memory_stats(device)

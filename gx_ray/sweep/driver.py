@@ -140,7 +140,7 @@ def _log_gpu(client: MlflowClient, run_id: str, sampler: GpuSampler | None) -> N
     if sampler is None:
         return
     summary = sampler.stop()
-    log_series(client, run_id, sample_metrics(sampler.samples()))
+    log_series(client, run_id, sample_metrics(sampler.samples))
     log_metrics(client, run_id, summary.as_metrics(), step=0)
 
 
@@ -449,7 +449,7 @@ def _gpu_usage(client: MlflowClient, parent: str, runs: list, host: GpuSampler, 
     utilisation), trials finished per GPU-hour, and the node's GPU utilisation over time on the parent run."""
     starts = [r.info.start_time / 1000 for r in runs if r.info.start_time]
     ends = [r.info.end_time / 1000 for r in runs if r.info.end_time]
-    samples = host.samples()
+    samples = host.samples
     if not samples or not starts or not ends:
         return {}
     start, end = min(starts), max(ends)

@@ -33,16 +33,6 @@ def vqa_column(language: str) -> str:
     return "vqa" if language == "en" else f"vqa_{language}"
 
 
-def select_inputs(inputs: ModelInputs, index: torch.Tensor) -> ModelInputs:
-    """The rows ``index`` of every input (repeats allowed): one row per (case, question) pair."""
-
-    def rows(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.index_select(0, index.to(t.device))
-
-    text = None if inputs.text is None else [inputs.text[i] for i in index.tolist()]
-    return ModelInputs(rows(inputs.ct), rows(inputs.phase_mask), rows(inputs.endoscopy), text, rows(inputs.table))
-
-
 class AnswerHead(nn.Module):
     def __init__(self, dim: int, num_answers: int, dropout: float = 0.1):
         super().__init__()
@@ -106,7 +96,7 @@ class VisualQuestionAnswering(Task):
         case_index = torch.tensor([case for case, _ in pairs], dtype=torch.long)
         questions = [q["question"] for _, q in pairs]
         if pairs:
-            logits = head(encoder(select_inputs(inputs, case_index), query=questions).pooled)
+            logits = head(encoder(inputs, query=questions, case_index=case_index).pooled)
         else:  # a batch without questions: nothing to answer (the head still joins the graph)
             logits = head(torch.zeros(0, encoder.dim, device=inputs.ct.device))
         return {

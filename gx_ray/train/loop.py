@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import get_linear_schedule_with_warmup
 
 from gx_ray.data.shards import (
+    IMAGE_COLUMNS,
     TENSOR_COLUMNS,
     BatchCollate,
     TensorLayout,
@@ -146,12 +147,17 @@ class SplitStream:
         batch = first.result()
         if batch is None:
             return
-        current = to_device(batch, self.ctx.device)
+        current = on_device(batch, self.ctx.device)
         for batch in iterator:
-            upcoming = to_device(batch, self.ctx.device)
+            upcoming = on_device(batch, self.ctx.device)
             yield current
             current = upcoming
         yield current
+
+
+def on_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """A batch with its volumes on ``device`` (asynchronously, from pinned memory); the rest stays on the host."""
+    return to_device(batch, device, keys=IMAGE_COLUMNS)
 
 
 def evaluate(
@@ -206,7 +212,7 @@ def micro_batch_for(
     loss_of = loss_function(task, config, device)
 
     def peak_of(micro: int) -> int | None:
-        return probe.step_peak_bytes(model, loss_of, to_device(slice_batch(rows, micro), device), device)
+        return probe.step_peak_bytes(model, loss_of, on_device(slice_batch(rows, micro), device), device)
 
     card = torch.cuda.get_device_properties(device).total_memory
     budget = card * share * (1 - probe.MARGIN) - probe.CONTEXT_BYTES
@@ -347,7 +353,7 @@ def _ddp(model: TaskModel, task: Any, config: TrialConfig, ctx: WorkerContext, b
     without a gradient (e.g. a text encoder under an image-only schema), since it costs a graph walk per step.
     The probe step trains nothing: its gradients are dropped and the normalisation statistics it moved restored."""
     state = copy.deepcopy(model.state_dict())
-    probe.accumulate(model, loss_function(task, config, ctx.device), [to_device(batch, ctx.device)], 1)
+    probe.accumulate(model, loss_function(task, config, ctx.device), [on_device(batch, ctx.device)], 1)
     unused = torch.tensor(float(bool(probe.unused_parameters(model))), device=ctx.device)
     dist.all_reduce(unused, op=dist.ReduceOp.MAX)
     model.zero_grad(set_to_none=True)
@@ -444,6 +450,6 @@ def probe_trial(flat: dict[str, Any]) -> dict[str, Any]:
     micro, peak = micro_batch_for(config, model, task, layout, device, config.resources.workers)
     if peak is None:
         rows = slice_batch(first_rows(Path(config.data.shards), "train", micro, layout), micro)
-        peak = probe.step_peak_bytes(model, loss_function(task, config, device), to_device(rows, device), device)
+        peak = probe.step_peak_bytes(model, loss_function(task, config, device), on_device(rows, device), device)
     properties = torch.cuda.get_device_properties(device)
     return {"micro_batch": micro, "peak_bytes": peak, "card_bytes": properties.total_memory, "gpu": properties.name}
