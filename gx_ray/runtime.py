@@ -11,6 +11,8 @@ import ray
 
 import gx_ray
 
+ALLOC_CONF = "expandable_segments:True"
+
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: int | None = None) -> None:
     """Connect to ``address`` (``"auto"`` or ``host:port``) or start a local cluster; no-op when connected.
@@ -20,7 +22,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: 
     """
     if ray.is_initialized():
         return
-    runtime_env = {"py_modules": [str(Path(gx_ray.__file__).parent)]} if address else None
+    runtime_env = {"py_modules": [str(Path(gx_ray.__file__).parent)]} if address else {}
+    # packed trials share a GPU: an allocator that grows segments in place fragments less, so measured fits hold
+    runtime_env["env_vars"] = {"PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)}
     ray.init(
         address=address,
         num_cpus=None if address else num_cpus,
