@@ -118,7 +118,7 @@ def run_trial(params: dict[str, Any]) -> None:
             torch.set_num_threads(max(1, int(config.resources.cpus_per_worker)))
             device = torch.device("cuda" if config.resources.use_gpu and torch.cuda.is_available() else "cpu")
             if device.type == "cuda" and plan.get("share", 1) < 1:  # a packed trial keeps to its measured share
-                torch.cuda.set_per_process_memory_fraction(plan["share"], device)
+                torch.cuda.set_per_process_memory_fraction(plan["share"], torch.cuda.current_device())
             worker = WorkerContext(
                 0, 1, device, tune.report, tune.get_checkpoint(), TrialTracker(context["tracking_uri"], run_id),
                 plan.get("micro_batch"), {"trial_start_seconds": time.perf_counter() - trial_started},

@@ -66,8 +66,9 @@ class ReportDecoder(nn.Module):
             encoder_hidden_states=self.memory_projection(memory),
             encoder_attention_mask=memory_mask.long(),
             # BERT's cross-attention layers keep their keys in the cross-attention half of this cache; the
-            # DynamicCache that generate() makes by default lacks it (transformers 5).
-            cache=EncoderDecoderCache(DynamicCache(), DynamicCache()),
+            # DynamicCache that generate() makes by default lacks it (transformers 5; `past_key_values`, which 5.17 as
+            # well as 5.24 take, not `cache`, which 5.17 refuses).
+            past_key_values=EncoderDecoderCache(DynamicCache(), DynamicCache()),
             num_beams=num_beams,
             max_new_tokens=max_new_tokens,
             do_sample=False,
