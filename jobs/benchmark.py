@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster.add_argument("--output", type=Path, default=Path("outputs/benchmark/cluster"))
     cluster.add_argument("--steps-per-epoch", type=int, default=30)
     cluster.add_argument("--gpus-per-trial", default="auto", help="auto (measured packing), 1, 0.5, ...")
+    cluster.add_argument("--tasks", help="comma-separated tasks of the slice (default: all five)")
     args = parser.parse_args(argv)
 
     if args.command == "cluster":
@@ -70,7 +71,11 @@ def main(argv: list[str] | None = None) -> int:
 
         share = args.gpus_per_trial if args.gpus_per_trial == "auto" else float(args.gpus_per_trial)
         config = ClusterBenchmarkConfig(
-            gpus=args.gpus, budget_s=args.budget, steps_per_epoch=args.steps_per_epoch, gpus_per_trial=share
+            gpus=args.gpus,
+            budget_s=args.budget,
+            steps_per_epoch=args.steps_per_epoch,
+            gpus_per_trial=share,
+            **({"tasks": tuple(args.tasks.split(","))} if args.tasks else {}),
         )
         print(format_cluster_result(run_cluster_benchmark(args.output, config)))
 

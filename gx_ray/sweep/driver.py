@@ -243,6 +243,14 @@ def _concurrency(space: SearchSpace, options: SweepOptions, context: dict[str, A
     return min(fit, options.max_concurrent) if options.max_concurrent else fit
 
 
+@ray.remote(num_gpus=1, num_cpus=1)
+class Prober:
+    """Measures trial settings' training steps on one GPU (:func:`~gx_ray.train.loop.probe_trial`)."""
+
+    def probe(self, flat: dict[str, Any]) -> dict[str, Any]:
+        return probe_trial(flat)
+
+
 def gpu_plan(space: SearchSpace, context: dict[str, Any], output: Path) -> dict[str, dict[str, Any]]:
     """Each distinct model setting's micro-batch and GPU share, from one measured training step of it on a GPU (Ray
     tasks, one setting per task, all GPUs at once), where the space asks for ``auto``. Written to
@@ -260,8 +268,12 @@ def gpu_plan(space: SearchSpace, context: dict[str, Any], output: Path) -> dict[
     if not settings:
         return {}
     print(f"measuring a training step of {len(settings)} model settings on the GPUs ...", file=sys.stderr)
-    probe = ray.remote(num_gpus=1, num_cpus=1)(probe_trial)
-    measured = ray.get([probe.remote(flat) for flat in settings.values()])
+    # one prober per GPU, each measuring its share of the settings in turn: the imports and CUDA start once a GPU
+    gpus = max(1, min(len(settings), int(ray.cluster_resources().get("GPU", 1))))
+    probers = [Prober.remote() for _ in range(gpus)]
+    measured = ray.get([probers[i % gpus].probe.remote(flat) for i, flat in enumerate(settings.values())])
+    for prober in probers:
+        ray.kill(prober)
     plan = {}
     for (key, flat), m in zip(settings.items(), measured, strict=True):
         gpus = flat.get("resources.gpus_per_worker")
