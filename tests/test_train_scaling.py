@@ -237,3 +237,32 @@ def test_a_two_worker_ddp_trial_trains_each_rank_on_its_own_rows(ray_cluster, de
         assert np.isfinite(metrics["train_loss"]) and "test_accuracy" in metrics
         losses = [m.step for m in client.get_metric_history(child.info.run_id, "train_loss")]
         assert losses == [0, 1]  # rank 0 logs each epoch once
+
+
+def test_checkpointing_switched_on_after_the_fact_keeps_the_gradients():
+    """What the micro-batch choice falls back to when not one sample fits: the same model, activations recomputed."""
+    from gx_ray.models.registry import ModelConfig, build_encoder
+    from gx_ray.modalities import resolve_schema
+    from gx_ray.modalities.inputs import ModelInputs
+
+    torch.manual_seed(0)
+    encoder = build_encoder(
+        ModelConfig(vision="swin3d", hidden=16, vision_kwargs={"feature_size": 12, "window_size": 4}),
+        resolve_schema("image_only"),
+    )
+    inputs = ModelInputs(torch.randn(2, 4, 32, 32, 32), torch.ones(2, 4, dtype=torch.bool))
+
+    def gradients() -> dict[str, torch.Tensor]:
+        encoder.zero_grad(set_to_none=True)
+        encoder(inputs).pooled.square().sum().backward()
+        return {n: p.grad.clone() for n, p in encoder.named_parameters() if p.grad is not None}
+
+    plain = gradients()
+    assert not probe.checkpointing(encoder)
+    assert probe.enable_checkpointing(encoder) and probe.checkpointing(encoder)
+    checkpointed = gradients()
+    assert plain.keys() == checkpointed.keys()
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    resnet = build_encoder(ModelConfig(vision="resnet10_3d", hidden=16), resolve_schema("image_only"))
+    assert not probe.enable_checkpointing(resnet)  # nothing to switch on: the caller reports the memory error

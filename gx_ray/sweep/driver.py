@@ -101,8 +101,10 @@ def run_trial(params: dict[str, Any]) -> None:
     context = params[CONTEXT_KEY]
     chosen = {k: v for k, v in params.items() if k != CONTEXT_KEY}
     flat = {**_resolve(context, chosen), "data.shards": context["shards"]}
-    config = TrialConfig.from_flat(flat)
     plan = context["gpu_plan"].get(gpu_plan_key(flat), {})
+    if plan.get("gradient_checkpointing"):  # the measured step fitted only with it
+        flat["model.gradient_checkpointing"] = True
+    config = TrialConfig.from_flat(flat)
     trial = tune.get_context()
     client = MlflowClient(context["tracking_uri"])
     tags = {"task": config.task, "schema": config.schema.name, "seed": str(config.seed), "space": context["space"]}

@@ -198,11 +198,12 @@ def loss_function(task: Any, config: TrialConfig, device: torch.device) -> Calla
 
 
 def micro_batch_for(
-    config: TrialConfig, model: TaskModel, task: Any, layout: TensorLayout, device: torch.device, world_size: int,
-    share: float = 1.0,
-) -> tuple[int, int | None]:  # fmt: skip
+    config: TrialConfig, model: TaskModel, task: Any, layout: TensorLayout, device: torch.device, world_size: int
+) -> tuple[int, int | None]:
     """The trial's micro-batch and its measured step peak (bytes; None where not measured). ``auto``: the whole
-    per-rank batch on the CPU; on a GPU the largest divisor of it whose step fits ``share`` of the card."""
+    per-rank batch on the CPU; on a GPU the largest divisor of it whose step fits the trial's share of the card
+    (a fixed ``gpus_per_worker`` fraction, else the whole card). Where not even one sample fits, gradient
+    checkpointing is switched on in the model (blocks that offer it) and the choice made again."""
     per_rank = config.data.per_rank_batch(world_size)
     if config.data.micro_batch != AUTO:
         return int(config.data.micro_batch), None
@@ -214,9 +215,15 @@ def micro_batch_for(
     def peak_of(micro: int) -> int | None:
         return probe.step_peak_bytes(model, loss_of, on_device(slice_batch(rows, micro), device), device)
 
-    card = torch.cuda.get_device_properties(device).total_memory
-    budget = card * share * (1 - probe.MARGIN) - probe.CONTEXT_BYTES
-    return probe.choose_micro_batch(per_rank, peak_of, budget)
+    gpus = config.resources.gpus_per_worker
+    share = float(gpus) if gpus != AUTO and 0 < float(gpus) < 1 else 1.0
+    budget = torch.cuda.get_device_properties(device).total_memory * share * (1 - probe.MARGIN) - probe.CONTEXT_BYTES
+    try:
+        return probe.choose_micro_batch(per_rank, peak_of, budget)
+    except MemoryError:
+        if not probe.enable_checkpointing(model):
+            raise
+        return probe.choose_micro_batch(per_rank, peak_of, budget)
 
 
 def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
@@ -452,4 +459,10 @@ def probe_trial(flat: dict[str, Any]) -> dict[str, Any]:
         rows = slice_batch(first_rows(Path(config.data.shards), "train", micro, layout), micro)
         peak = probe.step_peak_bytes(model, loss_function(task, config, device), on_device(rows, device), device)
     properties = torch.cuda.get_device_properties(device)
-    return {"micro_batch": micro, "peak_bytes": peak, "card_bytes": properties.total_memory, "gpu": properties.name}
+    return {
+        "micro_batch": micro,
+        "peak_bytes": peak,
+        "card_bytes": properties.total_memory,
+        "gpu": properties.name,
+        "gradient_checkpointing": probe.checkpointing(model),
+    }

@@ -53,6 +53,19 @@ def unused_parameters(model: nn.Module) -> list[str]:
     return [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
 
 
+def enable_checkpointing(model: nn.Module) -> bool:
+    """Switch on gradient checkpointing in every block that offers it (MONAI's Swin blocks read ``use_checkpoint``
+    at each forward): activations are recomputed in the backward instead of kept. False when no block offers it."""
+    blocks = [m for m in model.modules() if hasattr(m, "use_checkpoint")]
+    for block in blocks:
+        block.use_checkpoint = True
+    return bool(blocks)
+
+
+def checkpointing(model: nn.Module) -> bool:
+    return any(getattr(m, "use_checkpoint", False) for m in model.modules())
+
+
 def step_peak_bytes(
     model: nn.Module, loss_of: Callable[[nn.Module, Any], torch.Tensor], batch: Any, device: torch.device
 ) -> int | None:
