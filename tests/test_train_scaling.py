@@ -241,9 +241,9 @@ def test_a_two_worker_ddp_trial_trains_each_rank_on_its_own_rows(ray_cluster, de
 
 def test_checkpointing_switched_on_after_the_fact_keeps_the_gradients():
     """What the micro-batch choice falls back to when not one sample fits: the same model, activations recomputed."""
-    from gx_ray.models.registry import ModelConfig, build_encoder
     from gx_ray.modalities import resolve_schema
     from gx_ray.modalities.inputs import ModelInputs
+    from gx_ray.models.registry import ModelConfig, build_encoder
 
     torch.manual_seed(0)
     encoder = build_encoder(
