@@ -12,6 +12,8 @@ validation epoch), also METEOR and BERTScore-F1 with ``full_metrics``.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +57,12 @@ class ReportDecoder(nn.Module):
             use_cache=False,
         ).logits
 
+    @functools.cached_property
+    def _cache_argument(self) -> str:
+        """The decoder's name for its cache: ``cache`` from transformers 5.2x, ``past_key_values`` before (5.17
+        refuses ``cache``; 5.24 warns on ``past_key_values``)."""
+        return "cache" if "cache" in inspect.signature(self.decoder.forward).parameters else "past_key_values"
+
     @torch.no_grad()
     def generate(
         self, memory: torch.Tensor, memory_mask: torch.Tensor, num_beams: int = 1, max_new_tokens: int = 128
@@ -66,9 +74,8 @@ class ReportDecoder(nn.Module):
             encoder_hidden_states=self.memory_projection(memory),
             encoder_attention_mask=memory_mask.long(),
             # BERT's cross-attention layers keep their keys in the cross-attention half of this cache; the
-            # DynamicCache that generate() makes by default lacks it (transformers 5; `past_key_values`, which 5.17 as
-            # well as 5.24 take, not `cache`, which 5.17 refuses).
-            past_key_values=EncoderDecoderCache(DynamicCache(), DynamicCache()),
+            # DynamicCache that generate() makes by default lacks it (transformers 5)
+            **{self._cache_argument: EncoderDecoderCache(DynamicCache(), DynamicCache())},
             num_beams=num_beams,
             max_new_tokens=max_new_tokens,
             do_sample=False,
