@@ -373,7 +373,11 @@ def _ddp(model: TaskModel, task: Any, config: TrialConfig, ctx: WorkerContext, b
 
 def _report(ctx: WorkerContext, metrics: dict, model, optimiser, scheduler, epoch: int, best: dict) -> None:
     """Report the epoch with a checkpoint holding the latest state and the best weights so far."""
-    from ray.train import Checkpoint
+    # each reporter takes its own library's Checkpoint (Tune warns on Train's, every epoch of every trial)
+    if ctx.report.__module__.startswith("ray.tune"):
+        from ray.tune import Checkpoint
+    else:
+        from ray.train import Checkpoint
 
     if ctx.rank != 0:
         ctx.report(metrics, checkpoint=None)
