@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from gx_ray.models import text
 from gx_ray.models.encoded import Encoded
 from gx_ray.models.text import TEXT_BUCKETS, bert_tiny, bucket_length, offline_tokenizer, tokenize_bucketed
 from gx_ray.tasks import build_task
@@ -57,9 +58,21 @@ def test_bucketed_text_features_equal_per_batch_padded_ones(encoder):
     assert len(lengths) > 1  # the batches did meet several buckets
 
 
+@pytest.fixture(autouse=True)
+def buckets_on_the_cpu(monkeypatch):
+    """The buckets are for GPUs (attention plans per shape); here the CPU stands in for one."""
+    monkeypatch.setattr(text, "BUCKET_DEVICES", ("cuda", "cpu"))
+
+
+def test_the_cpu_pads_to_the_longest_text_only(monkeypatch):
+    monkeypatch.setattr(text, "BUCKET_DEVICES", ("cuda",))
+    tokens = tokenize_bucketed(offline_tokenizer(), ["gastric ulcer", "a"], 100, "cpu")
+    assert tokens.input_ids.shape[1] == tokens.attention_mask.sum(1).max() < 16
+
+
 def test_tokenize_bucketed_truncates_and_treats_none_as_empty():
     tokenizer = offline_tokenizer()
-    tokens = tokenize_bucketed(tokenizer, [None, "ulcer " * 300], 40)
+    tokens = tokenize_bucketed(tokenizer, [None, "ulcer " * 300], 40, "cpu")
     assert tokens.input_ids.shape == (2, 40) and tokens.attention_mask.sum(1).tolist() == [2, 40]
     assert tokens.input_ids[0, :2].tolist() == [tokenizer.cls_token_id, tokenizer.sep_token_id]
 

@@ -61,7 +61,7 @@ def format_sweep_result(report: dict[str, Any]) -> str:
             f"{report['concurrency']} at a time, {report['total_seconds'] / 60:.1f} min in all",
             f"  demo cohort (generate + preprocess)  {report['demo_data_seconds']:7.1f} s",
             f"  Ray start                            {report['ray_start_seconds']:7.1f} s",
-            f"  MLflow server start                  {report['mlflow_start_seconds']:7.1f} s",
+            f"  MLflow server start (beyond Ray+data){report['mlflow_start_seconds']:7.1f} s",
             f"  Tune (all trials)                    {report['tune_seconds']:7.1f} s",
             f"  report (tables, figures, statistics) {report['report_seconds']:7.1f} s",
             f"  per trial: slot {report['trial_slot_seconds']:.1f} s = start-up {report['trial_startup_seconds']:.1f} s"

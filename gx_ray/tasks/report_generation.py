@@ -143,7 +143,7 @@ class ReportGeneration(Task):
 
         encoded = encoder(inputs)
         references = batch[self.column]
-        tokens = tokenize_bucketed(head.tokenizer, references, self.max_report_tokens).to(encoded.tokens.device)
+        tokens = tokenize_bucketed(head.tokenizer, references, self.max_report_tokens, encoded.tokens.device)
         has_report = torch.tensor([bool(r) for r in references], device=encoded.tokens.device)
         labels = tokens.input_ids.masked_fill(~tokens.attention_mask.bool() | ~has_report[:, None], IGNORE)
         outputs = {
