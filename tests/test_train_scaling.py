@@ -130,23 +130,27 @@ def test_ranks_read_disjoint_parts_that_cover_the_split_in_a_seeded_order_per_ep
 # --- accumulation ---------------------------------------------------------------------------------------------
 
 
-def test_micro_batches_accumulated_give_the_gradients_of_one_big_batch(demo_prepared):
-    """Four micro-batches of 2 with accumulation 4 give the gradients of one batch of 8: the loss of each is a mean
-    over equal micro-batches (stage classification), normalisation layers in eval mode (batch statistics differ by
-    definition) and no dropout."""
-    config = TrialConfig.from_flat(
+def tiny_config(shards, schema: str, **keys) -> TrialConfig:
+    """Stage classification with a CPU-sized model on the tiny cohort."""
+    return TrialConfig.from_flat(
         {
             "task": "stage_classification",
-            "schema": "image_table",
+            "schema": schema,
             "model.vision": "resnet10_3d",
             "model.vision_kwargs": {"block_inplanes": [4, 8, 8, 8]},
             "model.text": "bert_tiny",
             "model.hidden": 16,
-            "data.shards": str(demo_prepared.shard_dir),
-            "data.effective_batch": 8,
-            "amp": "off",
+            "data.shards": str(shards),
+            **keys,
         }
     )
+
+
+def test_micro_batches_accumulated_give_the_gradients_of_one_big_batch(demo_prepared):
+    """Four micro-batches of 2 with accumulation 4 give the gradients of one batch of 8: the loss of each is a mean
+    over equal micro-batches (stage classification), normalisation layers in eval mode (batch statistics differ by
+    definition) and no dropout."""
+    config = tiny_config(demo_prepared.shard_dir, schema="image_table", **{"data.effective_batch": 8, "amp": "off"})
     torch.manual_seed(0)
     device = torch.device("cpu")
     task, model, layout = build_trial(config, device)
@@ -172,19 +176,8 @@ def test_micro_batches_accumulated_give_the_gradients_of_one_big_batch(demo_prep
     assert not torch.allclose(dict(model.named_parameters())[name].grad, whole[name], rtol=1e-2)
 
 
-def test_probe_steps_leave_the_model_untouched_and_name_unused_parameters(demo_prepared):
-    config = TrialConfig.from_flat(
-        {
-            "task": "stage_classification",
-            "schema": "image_only",
-            "model.vision": "resnet10_3d",
-            "model.vision_kwargs": {"block_inplanes": [4, 8, 8, 8]},
-            "model.text": "bert_tiny",
-            "model.hidden": 16,
-            "data.shards": str(demo_prepared.shard_dir),
-            "data.effective_batch": 2,
-        }
-    )
+def test_a_measured_backward_names_the_unused_parameters(demo_prepared):
+    config = tiny_config(demo_prepared.shard_dir, schema="image_only", **{"data.effective_batch": 2})
     device = torch.device("cpu")
     task, model, layout = build_trial(config, device)
     batch = first_rows(demo_prepared.shard_dir, "train", 2, layout)
