@@ -190,8 +190,8 @@ def trial_resources(params: dict[str, Any]) -> dict[str, float]:
     if flat.get("resources.workers", 1) > 1 or flat.get("resources.torch_trainer"):
         return {"cpu": 0.1}
     gpus = flat.get("resources.gpus_per_worker", 0)
-    if gpus == AUTO:
-        gpus = context["gpu_plan"][gpu_plan_key(flat)]["share"]
+    if gpus == AUTO:  # a setting the plan could not know (a sampled model key) gets a whole GPU
+        gpus = context["gpu_plan"].get(gpu_plan_key(flat), {}).get("share", 1.0)
     return {"cpu": flat.get("resources.cpus_per_worker", 1), "gpu": gpus}
 
 
