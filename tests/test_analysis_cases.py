@@ -108,3 +108,24 @@ def test_aligned_pairs_two_trials_on_the_same_patients():
     common = sorted(first.case_ids)
     draw = RNG.integers(0, len(common), size=len(common))
     assert first.aligned(common)(draw) == pytest.approx(second.aligned(common)(draw))
+
+
+@pytest.mark.parametrize("metric", ["ap_50", "ap_75", "map_50_95", "f1_50", "loc_acc_50"])
+def test_detection_scorer_matches_once_and_agrees_on_random_resamples(metric):
+    """The scorer matches every case once and re-accumulates per resample: on 40 random resamples (repeats
+    included) of random cases it gives what matching the resampled cases afresh gives."""
+    rng = np.random.default_rng(3)
+    records, predictions, targets = [], [], []
+    for i in range(12):
+        target = np.concatenate([rng.integers(0, 20, 3), rng.integers(24, 40, 3)]).astype(float)
+        boxes = target + rng.normal(0, 3, (int(rng.integers(0, 4)), 6))
+        scores = rng.random(len(boxes))
+        records.append({"case_id": f"d{i}", "prediction": {"boxes": boxes.tolist(), "scores": scores.tolist()},
+                        "target": target.tolist()})  # fmt: skip
+        predictions.append({"boxes": boxes.reshape(-1, 6), "scores": scores})
+        targets.append({"boxes": target[None]})
+    scorer = case_scorer("lesion_detection", records, metric)
+    for _ in range(40):
+        indices = rng.integers(0, 12, 12)
+        expected = detection_metrics([predictions[i] for i in indices], [targets[i] for i in indices])[metric]
+        assert scorer.score(indices) == pytest.approx(expected, nan_ok=True)

@@ -131,7 +131,7 @@ def _retrieval(records: Records, metric: str) -> CaseScorer | None:
 
 
 def _detection(records: Records, metric: str) -> CaseScorer | None:
-    from gx_ray.metrics.detection import DETECTION_METRICS, detection_metrics
+    from gx_ray.metrics.detection import DETECTION_METRICS, match_detections, summarise_matches
 
     known = [r for r in records if r.get("target") is not None]
     if not known or metric not in DETECTION_METRICS:
@@ -142,8 +142,10 @@ def _detection(records: Records, metric: str) -> CaseScorer | None:
     ]
     targets = [{"boxes": np.array(r["target"], dtype=np.float64).reshape(1, 6)} for r in known]
 
+    matches = match_detections(predictions, targets)  # once: a resample of cases only re-accumulates
+
     def score(indices: np.ndarray) -> float:
-        return detection_metrics([predictions[i] for i in indices], [targets[i] for i in indices])[metric]
+        return summarise_matches([matches[i] for i in indices])[metric]
 
     return CaseScorer([r["case_id"] for r in known], score)
 

@@ -54,6 +54,15 @@ def detection_metrics(
     Returns:
         ``{ap_50, ap_75, f1_50, map_50_95, loc_acc_50}`` in percent.
     """
+    return summarise_matches(match_detections(predictions, targets, max_detections), max_detections, f1_score_threshold)
+
+
+def match_detections(
+    predictions: Sequence[dict], targets: Sequence[dict], max_detections: int = 100
+) -> list[tuple[dict | None, int]]:
+    """Each image's COCO matching at every IoU threshold and its number of target boxes: the per-image half of
+    :func:`detection_metrics`. Matching never looks across images, so a resample of images (the bootstrap over
+    patients) needs only :func:`summarise_matches` of the matched images it draws, not a new matching."""
     from monai.apps.detection.metrics.matching import matching_batch
 
     pred_boxes, pred_scores, target_boxes = _validated(predictions, targets)
@@ -69,8 +78,14 @@ def detection_metrics(
         max_detections=max_detections,
     )
     # MONAI's per-image results have pycocotools' per-image layout (dtMatches, dtScores, gtIgnore, dtIgnore)
-    per_image = [result.get(0) for result in matched]
-    return _summarise(per_image, [len(b) for b in target_boxes], max_detections, f1_score_threshold)
+    return [(result.get(0), len(boxes)) for result, boxes in zip(matched, target_boxes, strict=True)]
+
+
+def summarise_matches(
+    matches: Sequence[tuple[dict | None, int]], max_detections: int = 100, f1_score_threshold: float | None = None
+) -> dict[str, float]:
+    """The metrics of :func:`detection_metrics` from images matched by :func:`match_detections` (repeats allowed)."""
+    return _summarise([m for m, _ in matches], [n for _, n in matches], max_detections, f1_score_threshold)
 
 
 def detection_metrics_axial(
