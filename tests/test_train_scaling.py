@@ -259,3 +259,29 @@ def test_checkpointing_switched_on_after_the_fact_keeps_the_gradients():
         torch.testing.assert_close(checkpointed[name], grad, rtol=1e-4, atol=1e-6, msg=name)
     resnet = build_encoder(ModelConfig(vision="resnet10_3d", hidden=16), resolve_schema("image_only"))
     assert not probe.enable_checkpointing(resnet)  # nothing to switch on: the caller reports the memory error
+
+
+def test_the_projection_spreads_every_cell_over_the_gpus_with_the_measured_packing():
+    from gx_ray.schema import TASKS
+    from gx_ray.sweep.cluster_benchmark import GASTRIC_X, PAPER_ABLATION, project
+
+    cells = {}
+    for i, task in enumerate(TASKS):
+        for schema, rate in (("image_only", 40.0 + i), ("image_table_bbox", 20.0 + i)):
+            cells[f"{task}/{schema}"] = {
+                "train_samples_per_s": rate,
+                "eval_seconds_per_row": 0.01,
+                "startup_seconds": 5.0,
+                "gpu_share": 0.5,
+            }
+    figures = project({"cells": cells, "scheduling_efficiency": 0.8}, gpus=8)
+    trials = PAPER_ABLATION["schemas"] * PAPER_ABLATION["seeds"]
+    expected = 0.0
+    for i, _ in enumerate(TASKS):  # the slower (heavier) schema stands for all four
+        epoch = GASTRIC_X["train"] / (20.0 + i) + GASTRIC_X["val"] * 0.01
+        expected += trials * (PAPER_ABLATION["epochs"] * epoch + 5.0) * 0.5
+    assert figures["hours"] == pytest.approx(expected / 8 / 0.8 / 3600)
+    assert all(t["trials_per_gpu"] == 2 for t in figures["per_task"].values())
+    # a task the slice did not measure leaves the projection undefined, never silently smaller
+    partial = {k: v for k, v in cells.items() if not k.startswith("vqa/")}
+    assert np.isnan(project({"cells": partial}, gpus=8)["hours"])

@@ -305,7 +305,7 @@ def project(slice_figures: dict[str, Any], gpus: int = 8) -> dict[str, Any]:
         packed = trials_per_gpu(cell["gpu_share"])
         per_task[task] = {"epoch_seconds": epoch, "trial_seconds": slot, "trials_per_gpu": packed}
         total_slot_seconds += trials * slot * cell["gpu_share"]
-    measured = any(per_task.values())
+    measured = all(per_task.values())  # a task not measured leaves the projection undefined, not smaller
     hours = total_slot_seconds / gpus / max(efficiency, 1e-6) / 3600 if measured else math.nan
     return {"gpus": gpus, "hours": hours, "per_task": per_task, "scheduling_efficiency": efficiency}
 
