@@ -106,16 +106,13 @@ class SplitStream:
     def order_seed(self, epoch: int) -> int | None:
         return self.config.seed * 1000 + epoch if self.split == "train" else None
 
-    def my_pieces(self, epoch: int) -> list[dict[str, Any]]:
-        return rank_pieces(self.pieces, self.ctx.rank, self.ctx.world_size, self.order_seed(epoch))
-
-    def rows(self, epoch: int, rank: int | None = None) -> int:
+    def my_pieces(self, epoch: int, rank: int | None = None) -> list[dict[str, Any]]:
         rank = self.ctx.rank if rank is None else rank
-        return sum(p["rows"] for p in rank_pieces(self.pieces, rank, self.ctx.world_size, self.order_seed(epoch)))
+        return rank_pieces(self.pieces, rank, self.ctx.world_size, self.order_seed(epoch))
 
     def fewest_rows(self, epoch: int) -> int:
         """The rows of the rank with fewest this epoch: every rank takes as many optimiser steps as it allows."""
-        return min(self.rows(epoch, r) for r in range(self.ctx.world_size))
+        return min(sum(p["rows"] for p in self.my_pieces(epoch, r)) for r in range(self.ctx.world_size))
 
     def _iterator(self, epoch: int) -> Iterator[dict]:
         data = self.config.data
