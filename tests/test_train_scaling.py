@@ -285,3 +285,18 @@ def test_the_projection_spreads_every_cell_over_the_gpus_with_the_measured_packi
     # a task the slice did not measure leaves the projection undefined, never silently smaller
     partial = {k: v for k, v in cells.items() if not k.startswith("vqa/")}
     assert np.isnan(project({"cells": partial}, gpus=8)["hours"])
+
+
+def test_a_trial_process_imports_none_of_the_drivers_machinery():
+    """Trials unpickle ``gx_ray.sweep.trial.run_trial``: importing it must not pull in the MLflow server, Optuna,
+    data preparation or the analysis (seconds of start-up in every trial process)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, gx_ray.sweep.trial; "
+        "print(sorted(m for m in sys.modules if m.startswith(('gx_ray.tracking.server', 'optuna', 'SimpleITK', "
+        "'gx_ray.analysis', 'gx_ray.data.prepare', 'gx_ray.sweep.driver'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

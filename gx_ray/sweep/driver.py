@@ -1,8 +1,5 @@
-"""The sweep: a search space → Ray Tune trials (each a training run) → MLflow → a summary per task and schema.
-
-A Tune trial is :func:`run_trial`. With one worker it runs the training loop itself (it is already a Ray actor
-holding the trial's resources, and a ``TorchTrainer`` would add ~20 s of start-up); with several it starts a
-Ray Train ``TorchTrainer`` for DDP, whose metrics reach Tune through Train's Tune report callback (Train V2).
+"""The sweep: a search space → Ray Tune trials (each a training run, :mod:`gx_ray.sweep.trial`) → MLflow → a summary
+per task and schema, the GPU plan and usage, and the report.
 """
 
 from __future__ import annotations
@@ -10,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import sys
 import time
 import traceback
@@ -20,7 +16,6 @@ from typing import Any
 
 import numpy as np
 import ray
-import torch
 from mlflow.tracking import MlflowClient
 from ray import tune
 from ray.tune.search.optuna import OptunaSearch
@@ -29,27 +24,23 @@ from gx_ray.data.demo.cohort import DemoConfig
 from gx_ray.data.prepare import SHARD_DIR, PrepareConfig, prepare_data
 from gx_ray.data.preprocess import PreprocessConfig
 from gx_ray.data.shards import read_manifest
-from gx_ray.runtime import init_ray, quiet_data_context
+from gx_ray.runtime import init_ray
 from gx_ray.sweep.spaces import SearchSpace, available_presets, load_space
+from gx_ray.sweep.trial import CONTEXT_KEY, Prober, gpu_plan_key, resolve, run_trial, trial_resources
 from gx_ray.tracking import (
     PARENT_TAG,
-    TrialTracker,
-    child_run,
     close_stopped_runs,
     log_metrics,
     log_series,
     parent_run,
-    set_tags,
 )
 from gx_ray.tracking.server import LocalMlflowServer
-from gx_ray.train.config import AUTO, TrialConfig
-from gx_ray.train.loop import WorkerContext, probe_trial, run_loop, train_loop_per_worker
+from gx_ray.train.config import AUTO
 from gx_ray.train.probe import CONTEXT_BYTES, gpu_share, trials_per_gpu
-from gx_ray.train.telemetry import GpuSampler, busy_fraction, sample_metrics, visible_gpu_uuids
+from gx_ray.train.telemetry import GpuSampler, busy_fraction, sample_metrics
 
 SWEEP_FILE = "sweep.json"
 EXPERIMENT = "gx-ray"
-CONTEXT_KEY = "__sweep"
 METRIC = "val_primary"  # every task reports its primary metric under this name too; all are "higher is better"
 
 
@@ -87,123 +78,6 @@ class SweepResult:
     """``OUTPUT/report/summary.md``, or None when the report failed (rerun ``analysis/report.py``)."""
     gpus: dict[str, Any] = field(default_factory=dict)
     """GPU sweeps: busy fraction per GPU from the first trial's start to the last one's end, trials per GPU-hour."""
-
-
-# --- the trial -------------------------------------------------------------------------------------------
-
-
-def run_trial(params: dict[str, Any]) -> None:
-    """One Tune trial: build its config, open its MLflow child run, train (directly or with a TorchTrainer)."""
-    trial_started = time.perf_counter()
-    quiet_data_context()
-    # MLflow prints two "View run" lines whenever a run ends: 120 lines per sweep; the parent run's are enough
-    os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
-    context = params[CONTEXT_KEY]
-    chosen = {k: v for k, v in params.items() if k != CONTEXT_KEY}
-    flat = {**_resolve(context, chosen), "data.shards": context["shards"]}
-    plan = context["gpu_plan"].get(gpu_plan_key(flat), {})
-    if plan.get("gradient_checkpointing"):  # the measured step fitted only with it
-        flat["model.gradient_checkpointing"] = True
-    config = TrialConfig.from_flat(flat)
-    trial = tune.get_context()
-    client = MlflowClient(context["tracking_uri"])
-    tags = {"task": config.task, "schema": config.schema.name, "seed": str(config.seed), "space": context["space"]}
-    run_id = child_run(
-        client, context["parent_run_id"], trial.get_trial_id(), trial.get_trial_name(), tags, config.to_flat()
-    )
-    client.log_dict(run_id, config.to_flat(), "config.json")
-    if plan:
-        log_metrics(client, run_id, {"gpu_share": plan["share"], "probe_peak_gib": plan["peak_bytes"] / 2**30}, 0)
-    sampler = GpuSampler(visible_gpu_uuids()).start() if config.resources.use_gpu else None
-    try:
-        if config.resources.workers == 1 and not config.resources.torch_trainer:
-            torch.set_num_threads(max(1, int(config.resources.cpus_per_worker)))
-            device = torch.device("cuda" if config.resources.use_gpu and torch.cuda.is_available() else "cpu")
-            if device.type == "cuda" and plan.get("share", 1) < 1:  # a packed trial keeps to its measured share
-                torch.cuda.set_per_process_memory_fraction(plan["share"], torch.cuda.current_device())
-            worker = WorkerContext(
-                0, 1, device, tune.report, tune.get_checkpoint(), TrialTracker(context["tracking_uri"], run_id),
-                plan.get("micro_batch"), {"trial_start_seconds": time.perf_counter() - trial_started},
-            )  # fmt: skip
-            run_loop(config, worker)
-        else:
-            _fit_torch_trainer(config, flat, context, run_id, trial, plan.get("micro_batch"))
-        log_metrics(client, run_id, {"trial_seconds": time.perf_counter() - trial_started}, step=0)
-        _log_gpu(client, run_id, sampler)
-        client.set_terminated(run_id, "FINISHED")
-    except Exception as err:
-        _log_gpu(client, run_id, sampler)
-        set_tags(client, run_id, {"gx_ray.error": f"{type(err).__name__}: {err}"[:5000]})
-        client.log_text(run_id, traceback.format_exc(), "error.txt")
-        client.set_terminated(run_id, "FAILED")
-        raise
-
-
-def _log_gpu(client: MlflowClient, run_id: str, sampler: GpuSampler | None) -> None:
-    """The trial's GPU utilisation and memory over time (MLflow's system-metric names) and their summary."""
-    if sampler is None:
-        return
-    summary = sampler.stop()
-    log_series(client, run_id, sample_metrics(sampler.samples))
-    log_metrics(client, run_id, summary.as_metrics(), step=0)
-
-
-def _fit_torch_trainer(
-    config: TrialConfig, flat: dict, context: dict, run_id: str, trial: Any, micro_batch: int | None
-) -> None:
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-    from ray.tune.integration.ray_train import TuneReportCallback
-
-    gpus = config.resources.gpus_per_worker if config.resources.use_gpu else 0
-    trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config={
-            "trial": flat, "tracking_uri": context["tracking_uri"], "run_id": run_id, "micro_batch": micro_batch,
-        },  # fmt: skip
-        scaling_config=ScalingConfig(
-            num_workers=config.resources.workers,
-            use_gpu=config.resources.use_gpu,
-            resources_per_worker={"CPU": config.resources.cpus_per_worker, **({"GPU": gpus} if gpus else {})},
-        ),
-        run_config=RunConfig(
-            name=f"{context['sweep_id']}-{trial.get_trial_name()}",  # deterministic: Train resumes by name
-            storage_path=context["storage_path"],
-            callbacks=[TuneReportCallback()],
-        ),
-    )
-    trainer.fit()
-
-
-def gpu_plan_key(flat: dict[str, Any]) -> str:
-    """What decides a trial's GPU memory: task, inputs, model, batch and workers (not its seed or learning rate)."""
-    kept = {k: v for k, v in flat.items() if k.split(".")[0] in ("task", "schema", "model", "task_options")}
-    kept.update({k: flat.get(k) for k in ("data.effective_batch", "data.micro_batch", "resources.workers")})
-    return json.dumps(kept, sort_keys=True, default=str)
-
-
-def trial_resources(params: dict[str, Any]) -> dict[str, float]:
-    """What Ray reserves for a trial: the worker's CPUs and its GPU share (the measured one for ``auto``). A trial that
-    starts a TorchTrainer holds a sliver; the trainer's workers ask for theirs."""
-    context = params[CONTEXT_KEY]
-    flat = _resolve(context, {k: v for k, v in params.items() if k != CONTEXT_KEY})
-    if flat.get("resources.workers", 1) > 1 or flat.get("resources.torch_trainer"):
-        return {"cpu": 0.1}
-    gpus = flat.get("resources.gpus_per_worker", 0)
-    if gpus == AUTO:  # a setting the plan could not know (a sampled model key) gets a whole GPU
-        gpus = context["gpu_plan"].get(gpu_plan_key(flat), {}).get("share", 1.0)
-    return {"cpu": flat.get("resources.cpus_per_worker", 1), "gpu": gpus}
-
-
-def _resolve(context: dict, chosen: dict[str, Any]) -> dict[str, Any]:
-    flat = {**context["fixed"], **chosen}
-    for rule in context["overrides"]:
-        if all(flat.get(k) == v for k, v in rule["when"].items()):
-            flat.update(rule["set"])
-    return flat
-
-
-# --- the sweep -------------------------------------------------------------------------------------------
 
 
 def _sweep_id(space: SearchSpace, shards: Path) -> str:
@@ -245,14 +119,6 @@ def _concurrency(space: SearchSpace, options: SweepOptions, context: dict[str, A
     return min(fit, options.max_concurrent) if options.max_concurrent else fit
 
 
-@ray.remote(num_gpus=1, num_cpus=1)
-class Prober:
-    """Measures trial settings' training steps on one GPU (:func:`~gx_ray.train.loop.probe_trial`)."""
-
-    def probe(self, flat: dict[str, Any]) -> dict[str, Any]:
-        return probe_trial(flat)
-
-
 def gpu_plan(space: SearchSpace, context: dict[str, Any], output: Path) -> dict[str, dict[str, Any]]:
     """Each distinct model setting's micro-batch and GPU share, from one measured training step of it on a GPU (Ray
     tasks, one setting per task, all GPUs at once), where the space asks for ``auto``. Written to
@@ -264,7 +130,7 @@ def gpu_plan(space: SearchSpace, context: dict[str, Any], output: Path) -> dict[
         return json.loads(path.read_text(encoding="utf-8"))
     settings: dict[str, dict[str, Any]] = {}
     for cell in space.cells():
-        flat = {**_resolve(context, cell), "data.shards": context["shards"]}
+        flat = {**resolve(context, cell), "data.shards": context["shards"]}
         if flat.get("resources.gpus_per_worker") == AUTO or flat.get("data.micro_batch") == AUTO:
             settings.setdefault(gpu_plan_key(flat), flat)
     if not settings:
@@ -507,7 +373,7 @@ def _result_rows(grid: Any) -> list[dict[str, Any]]:
     for result in grid:
         params = dict(result.config or {})
         context = params.pop(CONTEXT_KEY, {"fixed": {}, "overrides": []})
-        flat = _resolve(context, params)
+        flat = resolve(context, params)
         metrics = result.metrics or {}
         rows.append(
             {

@@ -1,0 +1,151 @@
+"""One Tune trial, and what Ray needs to place it: the only part of a sweep that runs in trial processes, so it
+imports what training needs and nothing of the driver's (Optuna, the MLflow server, data preparation, analysis).
+
+A Tune trial is :func:`run_trial`. With one worker it runs the training loop itself (it is already a Ray actor
+holding the trial's resources, and a ``TorchTrainer`` would add ~20 s of start-up); with several it starts a
+Ray Train ``TorchTrainer`` for DDP, whose metrics reach Tune through Train's Tune report callback (Train V2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from typing import Any
+
+import ray
+import torch
+from mlflow.tracking import MlflowClient
+from ray import tune
+
+from gx_ray.runtime import quiet_data_context
+from gx_ray.tracking import TrialTracker, child_run, log_metrics, log_series, set_tags
+from gx_ray.train.config import AUTO, TrialConfig
+from gx_ray.train.loop import WorkerContext, probe_trial, run_loop, train_loop_per_worker
+from gx_ray.train.telemetry import GpuSampler, sample_metrics, visible_gpu_uuids
+
+CONTEXT_KEY = "__sweep"
+"""The param-space key under which every trial gets the sweep's context (tracking URI, parent run, fixed keys, plan)."""
+
+
+def run_trial(params: dict[str, Any]) -> None:
+    """One Tune trial: build its config, open its MLflow child run, train (directly or with a TorchTrainer)."""
+    trial_started = time.perf_counter()
+    quiet_data_context()
+    # MLflow prints two "View run" lines whenever a run ends: 120 lines per sweep; the parent run's are enough
+    os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
+    context = params[CONTEXT_KEY]
+    chosen = {k: v for k, v in params.items() if k != CONTEXT_KEY}
+    flat = {**resolve(context, chosen), "data.shards": context["shards"]}
+    plan = context["gpu_plan"].get(gpu_plan_key(flat), {})
+    if plan.get("gradient_checkpointing"):  # the measured step fitted only with it
+        flat["model.gradient_checkpointing"] = True
+    config = TrialConfig.from_flat(flat)
+    trial = tune.get_context()
+    client = MlflowClient(context["tracking_uri"])
+    tags = {"task": config.task, "schema": config.schema.name, "seed": str(config.seed), "space": context["space"]}
+    run_id = child_run(
+        client, context["parent_run_id"], trial.get_trial_id(), trial.get_trial_name(), tags, config.to_flat()
+    )
+    client.log_dict(run_id, config.to_flat(), "config.json")
+    if plan:
+        log_metrics(client, run_id, {"gpu_share": plan["share"], "probe_peak_gib": plan["peak_bytes"] / 2**30}, 0)
+    sampler = GpuSampler(visible_gpu_uuids()).start() if config.resources.use_gpu else None
+    try:
+        if config.resources.workers == 1 and not config.resources.torch_trainer:
+            torch.set_num_threads(max(1, int(config.resources.cpus_per_worker)))
+            device = torch.device("cuda" if config.resources.use_gpu and torch.cuda.is_available() else "cpu")
+            if device.type == "cuda" and plan.get("share", 1) < 1:  # a packed trial keeps to its measured share
+                torch.cuda.set_per_process_memory_fraction(plan["share"], torch.cuda.current_device())
+            worker = WorkerContext(
+                0, 1, device, tune.report, tune.get_checkpoint(), TrialTracker(context["tracking_uri"], run_id),
+                plan.get("micro_batch"), {"trial_start_seconds": time.perf_counter() - trial_started},
+            )  # fmt: skip
+            run_loop(config, worker)
+        else:
+            _fit_torch_trainer(config, flat, context, run_id, trial, plan.get("micro_batch"))
+        log_metrics(client, run_id, {"trial_seconds": time.perf_counter() - trial_started}, step=0)
+        _log_gpu(client, run_id, sampler)
+        client.set_terminated(run_id, "FINISHED")
+    except Exception as err:
+        _log_gpu(client, run_id, sampler)
+        set_tags(client, run_id, {"gx_ray.error": f"{type(err).__name__}: {err}"[:5000]})
+        client.log_text(run_id, traceback.format_exc(), "error.txt")
+        client.set_terminated(run_id, "FAILED")
+        raise
+
+
+def _log_gpu(client: MlflowClient, run_id: str, sampler: GpuSampler | None) -> None:
+    """The trial's GPU utilisation and memory over time (MLflow's system-metric names) and their summary."""
+    if sampler is None:
+        return
+    summary = sampler.stop()
+    log_series(client, run_id, sample_metrics(sampler.samples))
+    log_metrics(client, run_id, summary.as_metrics(), step=0)
+
+
+def _fit_torch_trainer(
+    config: TrialConfig, flat: dict, context: dict, run_id: str, trial: Any, micro_batch: int | None
+) -> None:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    gpus = config.resources.gpus_per_worker if config.resources.use_gpu else 0
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={
+            "trial": flat, "tracking_uri": context["tracking_uri"], "run_id": run_id, "micro_batch": micro_batch,
+        },  # fmt: skip
+        scaling_config=ScalingConfig(
+            num_workers=config.resources.workers,
+            use_gpu=config.resources.use_gpu,
+            resources_per_worker={"CPU": config.resources.cpus_per_worker, **({"GPU": gpus} if gpus else {})},
+        ),
+        run_config=RunConfig(
+            name=f"{context['sweep_id']}-{trial.get_trial_name()}",  # deterministic: Train resumes by name
+            storage_path=context["storage_path"],
+            callbacks=[TuneReportCallback()],
+        ),
+    )
+    trainer.fit()
+
+
+def gpu_plan_key(flat: dict[str, Any]) -> str:
+    """What decides a trial's GPU memory: task, inputs, model, batch and workers (not its seed or learning rate)."""
+    kept = {k: v for k, v in flat.items() if k.split(".")[0] in ("task", "schema", "model", "task_options")}
+    kept.update({k: flat.get(k) for k in ("data.effective_batch", "data.micro_batch", "resources.workers")})
+    return json.dumps(kept, sort_keys=True, default=str)
+
+
+def trial_resources(params: dict[str, Any]) -> dict[str, float]:
+    """What Ray reserves for a trial: the worker's CPUs and its GPU share (the measured one for ``auto``). A trial that
+    starts a TorchTrainer holds a sliver; the trainer's workers ask for theirs."""
+    context = params[CONTEXT_KEY]
+    flat = resolve(context, {k: v for k, v in params.items() if k != CONTEXT_KEY})
+    if flat.get("resources.workers", 1) > 1 or flat.get("resources.torch_trainer"):
+        return {"cpu": 0.1}
+    gpus = flat.get("resources.gpus_per_worker", 0)
+    if gpus == AUTO:  # a setting the plan could not know (a sampled model key) gets a whole GPU
+        gpus = context["gpu_plan"].get(gpu_plan_key(flat), {}).get("share", 1.0)
+    return {"cpu": flat.get("resources.cpus_per_worker", 1), "gpu": gpus}
+
+
+def resolve(context: dict, chosen: dict[str, Any]) -> dict[str, Any]:
+    flat = {**context["fixed"], **chosen}
+    for rule in context["overrides"]:
+        if all(flat.get(k) == v for k, v in rule["when"].items()):
+            flat.update(rule["set"])
+    return flat
+
+
+# --- the sweep -------------------------------------------------------------------------------------------
+
+
+@ray.remote(num_gpus=1, num_cpus=1)
+class Prober:
+    """Measures trial settings' training steps on one GPU (:func:`~gx_ray.train.loop.probe_trial`)."""
+
+    def probe(self, flat: dict[str, Any]) -> dict[str, Any]:
+        return probe_trial(flat)
