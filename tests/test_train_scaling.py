@@ -93,7 +93,7 @@ def test_the_old_ambiguous_batch_key_is_refused_with_what_to_write_instead():
     [
         ({"data.effective_batch": 32, "data.micro_batch": 5}, "positive divisor of the per-rank batch 32"),
         ({"data.effective_batch": 6, "resources.workers": 4}, "multiple of resources.workers 4"),
-        ({"data.effective_batch": 0}, "positive multiple"),
+        ({"data.effective_batch": 0}, "data.effective_batch = 0 is not valid"),
         ({"resources.workers": 2, "resources.gpus_per_worker": 0.5}, "whole GPUs"),
         ({"resources.gpus_per_worker": "most"}, "must be auto"),
     ],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any, get_args, get_type_hints
 
@@ -107,13 +108,42 @@ class TrialConfig:
         if self.amp not in ("auto", "bf16", "off"):
             raise ValueError(f"unknown amp {self.amp!r}; valid: auto, bf16, off")
         check_leakage(self.schema, self.task)
+        self._check_values()
         self._check_batch()
+
+    def _check_values(self) -> None:
+        """Numbers that would train on silently and report NaN (a negative learning rate) or fail late, after Ray
+        has started (zero epochs, a fractional seed): refused here, naming the key."""
+        o, s, d, r = self.optimiser, self.schedule, self.data, self.resources
+        rules = [
+            ("optimiser.lr", o.lr, _positive(o.lr)),
+            ("optimiser.weight_decay", o.weight_decay, _finite(o.weight_decay) and o.weight_decay >= 0),
+            ("optimiser.text_lr_multiplier", o.text_lr_multiplier, _positive(o.text_lr_multiplier)),
+            ("optimiser.grad_clip", o.grad_clip, _positive(o.grad_clip)),
+            ("schedule.epochs", s.epochs, _integer(s.epochs) and s.epochs >= 1),
+            ("schedule.warmup_fraction", s.warmup_fraction, _finite(s.warmup_fraction) and 0 <= s.warmup_fraction < 1),
+            (
+                "schedule.max_steps_per_epoch",
+                s.max_steps_per_epoch,
+                s.max_steps_per_epoch is None or (_integer(s.max_steps_per_epoch) and s.max_steps_per_epoch >= 1),
+            ),
+            ("seed", self.seed, _integer(self.seed) and self.seed >= 0),
+            ("data.effective_batch", d.effective_batch, _integer(d.effective_batch) and d.effective_batch >= 1),
+            ("data.eval_batch_size", d.eval_batch_size, d.eval_batch_size is None or _integer(d.eval_batch_size)
+             and d.eval_batch_size >= 1),
+            ("data.shuffle_buffer", d.shuffle_buffer, _integer(d.shuffle_buffer) and d.shuffle_buffer >= 0),
+            ("data.read_concurrency", d.read_concurrency, _integer(d.read_concurrency) and d.read_concurrency >= 1),
+            ("data.read_cpus", d.read_cpus, _finite(d.read_cpus) and d.read_cpus >= 0),
+            ("resources.workers", r.workers, _integer(r.workers) and r.workers >= 1),
+            ("resources.cpus_per_worker", r.cpus_per_worker, _positive(r.cpus_per_worker)),
+        ]  # fmt: skip
+        for key, value, valid in rules:
+            if not valid:
+                raise ValueError(f"{key} = {value!r} is not valid: {VALUE_RULES[key.split('.')[-1]]}")
 
     def _check_batch(self) -> None:
         data, workers = self.data, self.resources.workers
-        if workers < 1:
-            raise ValueError(f"resources.workers must be at least 1, got {workers}")
-        if data.effective_batch < 1 or data.effective_batch % workers:
+        if data.effective_batch % workers:
             raise ValueError(
                 f"data.effective_batch {data.effective_batch} must be a positive multiple of "
                 f"resources.workers {workers}"
@@ -171,6 +201,37 @@ class TrialConfig:
                 flat[f"{section}.{key}"] = json.dumps(value) if isinstance(value, dict | list | tuple) else value
         flat.update({f"task_options.{k}": v for k, v in self.task_options.items()})
         return flat
+
+
+VALUE_RULES = {
+    "lr": "a positive finite number",
+    "weight_decay": "a finite number >= 0",
+    "text_lr_multiplier": "a positive finite number",
+    "grad_clip": "a positive finite number",
+    "epochs": "a whole number >= 1",
+    "warmup_fraction": "a fraction in [0, 1)",
+    "max_steps_per_epoch": "a whole number >= 1, or unset",
+    "seed": "a whole number >= 0",
+    "effective_batch": "a whole number >= 1",
+    "eval_batch_size": "a whole number >= 1, or unset",
+    "shuffle_buffer": "a whole number >= 0",
+    "read_concurrency": "a whole number >= 1",
+    "read_cpus": "a finite number >= 0",
+    "workers": "a whole number >= 1",
+    "cpus_per_worker": "a positive finite number",
+}
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _positive(value: Any) -> bool:
+    return _finite(value) and value > 0
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def valid_sections() -> list[str]:

@@ -251,7 +251,8 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
     start_epoch, best = 0, {"score": -math.inf, "epoch": -1, "state": None}
     if ctx.latest_checkpoint is not None:
         with ctx.latest_checkpoint.as_directory() as folder:
-            state = torch.load(Path(folder) / CHECKPOINT_FILE, map_location="cpu", weights_only=False)
+            # tensors and plain data only: a checkpoint on shared storage is not a program anyone may plant
+            state = torch.load(Path(folder) / CHECKPOINT_FILE, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
         optimiser.load_state_dict(state["optimiser"])
         scheduler.load_state_dict(state["scheduler"])
