@@ -95,3 +95,58 @@ def test_rejects_malformed_input():
         classification_metrics(np.full((2, 3), 1 / 3), np.array([0, 1]), average="binary")
     with pytest.raises(ValueError, match="need probabilities"):
         classification_metrics(np.full((2, 3), 1 / 3), np.array([0, 1, 2]))
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.uint16, np.int32, np.uint64])
+def test_narrow_integer_labels_are_widened(dtype):
+    """uint8 labels with 17 or more classes overflowed in the confusion-matrix index ``label * C + prediction``."""
+    probabilities, labels = _random_case(5, n=400, num_classes=20)
+    ours = classification_metrics(probabilities, labels.astype(dtype))
+    assert ours == classification_metrics(probabilities, labels.astype(np.int64))
+    expected = _sklearn(probabilities, labels, "macro")
+    for name in CLASSIFICATION_METRICS:
+        assert ours[name] == pytest.approx(100 * expected[name], abs=1e-9), name
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_equivalent_input_forms_give_identical_results(seed):
+    """Lists, float32 probabilities and narrower integer labels are the same valid input as float64 / int64."""
+    probabilities, labels = _random_case(seed, n=50, num_classes=3, decimals=2 if seed % 2 else None)
+    reference = classification_metrics(probabilities, labels)
+    assert classification_metrics(probabilities.tolist(), labels.tolist()) == reference
+    assert classification_metrics(probabilities, labels.astype(np.int16)) == reference
+    as_float32 = probabilities.astype(np.float32)
+    assert classification_metrics(as_float32, labels) == classification_metrics(as_float32.astype(np.float64), labels)
+
+
+def _with(array, index, value):
+    array = np.array(array)
+    array[index] = value
+    return array
+
+
+_PROBABILITIES = np.full((4, 3), 1 / 3)
+_LABELS = np.array([0, 1, 2, 1])
+
+
+@pytest.mark.parametrize(
+    "probabilities, labels, message",
+    [
+        (_with(_PROBABILITIES, (2, 1), np.nan), _LABELS, r"probabilities\[2, 1\] is nan"),
+        (_with(_PROBABILITIES, (0, 2), np.inf), _LABELS, r"probabilities\[0, 2\] is inf"),
+        (_with(_PROBABILITIES, (3, 0), -np.inf), _LABELS, r"probabilities\[3, 0\] is -inf"),
+        (_PROBABILITIES.astype(str), _LABELS, r"probabilities must be numbers"),
+        (_PROBABILITIES[:, 0], _LABELS, r"need probabilities \(N, C\).*\(4,\)"),
+        (_PROBABILITIES[None], _LABELS, r"need probabilities \(N, C\).*\(1, 4, 3\)"),
+        (_PROBABILITIES[:, :0], _LABELS, r"no class columns"),
+        (_PROBABILITIES, _LABELS[:3], r"labels \(N,\), got \(4, 3\) and \(3,\)"),
+        (_PROBABILITIES, _LABELS[:, None], r"labels \(N,\), got \(4, 3\) and \(4, 1\)"),
+        (_PROBABILITIES, np.array([0, 0.5, 1, 2]), r"labels must be integers.*dtype float64: labels\[1\] is 0\.5"),
+        (_PROBABILITIES, np.array(["0", "1", "2", "a"]), r"labels must be integers.*labels\[0\] is '0'"),
+        (_PROBABILITIES, np.array([0, 1, -1, 2]), r"labels must be integers in \[0, 3\); labels\[2\] is -1"),
+        (_PROBABILITIES, np.array([0, 1, 2, 3], dtype=np.uint8), r"in \[0, 3\); labels\[3\] is 3"),
+    ],
+)
+def test_rejects_invalid_input_naming_what_is_wrong(probabilities, labels, message):
+    with pytest.raises(ValueError, match=r"^classification_metrics: .*" + message):
+        classification_metrics(probabilities, labels)

