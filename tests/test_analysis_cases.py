@@ -129,3 +129,12 @@ def test_detection_scorer_matches_once_and_agrees_on_random_resamples(metric):
         indices = rng.integers(0, 12, 12)
         expected = detection_metrics([predictions[i] for i in indices], [targets[i] for i in indices])[metric]
         assert scorer.score(indices) == pytest.approx(expected, nan_ok=True)
+
+
+def test_stage_records_with_nan_probabilities_are_refused_not_scored_as_nan():
+    records = [
+        {"case_id": f"c{i}", "probabilities": [0.25, 0.25, 0.25, 0.25], "target": STAGE_GROUPS[i % 4]} for i in range(6)
+    ]
+    records[3]["probabilities"] = [float("nan"), 0.5, 0.25, 0.25]
+    with pytest.raises(ValueError, match=r"probabilities\[3, 0\] is nan"):
+        case_scorer("stage_classification", records, "auc")

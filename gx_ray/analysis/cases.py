@@ -54,6 +54,7 @@ def _stage(records: Records, metric: str) -> CaseScorer | None:
         return None
     probabilities = np.array([r["probabilities"] for r in known], dtype=np.float64)
     labels = np.array([STAGE_GROUPS.index(r["target"]) for r in known])
+    classification_metrics(probabilities, labels)  # broken records (NaN probabilities) fail here, not as NaN resamples
 
     def score(indices: np.ndarray) -> float:
         return _nan_on_error(lambda: classification_metrics(probabilities[indices], labels[indices])[metric])
