@@ -18,7 +18,7 @@ from gx_ray.tracking import PARENT_TAG
 from gx_ray.tracking.server import LocalMlflowServer
 from gx_ray.train import probe
 from gx_ray.train.config import TrialConfig
-from gx_ray.train.loop import build_trial, first_rows, loss_function, optimiser_steps, slice_batch
+from gx_ray.train.loop import build_trial, first_rows, loss_function, optimiser_steps
 
 GIB = 2**30
 
@@ -155,7 +155,7 @@ def test_micro_batches_accumulated_give_the_gradients_of_one_big_batch(demo_prep
     device = torch.device("cpu")
     task, model, layout = build_trial(config, device)
     model.eval()
-    batch = slice_batch(first_rows(demo_prepared.shard_dir, "train", 8, layout), 8)
+    batch = first_rows(demo_prepared.shard_dir, "train", 8, layout)
     loss_of = loss_function(task, config, device)
 
     def gradients(micro_batches: list[dict], accumulation: int) -> dict[str, torch.Tensor]:

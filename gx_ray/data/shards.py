@@ -378,11 +378,6 @@ class BatchCollate(ArrowBatchCollateFn):
         return out
 
 
-IMAGE_COLUMNS = TENSOR_COLUMNS
-"""The columns worth moving to the GPU ahead of the step: the volumes. Labels, boxes and masks stay on the host,
-where tasks read them with NumPy (the inputs builder moves what a model needs)."""
-
-
 def to_device(
     batch: dict[str, Any], device: Any, non_blocking: bool = True, keys: Iterable[str] | None = None
 ) -> dict[str, Any]:

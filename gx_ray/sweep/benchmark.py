@@ -16,19 +16,12 @@ import numpy as np
 from mlflow.tracking import MlflowClient
 
 from gx_ray.sweep.driver import SweepOptions, run_sweep
-from gx_ray.tracking import PARENT_TAG
+from gx_ray.tracking import child_runs
 
 
 def run_sweep_benchmark(options: SweepOptions) -> dict[str, Any]:
     result = run_sweep(options)
-    # the sweep's own MLflow server is stopped by now: read its store directly
-    store = result.output / "mlflow" / "mlflow.db"
-    uri = f"sqlite:///{store}" if store.is_file() else result.tracking_uri
-    client = MlflowClient(uri)
-    experiment = client.get_experiment_by_name(result.experiment)
-    runs = client.search_runs(
-        [experiment.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{result.parent_run_id}'"
-    )
+    runs = child_runs(MlflowClient(result.store_uri), result.parent_run_id)
     train = np.array([r.data.metrics.get("train_seconds", np.nan) for r in runs])
     inside = np.array([r.data.metrics.get("trial_seconds", np.nan) for r in runs])
     timings = result.timings

@@ -37,7 +37,7 @@ from gx_ray.runtime import init_ray
 from gx_ray.schema import TASKS
 from gx_ray.sweep.driver import SweepOptions, SweepResult, run_sweep
 from gx_ray.sweep.spaces import space_path
-from gx_ray.tracking import PARENT_TAG
+from gx_ray.tracking import child_runs
 from gx_ray.train.probe import trials_per_gpu
 
 GASTRIC_X = {"train": 1190, "val": 255, "test": 255}
@@ -184,17 +184,15 @@ def raw_step_rate(flat: dict[str, Any], steps: int = 10, warmup: int = 3) -> dic
     GPU: forward, backward, clipping and AdamW, as the loop's step, with no data path at all."""
     import torch
 
-    from gx_ray.data.shards import IMAGE_COLUMNS, to_device
     from gx_ray.train import probe
     from gx_ray.train.config import TrialConfig
-    from gx_ray.train.loop import build_trial, first_rows, loss_function, slice_batch
+    from gx_ray.train.loop import build_trial, first_rows, loss_function, on_device
 
     config = TrialConfig.from_flat(flat)
     device = torch.device("cuda")
     task, model, layout = build_trial(config, device)
     micro = int(config.data.micro_batch)
-    rows = slice_batch(first_rows(Path(config.data.shards), "train", micro, layout), micro)
-    batch = to_device(rows, device, keys=IMAGE_COLUMNS)
+    batch = on_device(first_rows(Path(config.data.shards), "train", micro, layout), device)
     loss_of = loss_function(task, config, device)
     optimiser = torch.optim.AdamW(model.parameters(), config.optimiser.lr)
     torch.cuda.reset_peak_memory_stats(device)
@@ -211,18 +209,6 @@ def raw_step_rate(flat: dict[str, Any], steps: int = 10, warmup: int = 3) -> dic
     return {"samples_per_s": steps * micro / seconds, "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30}
 
 
-def _children(sweep: SweepResult) -> list[Any]:
-    client = MlflowClient(_store_uri(sweep))
-    experiment = client.get_experiment_by_name(sweep.experiment)
-    return client.search_runs([experiment.experiment_id], f"tags.`{PARENT_TAG}` = '{sweep.parent_run_id}'")
-
-
-def _store_uri(sweep: SweepResult) -> str:
-    """The sweep's own MLflow store, read directly: its server is stopped by now."""
-    store = sweep.output / "mlflow" / "mlflow.db"
-    return f"sqlite:///{store}" if store.is_file() else sweep.tracking_uri
-
-
 def _epoch_rate(client: MlflowClient, run: Any, epoch: int) -> float:
     """``train_samples_per_second`` of one epoch (epoch 1: the loop warmed up, its data stream running)."""
     history = client.get_metric_history(run.info.run_id, "train_samples_per_second")
@@ -231,9 +217,9 @@ def _epoch_rate(client: MlflowClient, run: Any, epoch: int) -> float:
 
 
 def _slice_figures(sweep: SweepResult, raw: dict[str, dict[str, float]], eval_rows: int) -> dict[str, Any]:
-    client = MlflowClient(_store_uri(sweep))
+    client = MlflowClient(sweep.store_uri)
     cells, slots = {}, []
-    for run in _children(sweep):
+    for run in child_runs(client, sweep.parent_run_id):
         params, metrics = run.data.params, run.data.metrics
         key = f"{params['task']}/{params['schema']}"
         rate = _epoch_rate(client, run, 1)
@@ -277,9 +263,9 @@ def _slice_figures(sweep: SweepResult, raw: dict[str, dict[str, float]], eval_ro
 
 
 def _ddp_figures(sweep: SweepResult) -> dict[str, Any]:
-    client = MlflowClient(_store_uri(sweep))
+    client = MlflowClient(sweep.store_uri)
     rates = {}
-    for run in _children(sweep):
+    for run in child_runs(client, sweep.parent_run_id):
         rates[int(run.data.params["resources.workers"])] = _epoch_rate(client, run, 1)
     one = rates.get(1, math.nan)
     return {"samples_per_s": rates, "speed_up": {n: r / one for n, r in sorted(rates.items())}}

@@ -28,7 +28,7 @@ from gx_ray.runtime import init_ray
 from gx_ray.sweep.spaces import SearchSpace, available_presets, load_space
 from gx_ray.sweep.trial import CONTEXT_KEY, Prober, gpu_plan_key, resolve, run_trial, trial_resources
 from gx_ray.tracking import (
-    PARENT_TAG,
+    child_runs,
     close_stopped_runs,
     log_metrics,
     log_series,
@@ -78,6 +78,12 @@ class SweepResult:
     """``OUTPUT/report/summary.md``, or None when the report failed (rerun ``analysis/report.py``)."""
     gpus: dict[str, Any] = field(default_factory=dict)
     """GPU sweeps: busy fraction per GPU from the first trial's start to the last one's end, trials per GPU-hour."""
+
+    @property
+    def store_uri(self) -> str:
+        """The sweep's MLflow store, readable after its own server has stopped (else the tracking URI)."""
+        store = self.output / "mlflow" / "mlflow.db"
+        return f"sqlite:///{store}" if store.is_file() else self.tracking_uri
 
 
 def _sweep_id(space: SearchSpace, shards: Path) -> str:
@@ -310,9 +316,7 @@ def _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timin
     best = summarise(rows)
     print(format_summary(best, finished, failed, len(rows), len(stopped)))
     counts = {"trials_finished": finished, "trials_failed": failed, "trials_stopped_early": len(stopped)}
-    runs = client.search_runs(
-        [client.get_run(parent).info.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent}'"
-    )
+    runs = child_runs(client, parent)
     first_steps = [r.data.metrics["first_step_at"] for r in runs if "first_step_at" in r.data.metrics]
     if first_steps:  # launch → the first optimiser step of any trial: what a user waits before GPUs work
         timings["first_step_seconds"] = min(first_steps) - timings["launched_at"]

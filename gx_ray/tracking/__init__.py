@@ -103,6 +103,12 @@ def child_run(
     return run.info.run_id
 
 
+def child_runs(client: MlflowClient, parent_run_id: str) -> list[Any]:
+    """Every trial run of a sweep (the runs MLflow nests under its parent run)."""
+    experiment_id = client.get_run(parent_run_id).info.experiment_id
+    return client.search_runs([experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}'")
+
+
 def close_stopped_runs(client: MlflowClient, parent_run_id: str, trial_ids: list[str]) -> None:
     """End the runs of trials the scheduler stopped early (their loop never reached its own end): KILLED, tagged."""
     experiment_id = client.get_run(parent_run_id).info.experiment_id

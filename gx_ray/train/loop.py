@@ -37,7 +37,6 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import get_linear_schedule_with_warmup
 
 from gx_ray.data.shards import (
-    IMAGE_COLUMNS,
     TENSOR_COLUMNS,
     BatchCollate,
     TensorLayout,
@@ -154,7 +153,7 @@ class SplitStream:
 
 def on_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """A batch with its volumes on ``device`` (asynchronously, from pinned memory); the rest stays on the host."""
-    return to_device(batch, device, keys=IMAGE_COLUMNS)
+    return to_device(batch, device, keys=TENSOR_COLUMNS)
 
 
 def evaluate(
@@ -410,8 +409,7 @@ def first_rows(shard_dir: Path, split: str, rows: int, layout: TensorLayout) -> 
                 break
         if sum(len(b) for b in tables) >= rows:
             break
-    table = pa.Table.from_batches(tables).slice(0, rows)
-    return BatchCollate(layout)(table)
+    return slice_batch(BatchCollate(layout)(pa.Table.from_batches(tables).slice(0, rows)), rows)
 
 
 def slice_batch(batch: dict[str, Any], rows: int) -> dict[str, Any]:
@@ -458,7 +456,7 @@ def probe_trial(flat: dict[str, Any]) -> dict[str, Any]:
     task, model, layout = build_trial(config, device)
     micro, peak = micro_batch_for(config, model, task, layout, device, config.resources.workers)
     if peak is None:
-        rows = slice_batch(first_rows(Path(config.data.shards), "train", micro, layout), micro)
+        rows = first_rows(Path(config.data.shards), "train", micro, layout)
         peak = probe.step_peak_bytes(model, loss_function(task, config, device), on_device(rows, device), device)
     properties = torch.cuda.get_device_properties(device)
     return {
