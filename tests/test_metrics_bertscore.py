@@ -102,3 +102,21 @@ def test_empty_report_scores_zero():
     assert _ours(["Gastric wall thickening.", "  "], ["Gastric wall thickening.", "Liver normal."]) == pytest.approx(
         50.0, abs=1e-3
     )
+
+
+CHINESE_WORDS = "胃 胃窦 胃壁 增厚 明显 提示 期 肝 未见 转移 溃疡 淋巴结 肿大 浆膜 侵犯 腹水 小弯侧 病灶 CT T3".split()  # noqa: SIM905
+
+
+def test_chinese_corpora_equal_reference(reference_scorer):
+    """language="zh" reports go through the same encoder path: CJK characters, Chinese punctuation, mixed Latin."""
+    rng = np.random.default_rng(2027)
+    for _ in range(3):
+        size = int(rng.integers(2, 7))
+        references, predictions = [], []
+        for _ in range(size):
+            words = list(rng.choice(CHINESE_WORDS, int(rng.integers(1, 12))))
+            references.append("".join(words) + "。")
+            predictions.append("，".join(rng.permutation(words)[: max(1, len(words) - 2)]))
+        expected = _reference(reference_scorer, predictions, references)
+        assert 0 < expected < 100
+        assert _ours(predictions, references) == pytest.approx(expected, abs=TOLERANCE), (predictions, references)
