@@ -231,6 +231,8 @@ QC_REASONS: tuple[str, ...] = (
     "nan_values",  # NaN or infinite voxels
     "box_outside_volume",  # a box that does not lie within its phase's volume or the crop
     "misaligned",  # phases too far apart after registration
+    "bad_geometry",  # voxel spacing <= 0 or not finite, a direction matrix that is not orthonormal
+    "no_anatomy",  # a CT phase without image structure (noise, blank) or unlike the reference phase
     "duplicate_patient",  # one patient id in two case folders
     "preprocessing_failed",  # anything else that went wrong with this case; the message has the details
 )
@@ -251,10 +253,9 @@ class CaseError(Exception):
         if reason not in QC_REASONS:
             raise ValueError(f"unknown QC reason {reason!r}; valid: {', '.join(QC_REASONS)}")
         self.case_id, self.file, self.field, self.message, self.reason = case_id, file, field_name, message, reason
-        where = ", ".join(
-            part for part in (f"file {file}" if file else "", f"field {field_name!r}" if field_name else "") if part
-        )
-        super().__init__(f"case {case_id}: {message}" + (f" ({where})" if where else ""))
+        # "case <id>: <file>: <field>: <what is wrong>": the same order in the QC report, logs and strict errors
+        parts = (f"case {case_id}", str(file) if file else "", repr(field_name) if field_name else "", message)
+        super().__init__(": ".join(part for part in parts if part))
 
     def to_dict(self) -> dict[str, str | None]:
         return {
