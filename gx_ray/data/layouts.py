@@ -30,10 +30,14 @@ or malformed annotation is a :class:`CaseError` naming the case, the file and th
 
 from __future__ import annotations
 
+import errno
 import json
+import math
+import os
 import re
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +46,7 @@ import numpy as np
 import SimpleITK as sitk
 from PIL import Image
 
+from gx_ray.data.catalogue import load_catalogue
 from gx_ray.data.volumes import VOLUME_SUFFIXES, write_dicom_series, write_volume
 from gx_ray.schema import (
     BOX_LEVEL_ALIASES,
@@ -72,6 +77,7 @@ RELEASE_REPORT_KEYS = {
     "endoscopy_report": "endoscopy_report",
 }
 _KNOWN_RELEASE_METADATA_KEYS = {*RELEASE_REPORT_KEYS, "meta", "vqa"}
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass
@@ -138,17 +144,79 @@ def _find_phases(folder: Path, case_id: str) -> dict[str, Path]:
     return phases
 
 
+def _box_coordinate(value: Any, case_id: str, path: Path, where: str) -> int:
+    """One voxel index: an integer, or a float/string that is one (``10.0``, ``"10"``); anything else is refused.
+
+    ``int()`` alone would truncate 10.5 to 10 and read ``true`` as 1, and raise OverflowError on ``Infinity``.
+    """
+    number: Any = value
+    if isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            number = None
+    if isinstance(number, bool) or not isinstance(number, (int, float)):
+        reason = "a boolean" if isinstance(value, bool) else f"a {type(value).__name__}"
+        message = f"box coordinate must be an integer voxel index, got {reason} ({value!r})"
+        raise CaseError(case_id, path, where, message, "malformed_annotation")
+    if isinstance(number, int):  # exact, however large (math.isfinite would overflow on 10**400)
+        return number
+    if not math.isfinite(number):
+        raise CaseError(case_id, path, where, f"box coordinate is not finite ({value!r})", "malformed_annotation")
+    if number != int(number):
+        message = f"box coordinate is not a whole voxel index ({value!r})"
+        raise CaseError(case_id, path, where, message, "malformed_annotation")
+    return int(number)
+
+
 def _parse_box(entry: Any, case_id: str, path: Path, where: str, level: str, phase: str) -> Box:
     if not isinstance(entry, dict) or "zyx_min" not in entry or "zyx_max" not in entry:
         raise CaseError(case_id, path, where, "a box needs 'zyx_min' and 'zyx_max'", "malformed_annotation")
+    corners = {}
+    for key in ("zyx_min", "zyx_max"):
+        values = entry[key]
+        if not isinstance(values, list) or len(values) != 3:
+            message = f"{key} needs three coordinates (z, y, x) ({values!r})"
+            raise CaseError(case_id, path, f"{where}.{key}", message, "malformed_annotation")
+        corners[key] = [_box_coordinate(v, case_id, path, f"{where}.{key}[{i}]") for i, v in enumerate(values)]
+    lo = corners["zyx_min"]
+    hi = [v + (1 if BOX_MAX_INCLUSIVE else 0) for v in corners["zyx_max"]]
     try:
-        lo = [int(v) for v in entry["zyx_min"]]
-        hi = [int(v) + (1 if BOX_MAX_INCLUSIVE else 0) for v in entry["zyx_max"]]
-        if len(lo) != 3 or len(hi) != 3:
-            raise ValueError("zyx_min and zyx_max need three coordinates each")
         return Box(level, phase, (*lo, *hi))
     except (TypeError, ValueError) as err:
         raise CaseError(case_id, path, where, f"invalid box: {err}", "malformed_annotation") from err
+
+
+def _check_lab_values(labs: dict[str, Any], case_id: str, path: Path) -> None:
+    """Refuse lab values that would reach a model as ±inf: an infinite number (JSON ``Infinity``, ``"inf"``) or
+    one beyond float32's range (``-1e300``), which the shards store as float32.
+
+    A missing value (``null``, ``""``, absent) is missing, with its mask; so is NaN (``NaN``, ``"nan"``), which
+    exports of tables use for an empty cell. Only variables the catalogue declares numeric are parsed from text,
+    so a category such as ``"INF"`` is never read as infinity; a JSON number is checked whatever the variable.
+    Booleans are refused for numeric variables (``true`` would silently become 1.0).
+    """
+    catalogue = load_catalogue()
+    for name, value in labs.items():
+        numeric = name in catalogue and catalogue[name].kind == "numeric"
+        if isinstance(value, bool):
+            if numeric:
+                message = f"lab value must be a number, got a boolean ({value!r})"
+                raise CaseError(case_id, path, name, message, "malformed_annotation")
+            continue
+        if not isinstance(value, (int, float)) and not (numeric and isinstance(value, str)):
+            continue
+        try:
+            number = float(value)
+        except ValueError:
+            continue  # not a number: prepare names it when it builds the lab vector
+        except OverflowError:  # an integer with hundreds of digits
+            number = math.inf
+        if math.isnan(number):
+            continue
+        if math.isinf(number) or abs(number) > FLOAT32_MAX:
+            what = "infinite" if math.isinf(number) else "beyond float32's range"
+            raise CaseError(case_id, path, name, f"lab value is {what} ({value!r})", "malformed_annotation")
 
 
 def _box_corners(box: Box) -> dict[str, list[int]]:
@@ -303,6 +371,7 @@ def read_release_case(root: Path, case_id: str) -> Case:
     if (clinical := root / "clinical" / f"{case_id}.json").is_file():
         data = _load_json(clinical, case_id)
         case.labs = dict(data.get("variables") or {})
+        _check_lab_values(case.labs, case_id, clinical)
         case.extra.update({f"clinical/{k}": v for k, v in data.items() if k != "variables"})
         if case.staging is None:
             case.staging = _staging_from(case.labs, case_id, clinical)
@@ -310,8 +379,8 @@ def read_release_case(root: Path, case_id: str) -> Case:
 
 
 def release_case_ids(root: Path) -> list[str]:
-    imaging = root / "imaging"
-    return sorted(p.name for p in imaging.iterdir() if p.is_dir()) if imaging.is_dir() else []
+    """Case ids of the release layout: the folders under ``imaging/`` (see :func:`case_folder_errors`)."""
+    return _case_folders(root / "imaging", Path.is_dir)[0]
 
 
 # --- paper layout ------------------------------------------------------------------------------------
@@ -363,6 +432,7 @@ def read_paper_case(root: Path, case_id: str) -> Case:
     if (path := folder / "clinical.json").is_file():
         data = _load_json(path, case_id)
         case.labs = dict(data.get("variables") or {})
+        _check_lab_values(case.labs, case_id, path)
         case.staging = _staging_from(case.labs, case_id, path)
         case.patient_id = str(data.get("patient_id") or case_id)
         case.extra.update({f"clinical/{k}": v for k, v in data.items() if k not in ("variables", "patient_id")})
@@ -380,8 +450,58 @@ def read_paper_case(root: Path, case_id: str) -> Case:
     return case
 
 
+def _is_paper_case(folder: Path) -> bool:
+    return folder.is_dir() and (folder / "ct").is_dir()
+
+
 def paper_case_ids(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir() if p.is_dir() and (p / "ct").is_dir()) if root.is_dir() else []
+    """Case ids of the paper layout: the folders under ``root`` that hold ``ct/`` (see :func:`case_folder_errors`)."""
+    return _case_folders(root, _is_paper_case)[0]
+
+
+def printable(name: str | Path) -> str:
+    """A file name as valid UTF-8 text: bytes that are not UTF-8 become ``\\xNN`` escapes.
+
+    Python hands undecodable bytes of a Linux file name on as lone surrogates, which SimpleITK cannot take
+    (it aborts the process) and which no UTF-8 report can hold.
+    """
+    return os.fsencode(str(name)).decode("utf-8", "backslashreplace")
+
+
+def _case_folders(parent: Path, is_case: Callable[[Path], bool]) -> tuple[list[str], list[CaseError]]:
+    """The case folders under ``parent``, and a QC error for each entry that looks like one but cannot be read:
+    a name that is not valid UTF-8, a symlink that points nowhere or loops (``is_dir`` would be False for both,
+    and the case would silently vanish)."""
+    if not parent.is_dir():
+        return [], []
+    ids, errors = [], []
+    for entry in sorted(parent.iterdir()):
+        name = entry.name
+        if entry.is_symlink() and not entry.exists():
+            try:
+                os.stat(entry)
+                problem = "cannot be followed"
+            except OSError as err:
+                problem = "loops" if err.errno == errno.ELOOP else "points to nothing"
+            message = f"case folder is a symlink that {problem} ({printable(os.readlink(entry))})"
+            errors.append(CaseError(printable(name), printable(entry), "case folder", message, "unreadable"))
+            continue
+        if not is_case(entry):
+            continue
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            message = f"case folder name is not valid UTF-8 ({os.fsencode(name)!r})"
+            errors.append(CaseError(printable(name), printable(entry), "case_id", message, "unreadable"))
+            continue
+        ids.append(name)
+    return ids, errors
+
+
+def case_folder_errors(root: Path, layout: str) -> list[CaseError]:
+    """QC errors of case folders the layout's id listing leaves out: non-UTF-8 names, broken or looping symlinks."""
+    parent = Path(root) / "imaging" if layout == "release" else Path(root)
+    return _case_folders(parent, Path.is_dir if layout == "release" else _is_paper_case)[1]
 
 
 # --- the whole cohort --------------------------------------------------------------------------------
@@ -410,7 +530,10 @@ def read_cohort(root: Path, layout: str | None = None, strict: bool = False) -> 
     if layout not in READERS:
         raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
     list_ids, read_case = READERS[layout]
-    cases, errors = [], []
+    cases: list[Case] = []
+    errors = case_folder_errors(root, layout)
+    if strict and errors:
+        raise errors[0]
     for case_id in list_ids(root):
         try:
             cases.append(read_case(root, case_id))
@@ -418,6 +541,12 @@ def read_cohort(root: Path, layout: str | None = None, strict: bool = False) -> 
             if strict:
                 raise
             errors.append(err)
+        except Exception as err:  # an unforeseen failure is still one case's failure, not the cohort's
+            folder = root / "imaging" / case_id if layout == "release" else root / case_id
+            wrapped = CaseError(case_id, folder, None, f"{type(err).__name__}: {err}", "malformed_annotation")
+            if strict:
+                raise wrapped from err
+            errors.append(wrapped)
     by_patient: dict[str, list[Case]] = defaultdict(list)
     for case in cases:
         by_patient[case.patient_id].append(case)

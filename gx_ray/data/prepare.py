@@ -22,7 +22,7 @@ from PIL import Image
 
 from gx_ray.data.catalogue import describe_abnormal, load_catalogue
 from gx_ray.data.demo.cohort import COHORT_FILE, DemoConfig, generate_cohort
-from gx_ray.data.layouts import read_cohort
+from gx_ray.data.layouts import FLOAT32_MAX, read_cohort
 from gx_ray.data.parallel import ordered_results
 from gx_ray.data.preprocess import PreprocessConfig, PreprocessedCase, preprocess_case
 from gx_ray.data.shards import ShardWriter, TensorLayout, shard_schema, write_manifest
@@ -67,15 +67,26 @@ class PrepareResult:
 
 
 def _lab_vector(case: Case, names: list[str]) -> tuple[list[float], list[bool]]:
+    """The numeric model inputs as float32 values and a missing mask.
+
+    Missing (``None``, ``""``, absent, NaN) is NaN with its mask set; the layout readers have already refused
+    infinite values and values beyond float32 naming their file, and a case built in memory is refused here.
+    """
     values, missing = [], []
     for name in names:
         raw = case.labs.get(name)
         try:
+            if isinstance(raw, bool):  # float(True) is 1.0: a flag is not a measurement
+                raise TypeError("a boolean")
             value = float(raw) if raw not in (None, "") else math.nan
-        except (TypeError, ValueError) as err:
+        except (TypeError, ValueError, OverflowError) as err:
             raise CaseError(
-                case.case_id, None, name, f"lab value {raw!r} is not a number", "malformed_annotation"
+                case.case_id, None, name, f"lab value is not a finite number ({raw!r})", "malformed_annotation"
             ) from err
+        if math.isinf(value) or abs(value) > FLOAT32_MAX:
+            raise CaseError(
+                case.case_id, None, name, f"lab value is not finite in float32 ({raw!r})", "malformed_annotation"
+            )
         values.append(value)
         missing.append(math.isnan(value))
     return values, missing
@@ -149,7 +160,12 @@ def case_row(case: Case, split: str, config: PrepareConfig) -> tuple[dict[str, A
         "vqa": [asdict(v) for v in case.vqa.get("en", [])],
         "vqa_zh": [asdict(v) for v in case.vqa.get("zh", [])],
     }
-    qc = {"registration": pre.registration, "warnings": pre.warnings, "crop_origin_zyx": list(pre.crop_origin_zyx)}
+    qc = {
+        "registration": pre.registration,
+        "anatomy": pre.anatomy,
+        "warnings": pre.warnings,
+        "crop_origin_zyx": list(pre.crop_origin_zyx),
+    }
     return row, qc
 
 
@@ -257,7 +273,7 @@ def write_qc_report(
     if excluded:
         lines += ["| case | reason | file | field | message |", "| --- | --- | --- | --- | --- |"]
         lines += [
-            f"| {e['case_id']} | {e['reason']} | {e['file'] or ''} | {e['field'] or ''} | {e['message']} |"
+            "| " + " | ".join(_cell(e[key]) for key in ("case_id", "reason", "file", "field", "message")) + " |"
             for e in excluded
         ]
     warned = {cid: len(qc["warnings"]) for cid, qc in cases.items() if qc["warnings"]}
@@ -269,6 +285,11 @@ def write_qc_report(
         ]
     (out / QC_MARKDOWN).write_text("\n".join(lines) + "\n", encoding="utf-8")
     return out / QC_JSON
+
+
+def _cell(value: Any) -> str:
+    """A Markdown table cell: a ``|`` or a line break in a message or a file name would break the table."""
+    return "" if value is None else str(value).replace("|", "\\|").replace("\n", " ")
 
 
 def prepare_data(
