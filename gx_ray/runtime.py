@@ -12,6 +12,20 @@ import ray
 import gx_ray
 
 ALLOC_CONF = "expandable_segments:True"
+MLFLOW_RETRIES = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "5",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "60",
+}
+"""An unreachable MLflow server is retried for about 30 s (1 + 2 + 4 + 8 + 16 s), long enough for a sweep's own server
+to be restarted, and then fails the call (MLflow's default waits ~4 minutes per call, each call of each trial)."""
+
+
+def mlflow_retries() -> dict[str, str]:
+    """:data:`MLFLOW_RETRIES`, unless the environment sets its own; set in this process too."""
+    chosen = {key: os.environ.get(key, value) for key, value in MLFLOW_RETRIES.items()}
+    os.environ.update(chosen)
+    return chosen
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: int | None = None) -> None:
@@ -24,7 +38,10 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: 
         return
     runtime_env = {"py_modules": [str(Path(gx_ray.__file__).parent)]} if address else {}
     # packed trials share a GPU: an allocator that grows segments in place fragments less, so measured fits hold
-    runtime_env["env_vars"] = {"PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)}
+    runtime_env["env_vars"] = {
+        "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF),
+        **mlflow_retries(),
+    }
     ray.init(
         address=address,
         num_cpus=None if address else num_cpus,

@@ -9,11 +9,13 @@ python jobs/sweep.py --space modality_ablation --preset gpu --data /data/gx --ad
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
 from gx_ray.runtime import tolerant_console
 from gx_ray.sweep.driver import SweepOptions, run_sweep
+from gx_ray.sweep.resume import ResumeError
 from gx_ray.sweep.spaces import SpaceError
 
 
@@ -43,11 +45,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         result = run_sweep(options)
-    except (SpaceError, FileExistsError) as err:
+    except (SpaceError, ResumeError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as err:  # a signal before the trials started: nothing to resume yet
+        print(f"\nstopped ({err or 'Ctrl-C'}) before any trial started", file=sys.stderr)
+        return 130
     print(f"sweep.json: {result.output / 'sweep.json'}")
-    return 1 if result.finished == 0 else 0
+    if result.interrupted:
+        again = " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]) if a != "--resume")
+        print(f"interrupted: resume with  python jobs/sweep.py {again} --resume", file=sys.stderr)
+        return 130
+    return 1 if result.finished == 0 or result.mlflow_error else 0
 
 
 if __name__ == "__main__":

@@ -4,12 +4,18 @@ per task and schema, the GPU plan and usage, and the report.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
+import os
+import signal
 import sys
+import threading
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,15 +30,17 @@ from gx_ray.data.demo.cohort import DemoConfig
 from gx_ray.data.prepare import SHARD_DIR, PrepareConfig, prepare_data
 from gx_ray.data.preprocess import PreprocessConfig
 from gx_ray.data.shards import read_manifest
-from gx_ray.runtime import init_ray
+from gx_ray.runtime import init_ray, mlflow_retries
+from gx_ray.sweep.resume import check_resumable, record_inputs, sweep_inputs
 from gx_ray.sweep.spaces import SearchSpace, available_presets, load_space
-from gx_ray.sweep.trial import CONTEXT_KEY, Prober, gpu_plan_key, resolve, run_trial, trial_resources
+from gx_ray.sweep.trial import Prober, gpu_plan_key, resolve, run_trial, trial_resources
 from gx_ray.tracking import (
     child_runs,
     close_stopped_runs,
     log_metrics,
     log_series,
     parent_run,
+    provenance,
 )
 from gx_ray.tracking.server import LocalMlflowServer
 from gx_ray.train.config import AUTO
@@ -78,6 +86,10 @@ class SweepResult:
     """``OUTPUT/report/summary.md``, or None when the report failed (rerun ``analysis/report.py``)."""
     gpus: dict[str, Any] = field(default_factory=dict)
     """GPU sweeps: busy fraction per GPU from the first trial's start to the last one's end, trials per GPU-hour."""
+    interrupted: bool = False
+    """Stopped by a signal (Ctrl-C, SIGTERM): its trials' state is saved, ``--resume`` continues it."""
+    mlflow_error: str | None = None
+    """Set when MLflow could not be reached at the sweep's end: the summary and ``sweep.json`` are still written."""
 
     @property
     def store_uri(self) -> str:
@@ -157,7 +169,7 @@ def gpu_plan(space: SearchSpace, context: dict[str, Any], output: Path) -> dict[
     return plan
 
 
-def _param_space(space: SearchSpace, context: dict[str, Any]) -> dict[str, Any]:
+def _param_space(space: SearchSpace) -> dict[str, Any]:
     params: dict[str, Any] = {key: tune.grid_search(values) for key, values in space.grid.items()}
     for key, spec in space.sample.items():
         kind = spec["type"]
@@ -167,7 +179,6 @@ def _param_space(space: SearchSpace, context: dict[str, Any]) -> dict[str, Any]:
             "int": lambda s: tune.randint(int(s["low"]), int(s["high"]) + 1),
             "categorical": lambda s: tune.choice(s["choices"]),
         }[kind](spec)
-    params[CONTEXT_KEY] = context
     return params
 
 
@@ -179,7 +190,10 @@ def _trial_name(trial: Any) -> str:
 
 
 def run_sweep(options: SweepOptions) -> SweepResult:
-    """Run (or resume) a sweep; writes ``OUTPUT/sweep.json`` and prints a summary table."""
+    """Run (or resume) a sweep; writes ``OUTPUT/sweep.json`` and prints a summary table.
+
+    Ctrl-C or SIGTERM stops it cleanly: Tune saves its trials' state, the MLflow server is stopped, ``sweep.json`` is
+    written and the result says ``interrupted``; ``--resume`` goes on from there."""
     started = time.perf_counter()
     launched_at = time.time()
     # on the built-in demo cohort a space's "demo" preset (CPU-sized models) comes first, when it has one
@@ -191,27 +205,33 @@ def run_sweep(options: SweepOptions) -> SweepResult:
     sweep_id = _sweep_id(space, shards)
     output = Path(options.output) / sweep_id
     storage = output / "ray"
-    if (storage / sweep_id).exists() and not options.resume:
+    if options.resume:  # a changed space or cohort is refused before anything starts
+        check_resumable(Path(options.output), sweep_id, sweep_inputs(space, shards))
+    elif (storage / sweep_id).exists():
         raise FileExistsError(f"{output} holds this sweep already: pass --resume to continue it, or another --output")
     output.mkdir(parents=True, exist_ok=True)
-    # the MLflow server, Ray and the demo cohort start side by side: the server is only waited for once both are up
-    server = LocalMlflowServer(output / "mlflow").launch() if options.mlflow_uri is None else None
-    init_ray(options.address)
-    timings: dict[str, float] = {"ray_seconds": time.perf_counter() - started, "launched_at": launched_at}
-    _prepare_demo(options)
-    timings["data_seconds"] = time.perf_counter() - started - timings["ray_seconds"]
-    read_manifest(shards, verify=False)
-    if server:  # launched before Ray and the data: only what is left of its start-up is waited for
-        waited = time.perf_counter()
-        server.wait()
-        timings["mlflow_seconds"] = time.perf_counter() - waited
-    tracking_uri = options.mlflow_uri or server.uri
-    try:
-        result = _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timings)
-        result.report = _write_report(result, shards)
-    finally:
-        if server:
-            server.stop()
+    mlflow_retries()  # an unreachable server fails a call after ~30 s, not ~4 minutes
+    with _signals_stop_the_sweep() as interrupted:
+        # the MLflow server, Ray and the demo cohort start side by side: the server is only waited for once both are up
+        server = LocalMlflowServer(output / "mlflow").launch() if options.mlflow_uri is None else None
+        try:
+            init_ray(options.address)
+            timings: dict[str, float] = {"ray_seconds": time.perf_counter() - started, "launched_at": launched_at}
+            _prepare_demo(options)
+            timings["data_seconds"] = time.perf_counter() - started - timings["ray_seconds"]
+            read_manifest(shards, verify=False)
+            record_inputs(output, sweep_inputs(space, shards))
+            if server:  # launched before Ray and the data: only what is left of its start-up is waited for
+                waited = time.perf_counter()
+                server.wait().keep_alive()
+                timings["mlflow_seconds"] = time.perf_counter() - waited
+            tracking_uri = options.mlflow_uri or server.uri
+            result = _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timings, interrupted)
+            if not result.interrupted and result.mlflow_error is None:  # one who pressed Ctrl-C wants out, not a report
+                result.report = _write_report(result, shards)
+        finally:
+            if server:
+                server.stop()
     result.timings["total_seconds"] = time.perf_counter() - started
     _write_sweep_file(result, space)
     if server:
@@ -219,8 +239,38 @@ def run_sweep(options: SweepOptions) -> SweepResult:
     return result
 
 
-def _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timings) -> SweepResult:
+@contextmanager
+def _signals_stop_the_sweep() -> Iterator[dict[str, bool]]:
+    """SIGINT, SIGTERM and SIGHUP stop the sweep as Ctrl-C stops Tune: the first one ends the running trials with
+    their state saved (Tune's own stop, reached through its SIGUSR1 handler), a second one stops at once. Outside Tune
+    (Ray or the server starting) the first one raises KeyboardInterrupt, so the server is still stopped."""
+    state = {"interrupted": False, "tuning": False}
+    previous = {}
+
+    def handler(signum: int, frame: Any) -> None:
+        if state["interrupted"] or not state["tuning"]:
+            state["interrupted"] = True
+            raise KeyboardInterrupt(f"stopped by signal {signal.Signals(signum).name}")
+        state["interrupted"] = True
+        print("\nstopping the sweep: running trials save their state (a second Ctrl-C stops at once)", file=sys.stderr)
+        os.kill(os.getpid(), signal.SIGUSR1)  # Tune's graceful stop, which also answers SIGINT when it owns it
+
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may handle signals
+        yield state
+        return
+    os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"  # ours is the one handler: Tune's own would hide the signal from us
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        previous[signum] = signal.signal(signum, handler)
+    try:
+        yield state
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+
+def _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timings, interrupted) -> SweepResult:
     client = MlflowClient(tracking_uri)
+    tags = provenance(shards / "manifest.json")
     parent = parent_run(
         client,
         EXPERIMENT,
@@ -232,7 +282,10 @@ def _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timin
             **{f"fixed.{k}": v for k, v in space.fixed.items()},
             **{f"grid.{k}": v for k, v in space.grid.items()},
         },
+        tags,
     )
+    # the live sweep's context reaches trials through the trainable (tune.with_parameters), never through their
+    # saved configs: a resumed sweep's trials log to its own MLflow server and parent run
     context = {
         "tracking_uri": tracking_uri,
         "parent_run_id": parent,
@@ -243,12 +296,15 @@ def _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timin
         # the space's resources section decides what every trial config says about resources
         "fixed": {**space.resource_keys(), **space.fixed},
         "overrides": space.overrides,
+        "provenance": tags,
     }
     started = time.perf_counter()
     context["gpu_plan"] = gpu_plan(space, context, output)
     if context["gpu_plan"]:
         timings["gpu_plan_seconds"] = time.perf_counter() - started
-    trainable = tune.with_resources(run_trial, trial_resources)
+    trainable = tune.with_resources(
+        tune.with_parameters(run_trial, context=context), functools.partial(trial_resources, context)
+    )
     metric, mode = (space.metric, ["max"] * len(space.metric)) if space.multi_objective else (METRIC, "max")
     search_alg = None
     if space.searcher == "optuna":
@@ -290,45 +346,65 @@ def _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timin
             resume_unfinished=True,
             resume_errored=False,
             restart_errored=True,
-            param_space=_param_space(space, context),
+            param_space=_param_space(space),
         )
     else:
-        tuner = tune.Tuner(
-            trainable, param_space=_param_space(space, context), tune_config=tune_config, run_config=run_config
-        )
+        tuner = tune.Tuner(trainable, param_space=_param_space(space), tune_config=tune_config, run_config=run_config)
     print(
         f"sweep {sweep_id}: {space.trial_count()} trials, {concurrency} at a time; MLflow {tracking_uri}",
         file=sys.stderr,
     )
     tune_started = time.perf_counter()
     host = GpuSampler(None, interval_s=1.0).start() if space.gpus_per_worker != 0 else None  # every GPU of the node
+    interrupted["tuning"] = True
     try:
         grid = tuner.fit()
     finally:
+        interrupted["tuning"] = False
         if host:
             host.stop()
     timings["tune_seconds"] = time.perf_counter() - tune_started
-    rows = _result_rows(grid)
+    rows = _result_rows(grid, context)
     failed = sum(1 for r in rows if r["error"])
     finished = sum(1 for r in rows if r["completed"] and not r["error"])
     stopped = [r["trial"] for r in rows if r["stopped_early"]]
-    close_stopped_runs(client, parent, stopped)
     best = summarise(rows)
     print(format_summary(best, finished, failed, len(rows), len(stopped)))
-    counts = {"trials_finished": finished, "trials_failed": failed, "trials_stopped_early": len(stopped)}
+    result = SweepResult(
+        sweep_id, output, tracking_uri, EXPERIMENT, parent, finished, failed, len(stopped), best, timings,
+        interrupted=interrupted["interrupted"],
+    )  # fmt: skip
+    try:
+        _close_runs(client, parent, rows, stopped, result, timings, host)
+    except Exception as err:  # MLflow unreachable: the summary and sweep.json still tell what ran
+        result.mlflow_error = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+        print(
+            f"MLflow could not be reached at the sweep's end ({result.mlflow_error}); run statuses, GPU figures and "
+            "the report are missing: write the report later with python analysis/report.py",
+            file=sys.stderr,
+        )
+    return result
+
+
+def _close_runs(client, parent, rows, stopped, result: SweepResult, timings, host) -> None:
+    """End the sweep's runs in MLflow: the scheduler's stopped trials KILLED and tagged, trials a signal stopped
+    KILLED (``--resume`` opens them again), the sweep's counts and GPU figures on the parent, and its status."""
+    close_stopped_runs(client, parent, stopped)
     runs = child_runs(client, parent)
+    for run in runs:
+        if run.info.status == "RUNNING":  # Tune has ended: no trial of this sweep runs any more
+            client.set_terminated(run.info.run_id, "KILLED")
+    counts = {"trials_finished": result.finished, "trials_failed": result.failed, "trials_stopped_early": len(stopped)}
     first_steps = [r.data.metrics["first_step_at"] for r in runs if "first_step_at" in r.data.metrics]
     if first_steps:  # launch → the first optimiser step of any trial: what a user waits before GPUs work
         timings["first_step_seconds"] = min(first_steps) - timings["launched_at"]
-    gpus = _gpu_usage(client, parent, runs, host, finished) if host else {}
-    log_metrics(client, parent, {**counts, **{k: v for k, v in gpus.items() if isinstance(v, int | float)}}, step=0)
+    result.gpus = _gpu_usage(client, parent, runs, host, result.finished) if host else {}
+    numbers = {k: v for k, v in result.gpus.items() if isinstance(v, int | float)}
+    log_metrics(client, parent, {**counts, **numbers}, step=0)
     # an interrupted sweep's parent stays open for --resume; one whose trials all failed is FAILED
-    done = finished + failed + len(stopped) == len(rows)
-    status = "FAILED" if failed == len(rows) else "FINISHED" if done else "KILLED"
+    done = result.finished + result.failed + len(stopped) == len(rows) and not result.interrupted
+    status = "FAILED" if rows and result.failed == len(rows) else "FINISHED" if done else "KILLED"
     client.set_terminated(parent, status)
-    return SweepResult(
-        sweep_id, output, tracking_uri, EXPERIMENT, parent, finished, failed, len(stopped), best, timings, gpus=gpus
-    )
 
 
 def _gpu_usage(client: MlflowClient, parent: str, runs: list, host: GpuSampler, finished: int) -> dict[str, Any]:
@@ -372,11 +448,10 @@ def _write_report(result: SweepResult, shards: Path) -> Path | None:
     return summary
 
 
-def _result_rows(grid: Any) -> list[dict[str, Any]]:
+def _result_rows(grid: Any, context: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for result in grid:
         params = dict(result.config or {})
-        context = params.pop(CONTEXT_KEY, {"fixed": {}, "overrides": []})
         flat = resolve(context, params)
         metrics = result.metrics or {}
         rows.append(
@@ -465,6 +540,8 @@ def _write_sweep_file(result: SweepResult, space: SearchSpace) -> Path:
         "best": result.best,
         "timings_seconds": {k: round(v, 1) for k, v in result.timings.items() if k != "launched_at"},
         "gpus": result.gpus,
+        "interrupted": result.interrupted,
+        "mlflow_error": result.mlflow_error,
     }
     path = result.output / SWEEP_FILE
     path.write_text(json.dumps(document, indent=1, default=str) + "\n", encoding="utf-8")

@@ -20,24 +20,23 @@ from mlflow.tracking import MlflowClient
 from ray import tune
 
 from gx_ray.runtime import quiet_data_context
-from gx_ray.tracking import TrialTracker, child_run, log_metrics, log_series, set_tags
+from gx_ray.tracking import ChildRun, TrialTracker, child_run, log_series, set_tags
 from gx_ray.train.config import AUTO, TrialConfig
 from gx_ray.train.loop import WorkerContext, probe_trial, run_loop, train_loop_per_worker
 from gx_ray.train.telemetry import GpuSampler, sample_metrics, visible_gpu_uuids
 
-CONTEXT_KEY = "__sweep"
-"""The param-space key under which every trial gets the sweep's context (tracking URI, parent run, fixed keys, plan)."""
 
+def run_trial(params: dict[str, Any], context: dict[str, Any]) -> None:
+    """One Tune trial: build its config, open its MLflow child run, train (directly or with a TorchTrainer).
 
-def run_trial(params: dict[str, Any]) -> None:
-    """One Tune trial: build its config, open its MLflow child run, train (directly or with a TorchTrainer)."""
+    ``context`` is the live sweep's (tracking URI, parent run, fixed keys, GPU plan), bound with
+    ``tune.with_parameters``: never kept in Tune's saved trial configs, so a resumed sweep's trials log to the resumed
+    sweep's MLflow server and parent run, not to the killed one's."""
     trial_started = time.perf_counter()
     quiet_data_context()
     # MLflow prints two "View run" lines whenever a run ends: 120 lines per sweep; the parent run's are enough
     os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
-    context = params[CONTEXT_KEY]
-    chosen = {k: v for k, v in params.items() if k != CONTEXT_KEY}
-    flat = {**resolve(context, chosen), "data.shards": context["shards"]}
+    flat = {**resolve(context, params), "data.shards": context["shards"]}
     plan = context["gpu_plan"].get(gpu_plan_key(flat), {})
     if plan.get("gradient_checkpointing"):  # the measured step fitted only with it
         flat["model.gradient_checkpointing"] = True
@@ -45,12 +44,20 @@ def run_trial(params: dict[str, Any]) -> None:
     trial = tune.get_context()
     client = MlflowClient(context["tracking_uri"])
     tags = {"task": config.task, "schema": config.schema.name, "seed": str(config.seed), "space": context["space"]}
-    run_id = child_run(
+    run = child_run(
         client, context["parent_run_id"], trial.get_trial_id(), trial.get_trial_name(), tags, config.to_flat()
     )
-    client.log_dict(run_id, config.to_flat(), "config.json")
+    run_id = run.run_id
+    if run.status == "FINISHED":  # done before the sweep was killed, its end not saved by Tune: never trained twice
+        tune.report(client.get_run(run_id).data.metrics)
+        return
+    # a retried or resumed trial logs into its earlier run: what that attempt logged is kept, never logged twice
+    tracker = TrialTracker(context["tracking_uri"], run_id, resumed=run.status is not None)
+    tracker.set_tags({**context.get("provenance", {}), **_device_tags(config)})
+    if run.status is None:
+        client.log_dict(run_id, config.to_flat(), "config.json")
     if plan:
-        log_metrics(client, run_id, {"gpu_share": plan["share"], "probe_peak_gib": plan["peak_bytes"] / 2**30}, 0)
+        tracker.log_metrics({"gpu_share": plan["share"], "probe_peak_gib": plan["peak_bytes"] / 2**30}, 0)
     sampler = GpuSampler(visible_gpu_uuids()).start() if config.resources.use_gpu else None
     try:
         if config.resources.workers == 1 and not config.resources.torch_trainer:
@@ -59,34 +66,41 @@ def run_trial(params: dict[str, Any]) -> None:
             if device.type == "cuda" and plan.get("share", 1) < 1:  # a packed trial keeps to its measured share
                 torch.cuda.set_per_process_memory_fraction(plan["share"], torch.cuda.current_device())
             worker = WorkerContext(
-                0, 1, device, tune.report, tune.get_checkpoint(), TrialTracker(context["tracking_uri"], run_id),
-                plan.get("micro_batch"), {"trial_start_seconds": time.perf_counter() - trial_started},
+                0, 1, device, tune.report, tune.get_checkpoint(), tracker, plan.get("micro_batch"),
+                {"trial_start_seconds": time.perf_counter() - trial_started},
             )  # fmt: skip
             run_loop(config, worker)
         else:
-            _fit_torch_trainer(config, flat, context, run_id, trial, plan.get("micro_batch"))
-        log_metrics(client, run_id, {"trial_seconds": time.perf_counter() - trial_started}, step=0)
-        _log_gpu(client, run_id, sampler)
+            _fit_torch_trainer(config, flat, context, run, trial, plan.get("micro_batch"))
+        tracker.log_metrics({"trial_seconds": time.perf_counter() - trial_started}, step=0)
+        _log_gpu(tracker, sampler)
         client.set_terminated(run_id, "FINISHED")
     except Exception as err:
-        _log_gpu(client, run_id, sampler)
+        _log_gpu(tracker, sampler)
         set_tags(client, run_id, {"gx_ray.error": f"{type(err).__name__}: {err}"[:5000]})
         client.log_text(run_id, traceback.format_exc(), "error.txt")
         client.set_terminated(run_id, "FAILED")
         raise
 
 
-def _log_gpu(client: MlflowClient, run_id: str, sampler: GpuSampler | None) -> None:
+def _log_gpu(tracker: TrialTracker, sampler: GpuSampler | None) -> None:
     """The trial's GPU utilisation and memory over time (MLflow's system-metric names) and their summary."""
     if sampler is None:
         return
     summary = sampler.stop()
-    log_series(client, run_id, sample_metrics(sampler.samples))
-    log_metrics(client, run_id, summary.as_metrics(), step=0)
+    log_series(tracker.client, tracker.run_id, sample_metrics(sampler.samples))
+    tracker.log_metrics(summary.as_metrics(), step=0)
+
+
+def _device_tags(config: TrialConfig) -> dict[str, str]:
+    """Where the trial runs and at which batch (the micro-batch the loop settles on is tagged by the loop)."""
+    gpu = config.resources.use_gpu and torch.cuda.is_available()
+    device = torch.cuda.get_device_name(torch.cuda.current_device()) if gpu else f"cpu ({os.cpu_count()} cores)"
+    return {"gx_ray.device": device, "gx_ray.effective_batch": str(config.data.effective_batch)}
 
 
 def _fit_torch_trainer(
-    config: TrialConfig, flat: dict, context: dict, run_id: str, trial: Any, micro_batch: int | None
+    config: TrialConfig, flat: dict, context: dict, run: ChildRun, trial: Any, micro_batch: int | None
 ) -> None:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -96,7 +110,11 @@ def _fit_torch_trainer(
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
-            "trial": flat, "tracking_uri": context["tracking_uri"], "run_id": run_id, "micro_batch": micro_batch,
+            "trial": flat,
+            "tracking_uri": context["tracking_uri"],
+            "run_id": run.run_id,
+            "micro_batch": micro_batch,
+            "resumed": run.status is not None,
         },  # fmt: skip
         scaling_config=ScalingConfig(
             num_workers=config.resources.workers,
@@ -119,11 +137,10 @@ def gpu_plan_key(flat: dict[str, Any]) -> str:
     return json.dumps(kept, sort_keys=True, default=str)
 
 
-def trial_resources(params: dict[str, Any]) -> dict[str, float]:
+def trial_resources(context: dict[str, Any], params: dict[str, Any]) -> dict[str, float]:
     """What Ray reserves for a trial: the worker's CPUs and its GPU share (the measured one for ``auto``). A trial that
     starts a TorchTrainer holds a sliver; the trainer's workers ask for theirs."""
-    context = params[CONTEXT_KEY]
-    flat = resolve(context, {k: v for k, v in params.items() if k != CONTEXT_KEY})
+    flat = resolve(context, params)
     if flat.get("resources.workers", 1) > 1 or flat.get("resources.torch_trainer"):
         return {"cpu": 0.1}
     gpus = flat.get("resources.gpus_per_worker", 0)

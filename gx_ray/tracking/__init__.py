@@ -9,13 +9,18 @@ starts when given none lives apart, in :mod:`gx_ray.tracking.server`, so trial p
 
 from __future__ import annotations
 
+import hashlib
+import platform
+import subprocess
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
-SWEEP_TAG, TRIAL_TAG = "gx_ray.sweep_id", "gx_ray.trial_id"
+SWEEP_TAG, TRIAL_TAG, KIND_TAG = "gx_ray.sweep_id", "gx_ray.trial_id", "gx_ray.kind"
 PARENT_TAG = "mlflow.parentRunId"  # MLflow's own tag: the UI nests child runs under it
 MAX_PARAM_LENGTH = 6000  # MLflow 3 stores param values up to 6000 characters
 PREDICTION_SAMPLE = 50
@@ -46,14 +51,30 @@ def set_tags(client: MlflowClient, run_id: str, tags: dict[str, str]) -> None:
     client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
 
-class TrialTracker:
-    """The MLflow run of one trial, as rank 0 of its training loop sees it."""
+def logged_steps(client: MlflowClient, run_id: str) -> dict[str, set[int]]:
+    """Every metric of a run and the steps it holds (one request per metric: for resumed runs only)."""
+    keys = client.get_run(run_id).data.metrics
+    return {key: {m.step for m in client.get_metric_history(run_id, key)} for key in keys}
 
-    def __init__(self, tracking_uri: str, run_id: str):
+
+class TrialTracker:
+    """The MLflow run of one trial, as rank 0 of its training loop sees it.
+
+    ``resumed``: the run was logged into before (a retried or resumed trial). MLflow appends every value logged, so
+    an epoch trained again from an older checkpoint would appear twice; the steps already there are kept and the new
+    values of the same metric and step dropped."""
+
+    def __init__(self, tracking_uri: str, run_id: str, resumed: bool = False):
         self.client, self.run_id = MlflowClient(tracking_uri), run_id
+        self.logged = logged_steps(self.client, run_id) if resumed else {}
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        log_metrics(self.client, self.run_id, metrics, step)
+        fresh = {k: v for k, v in metrics.items() if step not in self.logged.get(k, ())}
+        if fresh:
+            log_metrics(self.client, self.run_id, fresh, step)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        set_tags(self.client, self.run_id, tags)
 
     def log_predictions(self, records: list[dict[str, Any]], task: Any) -> None:
         """Every test prediction (what the analysis's paired bootstrap rescoring reads), a readable sample of
@@ -76,31 +97,56 @@ def _find_run(client: MlflowClient, experiment_id: str, tag: str, value: str) ->
     return runs[0].info.run_id if runs else None
 
 
-def parent_run(client: MlflowClient, experiment: str, sweep_id: str, params: dict[str, Any]) -> str:
-    """The sweep's parent run, created once and found again on resume."""
+def _find_parent(client: MlflowClient, experiment_id: str, sweep_id: str) -> str | None:
+    """The sweep's parent run: its trials carry the sweep tag too, so the kind tag tells the parent apart."""
+    runs = client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.`{SWEEP_TAG}` = '{sweep_id}' and tags.`{KIND_TAG}` = 'sweep'",
+        order_by=["attributes.start_time ASC"],  # the first one, should a store hold two
+        max_results=1,
+    )
+    return runs[0].info.run_id if runs else None
+
+
+def parent_run(
+    client: MlflowClient, experiment: str, sweep_id: str, params: dict[str, Any], tags: dict[str, str] | None = None
+) -> str:
+    """The sweep's parent run, created once and found again on resume (then RUNNING again)."""
     experiment_id = _experiment_id(client, experiment)
-    if run_id := _find_run(client, experiment_id, SWEEP_TAG, sweep_id):
+    if run_id := _find_parent(client, experiment_id, sweep_id):
         if (run := client.get_run(run_id)) and run.info.status != "RUNNING":
             client.update_run(run_id, status="RUNNING")
         return run_id
-    run = client.create_run(experiment_id, run_name=sweep_id, tags={SWEEP_TAG: sweep_id, "gx_ray.kind": "sweep"})
+    all_tags = {**(tags or {}), SWEEP_TAG: sweep_id, KIND_TAG: "sweep"}
+    run = client.create_run(experiment_id, run_name=sweep_id, tags=all_tags)
     log_params(client, run.info.run_id, params)
     return run.info.run_id
+
+
+@dataclass(frozen=True)
+class ChildRun:
+    run_id: str
+    status: str | None
+    """None for a run created now; else the status the earlier attempt left (FINISHED: the cell is done)."""
 
 
 def child_run(
     client: MlflowClient, parent_run_id: str, trial_id: str, run_name: str, tags: dict[str, str], params: dict[str, Any]
-) -> str:
-    """A trial's child run, nested under the sweep's parent; the same run again when a trial is retried or resumed."""
+) -> ChildRun:
+    """A trial's child run, nested under the sweep's parent; the same run again when a trial is retried or resumed
+    (RUNNING again, unless it had FINISHED)."""
     parent = client.get_run(parent_run_id)
     experiment_id = parent.info.experiment_id
     if run_id := _find_run(client, experiment_id, TRIAL_TAG, trial_id):
-        client.update_run(run_id, status="RUNNING")
-        return run_id
-    all_tags = {**tags, TRIAL_TAG: trial_id, PARENT_TAG: parent_run_id, SWEEP_TAG: parent.data.tags[SWEEP_TAG]}
+        status = client.get_run(run_id).info.status
+        if status != "FINISHED":
+            client.update_run(run_id, status="RUNNING")
+        return ChildRun(run_id, status)
+    sweep_id = parent.data.tags[SWEEP_TAG]
+    all_tags = {**tags, TRIAL_TAG: trial_id, PARENT_TAG: parent_run_id, SWEEP_TAG: sweep_id, KIND_TAG: "trial"}
     run = client.create_run(experiment_id, run_name=run_name, tags=all_tags)
     log_params(client, run.info.run_id, params)
-    return run.info.run_id
+    return ChildRun(run.info.run_id, None)
 
 
 def child_runs(client: MlflowClient, parent_run_id: str) -> list[Any]:
@@ -116,3 +162,43 @@ def close_stopped_runs(client: MlflowClient, parent_run_id: str, trial_ids: list
         if run_id := _find_run(client, experiment_id, TRIAL_TAG, trial_id):
             client.set_tag(run_id, "gx_ray.stopped_early", "true")
             client.set_terminated(run_id, "KILLED")
+
+
+PROVENANCE_PACKAGES = ("torch", "ray", "monai", "transformers", "mlflow", "optuna", "SimpleITK", "pyarrow")
+
+
+def provenance(manifest: Path | None = None) -> dict[str, str]:
+    """What a run's numbers came from: the code (git commit, ``-dirty`` with uncommitted changes, or the installed
+    version), the library versions and the shard manifest's SHA-256. Tags, so that the UI and searches show them."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import gx_ray
+
+    tags = {"gx_ray.code": _code_version(Path(gx_ray.__file__).parent), "gx_ray.python": platform.python_version()}
+    for package in PROVENANCE_PACKAGES:
+        try:
+            tags[f"gx_ray.version.{package}"] = version(package)
+        except PackageNotFoundError:
+            tags[f"gx_ray.version.{package}"] = "absent"
+    if manifest is not None:
+        tags["gx_ray.manifest_sha256"] = hashlib.sha256(Path(manifest).read_bytes()).hexdigest()
+    return tags
+
+
+def _code_version(package_dir: Path) -> str:
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=package_dir, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=package_dir, capture_output=True, text=True,
+            timeout=10, check=True,
+        ).stdout.strip()  # fmt: skip
+        return f"git:{commit}{'-dirty' if dirty else ''}"
+    except (OSError, subprocess.SubprocessError):  # an installed package, or a copy without git
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return f"gx-ray {version('gx-ray')}"
+        except PackageNotFoundError:
+            return "unknown"

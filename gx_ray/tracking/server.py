@@ -6,14 +6,21 @@ Only the driver (and the report command) import this module; trial processes log
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
+
+PID_FILE = "server.json"
+"""In the store's folder while its server runs: a driver killed with SIGKILL cannot stop its server (a process
+session of its own), so the next server of the same store finds the leftover here and stops it."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -29,6 +36,8 @@ class LocalMlflowServer:
         self.root, self.host, self.port = Path(root).resolve(), host, port or free_port(host)
         self.start_timeout_s = start_timeout_s
         self.process: subprocess.Popen | None = None
+        self.restarts = 0
+        self._stopping = threading.Event()
 
     @property
     def uri(self) -> str:
@@ -48,6 +57,7 @@ class LocalMlflowServer:
     def launch(self) -> LocalMlflowServer:
         """Start the server process and return at once (:meth:`wait` for it to answer)."""
         self.root.mkdir(parents=True, exist_ok=True)
+        stop_leftover(self.root)
         log = open(self.root / "server.log", "ab")  # noqa: SIM115 - lives as long as the server
         command = [
             sys.executable, "-m", "mlflow", "server",
@@ -55,9 +65,33 @@ class LocalMlflowServer:
             "--artifacts-destination", str(self.root / "artifacts"),
             "--host", self.host, "--port", str(self.port), "--workers", "1",
         ]  # fmt: skip
-        # a session of its own, so stopping it stops gunicorn/uvicorn workers too and Ctrl-C on the sweep is ours
-        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # no GenAI job runner: seven more processes (huey consumers) that a sweep never uses
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        # a session of its own, so stopping it stops its uvicorn worker too and Ctrl-C on the sweep is ours
+        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        record = {"pid": self.process.pid, "port": self.port, "store": self.backend_uri}
+        (self.root / PID_FILE).write_text(json.dumps(record) + "\n", encoding="utf-8")
         self._deadline = time.monotonic() + self.start_timeout_s
+        return self
+
+    def keep_alive(self, interval_s: float = 1.0) -> LocalMlflowServer:
+        """Restart the server on the same port and store should it die while the sweep runs: the trials' clients
+        retry (a bounded wait: :data:`gx_ray.runtime.MLFLOW_RETRIES`) and carry on against the new one."""
+
+        def watch() -> None:
+            while not self._stopping.wait(interval_s):
+                if self.process is not None and self.process.poll() is not None and not self._stopping.is_set():
+                    code = self.process.returncode
+                    with contextlib.suppress(ProcessLookupError):  # the rest of its group: a worker holding the port
+                        os.killpg(self.process.pid, signal.SIGKILL)
+                    print(f"the MLflow server exited ({code}); starting it again on {self.uri}", file=sys.stderr)
+                    self.restarts += 1
+                    try:
+                        self.launch().wait()
+                    except (OSError, RuntimeError, TimeoutError) as err:
+                        print(f"the MLflow server did not come back: {err}", file=sys.stderr)
+
+        threading.Thread(target=watch, name="mlflow-keep-alive", daemon=True).start()
         return self
 
     def wait(self) -> LocalMlflowServer:
@@ -78,17 +112,52 @@ class LocalMlflowServer:
         return (self.root / "server.log").read_text(errors="replace")[-2000:]
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        self._stopping.set()
+        if self.process is not None and self.process.poll() is None:
+            _stop_group(self.process.pid, self.process.wait)
+        (self.root / PID_FILE).unlink(missing_ok=True)
 
     def __enter__(self) -> LocalMlflowServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _stop_group(pid: int, wait: object, timeout_s: float = 20.0) -> None:
+    """SIGTERM to the server's process group, SIGKILL if it has not ended after ``timeout_s``."""
+    try:
+        os.killpg(pid, signal.SIGTERM)
+        wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(pid, signal.SIGKILL)
+        wait(timeout=timeout_s)
+    except ProcessLookupError:
+        pass
+
+
+def stop_leftover(root: Path) -> int | None:
+    """Stop the server a killed driver left running on the store under ``root`` (its pid, if one was stopped)."""
+    record_path = Path(root) / PID_FILE
+    try:
+        record = json.loads(record_path.read_text(encoding="utf-8"))
+        pid = int(record["pid"])
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except (OSError, ValueError, KeyError):  # no record, or its process is gone
+        record_path.unlink(missing_ok=True)
+        return None
+    if "mlflow" not in command or str(Path(root).resolve()) not in command:  # the pid now belongs to another program
+        record_path.unlink(missing_ok=True)
+        return None
+
+    def wait(timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if Path(f"/proc/{pid}").exists():
+            raise subprocess.TimeoutExpired(command, timeout)
+
+    print(f"stopping the MLflow server (pid {pid}) a killed sweep left running on {root}", file=sys.stderr)
+    _stop_group(pid, wait)
+    record_path.unlink(missing_ok=True)
+    return pid

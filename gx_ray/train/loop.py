@@ -229,6 +229,8 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
     task, model, layout = build_trial(config, ctx.device)
     micro = ctx.micro_batch or micro_batch_for(config, model, task, layout, ctx.device, ctx.world_size)[0]
     accumulation = config.data.accumulation(ctx.world_size, micro)
+    if ctx.tracker:
+        ctx.tracker.set_tags({"gx_ray.micro_batch": str(micro), "gx_ray.accumulation": str(accumulation)})
     eval_size = config.data.eval_batch_size or micro
     streams = {split: SplitStream(config, split, layout, ctx, micro if split == "train" else eval_size)
                for split in ("train", "val", "test")}  # fmt: skip
@@ -435,7 +437,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     config = TrialConfig.from_flat(loop_config["trial"])
     context = ray.train.get_context()
     rank = context.get_world_rank()
-    tracker = TrialTracker(loop_config["tracking_uri"], loop_config["run_id"]) if rank == 0 else None
+    tracker = (
+        TrialTracker(loop_config["tracking_uri"], loop_config["run_id"], loop_config.get("resumed", False))
+        if rank == 0
+        else None
+    )
     worker = WorkerContext(
         rank,
         context.get_world_size(),

@@ -1,0 +1,203 @@
+"""Fault injection: a sweep (its own local Ray cluster and MLflow server, started by ``jobs/sweep.py``) is hurt while
+its trials train, then left to finish or resumed. Each test ends with every cell FINISHED exactly once: one MLflow run
+per cell and no other run of it in any status, one parent, no run left RUNNING, epochs 0 … E−1 each logged once."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from gx_ray.sweep.driver import EXPERIMENT
+from gx_ray.tracking import KIND_TAG, SWEEP_TAG, TRIAL_TAG
+from gx_ray.tracking.server import PID_FILE
+
+ROOT = Path(__file__).resolve().parents[1]
+EPOCHS, SEEDS = 3, (0, 1)
+pytestmark = pytest.mark.slow
+
+
+def _space(tmp_path: Path) -> Path:
+    document = {
+        "description": "two small stage-classification trials, three epochs each",
+        "fixed": {
+            "task": "stage_classification",
+            "model.vision": "resnet18_3d",
+            "model.vision_kwargs": {"block_inplanes": [8, 16, 32, 64]},
+            "model.text": "bert_tiny",
+            "model.hidden": 32,
+            "optimiser.lr": 1.0e-3,
+            "schedule.epochs": EPOCHS,
+            "schedule.max_steps_per_epoch": 2,
+            "data.effective_batch": 2,
+        },
+        "grid": {"seed": list(SEEDS)},
+    }
+    path = tmp_path / "faults.yaml"
+    path.write_text(yaml.safe_dump(document), encoding="utf-8")
+    return path
+
+
+class Sweep:
+    """``jobs/sweep.py`` in a process group of its own (as a terminal runs it), one trial at a time."""
+
+    def __init__(self, tmp_path: Path, data: Path):
+        self.output = tmp_path / "out"
+        self.command = [
+            sys.executable, str(ROOT / "jobs" / "sweep.py"), "--space", str(_space(tmp_path)),
+            "--output", str(self.output), "--data", str(data), "--max-concurrent", "1",
+        ]  # fmt: skip
+        self.log = tmp_path / "sweep.log"
+
+    def start(self, *extra: str) -> subprocess.Popen:
+        with open(self.log, "ab") as log:
+            return subprocess.Popen(
+                [*self.command, *extra], stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT
+            )
+
+    def run(self, *extra: str, timeout: float = 600) -> int:
+        process = self.start(*extra)
+        return process.wait(timeout=timeout)
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:] if self.log.is_file() else ""
+
+    @property
+    def folder(self) -> Path | None:
+        folders = [p.parent.parent for p in self.output.glob("*/mlflow/mlflow.db")]
+        return folders[0] if folders else None
+
+    def client(self) -> MlflowClient:
+        return MlflowClient(f"sqlite:///{self.folder / 'mlflow' / 'mlflow.db'}")
+
+    def runs(self) -> list:
+        client = self.client()
+        experiment = client.get_experiment_by_name(EXPERIMENT)
+        return client.search_runs([experiment.experiment_id]) if experiment else []
+
+    def wait_for(self, condition: Callable[[list], bool], process: subprocess.Popen, what: str) -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert process.poll() is None, f"the sweep ended before {what}:\n{self.tail()}"
+            try:
+                if self.folder and condition(self.runs()):
+                    return
+            except Exception:  # the store is being created, or is busy
+                pass
+            time.sleep(0.3)
+        raise AssertionError(f"no {what} within 300 s:\n{self.tail()}")
+
+
+def _trials(runs: list) -> list:
+    return [r for r in runs if r.data.tags.get(KIND_TAG) == "trial"]
+
+
+def _training(runs: list) -> bool:
+    """A trial has logged an epoch and not yet finished: it is training."""
+    return any(r.info.status == "RUNNING" and "epoch" in r.data.metrics for r in _trials(runs))
+
+
+def assert_every_cell_finished_once(sweep: Sweep) -> None:
+    client, runs = sweep.client(), sweep.runs()
+    parents = [r for r in runs if r.data.tags.get(KIND_TAG) == "sweep"]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED", [(p.info.status) for p in parents]
+    trials = _trials(runs)
+    assert len(runs) == 1 + len(SEEDS), f"{len(runs)} runs: a cell was run twice or lost"
+    assert sorted(r.data.tags["seed"] for r in trials) == [str(s) for s in SEEDS]
+    assert len({r.data.tags[TRIAL_TAG] for r in trials}) == len(SEEDS)
+    assert {r.info.status for r in runs} == {"FINISHED"}, "a run was left RUNNING, KILLED or FAILED"
+    for run in trials:
+        assert run.data.tags[SWEEP_TAG] == parents[0].data.tags[SWEEP_TAG]
+        for key in ("epoch", "val_primary", "train_loss"):
+            steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
+            assert steps == list(range(EPOCHS)), f"{key} of seed {run.data.tags['seed']}: steps {steps}"
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "test_primary")] == [EPOCHS - 1]
+
+
+def _server_record(sweep: Sweep) -> dict:
+    return json.loads((sweep.folder / "mlflow" / PID_FILE).read_text(encoding="utf-8"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def test_ctrl_c_exits_non_zero_and_resume_finishes_every_cell_once(demo_prepared, tmp_path):
+    sweep = Sweep(tmp_path, demo_prepared.shard_dir)
+    process = sweep.start()
+    sweep.wait_for(_training, process, "a trial training")
+    os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in the terminal
+    assert process.wait(timeout=180) == 130, sweep.tail()
+    assert "--resume" in sweep.tail() and "interrupted" in sweep.tail()
+    record = json.loads((sweep.folder / "sweep.json").read_text(encoding="utf-8"))
+    assert record["interrupted"] is True
+    assert not (sweep.folder / "mlflow" / PID_FILE).exists(), "the MLflow server outlived the sweep"
+    statuses = {r.info.status for r in sweep.runs()}
+    assert "RUNNING" not in statuses  # the trials Ctrl-C stopped are KILLED until --resume opens them again
+    assert sweep.run("--resume") == 0, sweep.tail()
+    assert_every_cell_finished_once(sweep)
+
+
+def test_a_killed_driver_leaves_a_server_the_resume_stops_and_nothing_twice(demo_prepared, tmp_path):
+    sweep = Sweep(tmp_path, demo_prepared.shard_dir)
+    process = sweep.start()
+    sweep.wait_for(lambda runs: any(r.info.status == "FINISHED" for r in _trials(runs)), process, "a finished trial")
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=60)
+    leftover = _server_record(sweep)["pid"]
+    assert _alive(leftover), "expected the killed driver's MLflow server to be left running"
+    assert sweep.run("--resume") == 0, sweep.tail()
+    assert not _alive(leftover), "the resumed sweep did not stop the leftover server"
+    assert "a killed sweep left running" in sweep.tail()
+    assert_every_cell_finished_once(sweep)
+
+
+def test_a_trial_worker_killed_mid_epoch_is_retried_from_its_checkpoint(demo_prepared, tmp_path):
+    sweep = Sweep(tmp_path, demo_prepared.shard_dir)
+    process = sweep.start()
+    sweep.wait_for(_training, process, "a trial training")
+    workers = subprocess.run(["pgrep", "-f", "ray::ImplicitFunc"], capture_output=True, text=True).stdout.split()
+    assert workers, "no trial worker process found"
+    for pid in workers:
+        os.kill(int(pid), signal.SIGKILL)
+    assert process.wait(timeout=600) == 0, sweep.tail()
+    assert_every_cell_finished_once(sweep)
+    assert_provenance(sweep, Path(demo_prepared.shard_dir) / "manifest.json")
+
+
+def test_the_mlflow_server_killed_mid_sweep_is_restarted_and_every_cell_finishes(demo_prepared, tmp_path):
+    sweep = Sweep(tmp_path, demo_prepared.shard_dir)
+    process = sweep.start()
+    sweep.wait_for(_training, process, "a trial training")
+    server = _server_record(sweep)["pid"]
+    os.killpg(server, signal.SIGKILL)  # the server and its worker
+    assert process.wait(timeout=600) == 0, sweep.tail()
+    assert "starting it again" in sweep.tail()
+    assert_every_cell_finished_once(sweep)
+
+
+def assert_provenance(sweep: Sweep, manifest: Path) -> None:
+    """Every run (parent and trials) names the code, the libraries and the cohort; trials their device and batch."""
+    for run in sweep.runs():
+        tags = run.data.tags
+        assert tags["gx_ray.code"].startswith(("git:", "gx-ray ")), tags["gx_ray.code"]
+        for package in ("torch", "ray", "monai", "transformers", "mlflow"):
+            assert tags[f"gx_ray.version.{package}"] not in ("", "absent")
+        assert tags["gx_ray.manifest_sha256"] == hashlib.sha256(manifest.read_bytes()).hexdigest()
+    for run in _trials(sweep.runs()):
+        assert run.data.tags["gx_ray.device"].startswith("cpu")
+        assert run.data.tags["gx_ray.effective_batch"] == "2" and run.data.tags["gx_ray.micro_batch"] == "2"
