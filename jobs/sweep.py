@@ -13,6 +13,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from gx_ray.data.shards import ShardIntegrityError
 from gx_ray.runtime import tolerant_console
 from gx_ray.sweep.driver import SweepOptions, run_sweep
 from gx_ray.sweep.resume import ResumeError
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", action="append", default=[], help="a preset of the space (repeatable): smoke, gpu")
     parser.add_argument("--resume", action="store_true", help="continue an interrupted sweep with the same arguments")
     parser.add_argument("--max-concurrent", type=int, help="cap on trials running at once")
+    parser.add_argument("--verify", action="store_true", help="check every shard's SHA-256 first (reads all data)")
     parser.add_argument("--demo-cases", type=int, default=48, help="size of the demo cohort (without --data)")
     args = parser.parse_args(argv)
     options = SweepOptions(
@@ -42,10 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         resume=args.resume,
         max_concurrent=args.max_concurrent,
         demo_cases=args.demo_cases,
+        verify=args.verify,
     )
     try:
         result = run_sweep(options)
-    except (SpaceError, ResumeError, FileExistsError) as err:
+    except (SpaceError, ResumeError, ShardIntegrityError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:  # a signal before the trials started: nothing to resume yet

@@ -27,6 +27,13 @@ EPOCHS, SEEDS = 3, (0, 1)
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(autouse=True)
+def _poll_quickly(monkeypatch):
+    """The test's own polls of a server that may be down fail at once (the sweep's processes keep their retries)."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+
+
 def _space(tmp_path: Path) -> Path:
     document = {
         "description": "two small stage-classification trials, three epochs each",
@@ -60,9 +67,10 @@ class Sweep:
         self.log = tmp_path / "sweep.log"
 
     def start(self, *extra: str) -> subprocess.Popen:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_HTTP_REQUEST")}  # the sweep's own
         with open(self.log, "ab") as log:
             return subprocess.Popen(
-                [*self.command, *extra], stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT
+                [*self.command, *extra], stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT, env=env
             )
 
     def run(self, *extra: str, timeout: float = 600) -> int:
@@ -77,11 +85,15 @@ class Sweep:
         folders = [p.parent.parent for p in self.output.glob("*/mlflow/mlflow.db")]
         return folders[0] if folders else None
 
-    def client(self) -> MlflowClient:
+    def client(self, live: bool = False) -> MlflowClient:
+        """While the sweep runs, through its server (a second writer could race the server creating the store);
+        once it has ended, the store itself."""
+        if live:
+            return MlflowClient(f"http://127.0.0.1:{_server_record(self)['port']}")
         return MlflowClient(f"sqlite:///{self.folder / 'mlflow' / 'mlflow.db'}")
 
-    def runs(self) -> list:
-        client = self.client()
+    def runs(self, live: bool = False) -> list:
+        client = self.client(live)
         experiment = client.get_experiment_by_name(EXPERIMENT)
         return client.search_runs([experiment.experiment_id]) if experiment else []
 
@@ -90,7 +102,7 @@ class Sweep:
         while time.monotonic() < deadline:
             assert process.poll() is None, f"the sweep ended before {what}:\n{self.tail()}"
             try:
-                if self.folder and condition(self.runs()):
+                if self.folder and condition(self.runs(live=True)):
                     return
             except Exception:  # the store is being created, or is busy
                 pass

@@ -29,7 +29,7 @@ from ray.tune.search.optuna import OptunaSearch
 from gx_ray.data.demo.cohort import DemoConfig
 from gx_ray.data.prepare import SHARD_DIR, PrepareConfig, prepare_data
 from gx_ray.data.preprocess import PreprocessConfig
-from gx_ray.data.shards import read_manifest
+from gx_ray.data.shards import check_shards, read_manifest
 from gx_ray.runtime import init_ray, mlflow_retries
 from gx_ray.sweep.resume import check_resumable, record_inputs, sweep_inputs
 from gx_ray.sweep.spaces import SearchSpace, available_presets, load_space
@@ -67,6 +67,8 @@ class SweepOptions:
     demo_dir: Path = Path("outputs/demo")
     time_budget_s: float | None = None
     """Stop starting trials after this many seconds (default: the space's ``budget.time_s``)."""
+    verify: bool = False
+    """Check every shard's full SHA-256 against the manifest before the sweep starts (sizes and footers always)."""
 
 
 @dataclass
@@ -219,7 +221,7 @@ def run_sweep(options: SweepOptions) -> SweepResult:
             timings: dict[str, float] = {"ray_seconds": time.perf_counter() - started, "launched_at": launched_at}
             _prepare_demo(options)
             timings["data_seconds"] = time.perf_counter() - started - timings["ray_seconds"]
-            read_manifest(shards, verify=False)
+            check_shards(shards, verify=options.verify)  # a truncated or altered shard is named before any trial
             record_inputs(output, sweep_inputs(space, shards))
             if server:  # launched before Ray and the data: only what is left of its start-up is waited for
                 waited = time.perf_counter()

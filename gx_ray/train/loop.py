@@ -30,7 +30,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -40,8 +39,10 @@ from gx_ray.data.shards import (
     TENSOR_COLUMNS,
     BatchCollate,
     TensorLayout,
+    open_shard,
     rank_pieces,
     read_manifest,
+    read_shard,
     read_split,
     row_groups,
     split_files,
@@ -397,15 +398,15 @@ def _report(ctx: WorkerContext, metrics: dict, model, optimiser, scheduler, epoc
 def _train_rows(shard_dir: Path, task: Any) -> list[dict]:
     """The training split's rows without the image columns (what a task may learn from, e.g. VQA answers)."""
     files = split_files(shard_dir, "train")
-    columns = [c for c in pq.read_schema(files[0]).names if c not in TENSOR_COLUMNS]
-    return [row for f in files for row in pq.read_table(f, columns=columns).to_pylist()]
+    columns = [c for c in open_shard(files[0]).schema_arrow.names if c not in TENSOR_COLUMNS]
+    return [row for f in files for row in read_shard(f, columns=columns).to_pylist()]
 
 
 def first_rows(shard_dir: Path, split: str, rows: int, layout: TensorLayout) -> dict[str, Any]:
     """The first ``rows`` rows of a split as one collated batch (what a probe step trains on)."""
     tables = []
     for f in split_files(shard_dir, split):
-        for batch in pq.ParquetFile(f).iter_batches(batch_size=rows):
+        for batch in open_shard(f).iter_batches(batch_size=rows):  # page checksums verified
             tables.append(batch)
             if sum(len(b) for b in tables) >= rows:
                 break
@@ -419,13 +420,6 @@ def slice_batch(batch: dict[str, Any], rows: int) -> dict[str, Any]:
     size = len(batch["case_id"])
     index = [i % size for i in range(rows)]
     return {k: v[index] if isinstance(v, torch.Tensor) else [v[i] for i in index] for k, v in batch.items()}
-
-
-def _train_rows(shard_dir: Path, task: Any) -> list[dict]:
-    """The training split's rows without the image columns (what a task may learn from, e.g. VQA answers)."""
-    files = split_files(shard_dir, "train")
-    columns = [c for c in pq.read_schema(files[0]).names if c not in TENSOR_COLUMNS]
-    return [row for f in files for row in pq.read_table(f, columns=columns).to_pylist()]
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
