@@ -1,0 +1,100 @@
+"""``--resume`` continues only the sweep it was started as: a changed space or cohort is refused naming the change,
+before Ray or MLflow start."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gx_ray.sweep.driver import _sweep_id
+from gx_ray.sweep.resume import ResumeError, check_resumable, record_inputs, sweep_inputs
+from gx_ray.sweep.spaces import load_space
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _space_file(tmp_path: Path, **fixed) -> Path:
+    document = {
+        "fixed": {"task": "stage_classification", "optimiser.lr": 1e-3, "schedule.epochs": 2, **fixed},
+        "grid": {"seed": [0, 1]},
+        "budget": {"samples": 1, "time_s": 600},
+    }
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(document), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def cohort(tmp_path: Path) -> Path:
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "manifest.json").write_text(json.dumps({"files": [{"path": "train-00000.parquet"}]}), encoding="utf-8")
+    return shards
+
+
+def _started(tmp_path: Path, space_path: Path, shards: Path) -> tuple[Path, str]:
+    space = load_space(str(space_path))
+    sweep_id = _sweep_id(space, shards)
+    output = tmp_path / "out"
+    (output / sweep_id).mkdir(parents=True)
+    record_inputs(output / sweep_id, sweep_inputs(space, shards))
+    return output, sweep_id
+
+
+def test_the_same_space_and_cohort_resume(tmp_path, cohort):
+    output, sweep_id = _started(tmp_path, _space_file(tmp_path), cohort)
+    space = load_space(str(_space_file(tmp_path)))
+    check_resumable(output, sweep_id, sweep_inputs(space, cohort))  # no error
+
+
+def test_an_edited_space_is_refused_naming_the_key(tmp_path, cohort):
+    output, _ = _started(tmp_path, _space_file(tmp_path), cohort)
+    edited = load_space(str(_space_file(tmp_path, **{"optimiser.lr": 3e-4})))  # a new sweep id
+    with pytest.raises(ResumeError, match=r"space\.fixed\.optimiser\.lr: 0\.001 → 0\.0003"):
+        check_resumable(output, _sweep_id(edited, cohort), sweep_inputs(edited, cohort))
+
+
+def test_an_edit_outside_the_sweep_id_is_refused_too(tmp_path, cohort):
+    """The searcher's sample count is not part of the id: the same id, a different sweep."""
+    space_path = _space_file(tmp_path)
+    output, sweep_id = _started(tmp_path, space_path, cohort)
+    document = yaml.safe_load(space_path.read_text(encoding="utf-8"))
+    document["budget"]["samples"] = 4
+    space_path.write_text(yaml.safe_dump(document), encoding="utf-8")
+    edited = load_space(str(space_path))
+    assert _sweep_id(edited, cohort) == sweep_id
+    with pytest.raises(ResumeError, match=r"space\.samples: 1 → 4"):
+        check_resumable(output, sweep_id, sweep_inputs(edited, cohort))
+
+
+def test_a_changed_cohort_is_refused(tmp_path, cohort):
+    output, sweep_id = _started(tmp_path, _space_file(tmp_path), cohort)
+    (cohort / "manifest.json").write_text(json.dumps({"files": [{"path": "train-00001.parquet"}]}), encoding="utf-8")
+    space = load_space(str(_space_file(tmp_path)))
+    with pytest.raises(ResumeError, match="the cohort"):
+        check_resumable(output, sweep_id, sweep_inputs(space, cohort))
+
+
+def test_the_time_budget_may_change(tmp_path, cohort):
+    space_path = _space_file(tmp_path)
+    output, sweep_id = _started(tmp_path, space_path, cohort)
+    document = yaml.safe_load(space_path.read_text(encoding="utf-8"))
+    document["budget"]["time_s"] = 7200
+    space_path.write_text(yaml.safe_dump(document), encoding="utf-8")
+    check_resumable(output, sweep_id, sweep_inputs(load_space(str(space_path)), cohort))
+
+
+def test_resume_without_a_sweep_exits_2_before_ray_starts(tmp_path, cohort):
+    command = [
+        sys.executable, str(ROOT / "jobs" / "sweep.py"), "--space", str(_space_file(tmp_path)),
+        "--data", str(cohort), "--output", str(tmp_path / "nothing"), "--resume",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "no sweep of space 'space'" in done.stderr and "without --resume" in done.stderr
+    assert not (tmp_path / "nothing").exists()  # nothing was started or written
