@@ -45,7 +45,7 @@ def planted_sweep(tmp_path_factory):
                 model = {"model.vision": "resnet10_3d", "model.text": "bert_tiny", "model.fusion": "concat"}
                 params = {**model, "optimiser.lr": 1e-3, "schema": schema, "seed": seed, "task": "stage_classification"}
                 tags = {"task": "stage_classification", "schema": schema, "seed": str(seed)}
-                run_id = child_run(client, parent, f"{schema}-{seed}", f"trial-{schema}-{seed}", tags, params)
+                run_id = child_run(client, parent, f"{schema}-{seed}", f"trial-{schema}-{seed}", tags, params).run_id
                 records = _records(schema, seed)
                 probabilities = np.array([r["probabilities"] for r in records])
                 labels = np.array([STAGE_GROUPS.index(r["target"]) for r in records])
