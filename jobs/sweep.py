@@ -18,6 +18,7 @@ from gx_ray.runtime import tolerant_console
 from gx_ray.sweep.driver import SweepOptions, run_sweep
 from gx_ray.sweep.resume import ResumeError
 from gx_ray.sweep.spaces import SpaceError
+from gx_ray.tracking import UnreachableTrackingError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         result = run_sweep(options)
-    except (SpaceError, ResumeError, ShardIntegrityError, FileExistsError) as err:
+    except (SpaceError, ResumeError, ShardIntegrityError, UnreachableTrackingError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:  # a signal before the trials started: nothing to resume yet

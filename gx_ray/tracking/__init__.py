@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
@@ -202,3 +203,22 @@ def _code_version(package_dir: Path) -> str:
             return f"gx-ray {version('gx-ray')}"
         except PackageNotFoundError:
             return "unknown"
+
+
+class UnreachableTrackingError(ValueError):
+    """A tracking URI that trials on other nodes of the cluster could not reach."""
+
+
+def check_reachable_from(tracking_uri: str, nodes: int) -> None:
+    """Refuse, on a cluster of several nodes, a tracking URI only this node reaches: a loopback server (the sweep's
+    own local one included) or a file/SQLite store. Every trial logs from wherever Ray places it."""
+    if nodes <= 1:
+        return
+    parsed = urlparse(tracking_uri)
+    host = (parsed.hostname or "").lower()
+    local = parsed.scheme in ("", "file", "sqlite") or host in ("localhost", "::1") or host.startswith("127.")
+    if local:
+        raise UnreachableTrackingError(
+            f"this Ray cluster has {nodes} nodes, and trials on the others cannot reach MLflow at {tracking_uri}: "
+            "give --mlflow-uri a server every node reaches (jobs/cluster/README.md: the team MLflow set-up)"
+        )

@@ -32,8 +32,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 class LocalMlflowServer:
     """``mlflow server`` on the loopback interface, backed by SQLite and an artifact folder under ``root``."""
 
-    def __init__(self, root: Path, host: str = "127.0.0.1", port: int | None = None, start_timeout_s: float = 180.0):
+    def __init__(
+        self,
+        root: Path,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        start_timeout_s: float = 180.0,
+        backend_store_uri: str | None = None,
+    ):
+        """``backend_store_uri``: a database for a team server (``postgresql://user@host/db``); default SQLite in
+        ``root``. Artifacts always go to ``root/artifacts``, served through the server."""
         self.root, self.host, self.port = Path(root).resolve(), host, port or free_port(host)
+        self._backend_store_uri = backend_store_uri
         self.start_timeout_s = start_timeout_s
         self.process: subprocess.Popen | None = None
         self.restarts = 0
@@ -45,7 +55,7 @@ class LocalMlflowServer:
 
     @property
     def backend_uri(self) -> str:
-        return f"sqlite:///{self.root / 'mlflow.db'}"
+        return self._backend_store_uri or f"sqlite:///{self.root / 'mlflow.db'}"
 
     def ui_command(self) -> str:
         """What a user runs later to browse the runs without the sweep."""
