@@ -219,7 +219,7 @@ def rayjob_errors(validator, manifest) -> list[str]:
 
 
 def load_documents(name: str) -> list[dict]:
-    return [doc for doc in yaml.safe_load_all((CLUSTER / name).read_text()) if doc]
+    return [doc for doc in yaml.safe_load_all((CLUSTER / name).read_text(encoding="utf-8")) if doc]
 
 
 def the_rayjob() -> dict:
@@ -350,7 +350,7 @@ def test_rayjob_runs_the_sweep_on_a_shared_volume(parse_sweep):
     assert_cluster_sweep(options)
     assert re.fullmatch(r"http://mlflow\.[a-z0-9-]+\.svc:5000", options.mlflow_uri)
 
-    header = (CLUSTER / "rayjob.yaml").read_text().split("\napiVersion:")[0]
+    header = (CLUSTER / "rayjob.yaml").read_text(encoding="utf-8").split("\napiVersion:")[0]
     assert "kubectl apply" in header and "jobs/cluster/Dockerfile" in header and images.pop() in header
 
 
@@ -368,7 +368,7 @@ def test_the_prepare_job_fills_the_same_volume(parse_prepare, prepare_script):
 
 
 def test_the_dockerfile_installs_the_project_on_cuda_pytorch():
-    text = (CLUSTER / "Dockerfile").read_text()
+    text = (CLUSTER / "Dockerfile").read_text(encoding="utf-8")
     base = re.search(r"^ARG BASE_IMAGE=(\S+)", text, re.M).group(1)
     assert base.startswith("pytorch/pytorch:") and "cuda" in base
     assert re.search(r"^FROM \$\{BASE_IMAGE\}", text, re.M)
@@ -384,7 +384,7 @@ def test_the_dockerfile_installs_the_project_on_cuda_pytorch():
 
 @pytest.fixture(scope="module")
 def launcher_schema():
-    return json.loads(LAUNCHER_SCHEMA.read_text())
+    return json.loads(LAUNCHER_SCHEMA.read_text(encoding="utf-8"))
 
 
 def launcher_errors(config, schema) -> list[str]:
@@ -393,7 +393,7 @@ def launcher_errors(config, schema) -> list[str]:
 
 
 def the_launcher_config() -> dict:
-    return yaml.safe_load((CLUSTER / "cluster.yaml").read_text())
+    return yaml.safe_load((CLUSTER / "cluster.yaml").read_text(encoding="utf-8"))
 
 
 def test_launcher_config_matches_rays_schema(launcher_schema):
@@ -449,7 +449,7 @@ def test_launcher_has_an_on_demand_cpu_head_and_spot_gpu_workers(parse_sweep, pa
         for c in config["setup_commands"]
     )
 
-    header = (CLUSTER / "cluster.yaml").read_text().split("\ncluster_name:")[0]
+    header = (CLUSTER / "cluster.yaml").read_text(encoding="utf-8").split("\ncluster_name:")[0]
     assert "ray up jobs/cluster/cluster.yaml" in header and "ray job submit" in header
     ((sweep_path, sweep),) = script_commands(header, "sweep")
     assert sweep_path == "/gx-ray/jobs/sweep.py"  # the synced checkout
@@ -522,7 +522,7 @@ def run_sbatch(tmp_path):
                 env[key] = value
         srun_args.unlink(missing_ok=True)
         result = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=60)
-        argv = srun_args.read_text().split("\0")[:-1] if srun_args.exists() else None
+        argv = srun_args.read_text(encoding="utf-8").split("\0")[:-1] if srun_args.exists() else None
         return SimpleNamespace(returncode=result.returncode, stderr=result.stderr, srun=argv)
 
     return run
@@ -584,7 +584,7 @@ def test_slurm_script_refuses_an_mlflow_only_one_node_reaches(run_sbatch, uri):
 def test_slurm_script_asks_for_gpus_on_every_node():
     directives = dict(
         re.match(r"#SBATCH --([\w-]+)=?(.*)", line).groups()
-        for line in SBATCH.read_text().splitlines()
+        for line in SBATCH.read_text(encoding="utf-8").splitlines()
         if line.startswith("#SBATCH")
     )
     assert int(directives["nodes"]) >= 2 and directives["ntasks-per-node"] == "1"
@@ -596,7 +596,7 @@ def test_slurm_script_asks_for_gpus_on_every_node():
 
 
 def test_readme_commands_parse(parse_sweep, parse_prepare):
-    text = (CLUSTER / "README.md").read_text()
+    text = (CLUSTER / "README.md").read_text(encoding="utf-8")
     sweeps, prepares = script_commands(text, "sweep"), script_commands(text, "prepare_data")
     assert sweeps and len(prepares) >= 3
     for _, argv in sweeps:

@@ -42,9 +42,9 @@ def test_an_mlflow_only_this_node_reaches_is_refused_on_a_cluster(uri, nodes, re
         check_reachable_from(uri, nodes)
 
 
-def _as_postgres(command: list[str]) -> list[str]:
+def _as_postgres() -> dict:
     """PostgreSQL refuses to run as root: as root, its commands run as the ``postgres`` user."""
-    return ["runuser", "-u", "postgres", "--", *command] if os.geteuid() == 0 else command
+    return {"user": "postgres", "group": "postgres", "extra_groups": []} if os.geteuid() == 0 else {}
 
 
 def _postgres_bin(name: str) -> str:
@@ -65,12 +65,15 @@ def postgres() -> Iterator[str]:
         shutil.chown(folder, "postgres")
         shutil.chown(sockets, "postgres")
     port = free_port()
-    run = {"check": True, "capture_output": True, "text": True, "timeout": 120}
-    subprocess.run(_as_postgres([_postgres_bin("initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"]), **run)
+    run = {"check": True, "capture_output": True, "text": True, "timeout": 120, "cwd": folder, **_as_postgres()}
+    # UTF-8 whatever the locale: under LC_ALL=C initdb picks SQL_ASCII, whose text psycopg returns as bytes
+    subprocess.run(
+        [_postgres_bin("initdb"), "-D", str(data), "-A", "trust", "-U", "postgres", "-E", "UTF8", "--no-locale"], **run
+    )
     options = f"-p {port} -k {sockets} -h 127.0.0.1"
     pg_ctl = _postgres_bin("pg_ctl")
     start = [pg_ctl, "-D", str(data), "-o", options, "-l", str(folder / "log"), "-w", "start"]
-    subprocess.run(_as_postgres(start), **run)
+    subprocess.run(start, **run)
     try:
         import psycopg  # SQLAlchemy's default PostgreSQL driver, as MLflow's server uses it
 
@@ -79,7 +82,8 @@ def postgres() -> Iterator[str]:
             db.execute("CREATE DATABASE mlflow")
         yield f"postgresql://postgres@127.0.0.1:{port}/mlflow"
     finally:
-        subprocess.run(_as_postgres([pg_ctl, "-D", str(data), "-m", "fast", "stop"]), capture_output=True, timeout=60)
+        stop = [pg_ctl, "-D", str(data), "-m", "fast", "stop"]
+        subprocess.run(stop, capture_output=True, timeout=60, **_as_postgres())
         shutil.rmtree(folder, ignore_errors=True)
 
 
