@@ -59,18 +59,19 @@ class Sweep:
     """``jobs/sweep.py`` in a process group of its own (as a terminal runs it), one trial at a time."""
 
     def __init__(self, tmp_path: Path, data: Path):
-        self.output = tmp_path / "out"
-        self.command = [
+        self.cwd, self.output = tmp_path, tmp_path / "out"
+        self.command = [  # a relative --output, as users type it (Tune's restore once refused one)
             sys.executable, str(ROOT / "jobs" / "sweep.py"), "--space", str(_space(tmp_path)),
-            "--output", str(self.output), "--data", str(data), "--max-concurrent", "1",
+            "--output", "out", "--data", str(data), "--max-concurrent", "1",
         ]  # fmt: skip
         self.log = tmp_path / "sweep.log"
 
     def start(self, *extra: str) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_HTTP_REQUEST")}  # the sweep's own
         with open(self.log, "ab") as log:
+            command = [*self.command, *extra]
             return subprocess.Popen(
-                [*self.command, *extra], stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT, env=env
+                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.cwd, env=env
             )
 
     def run(self, *extra: str, timeout: float = 600) -> int:

@@ -98,3 +98,16 @@ def test_resume_without_a_sweep_exits_2_before_ray_starts(tmp_path, cohort):
     assert done.returncode == 2, done.stderr[-2000:]
     assert "no sweep of space 'space'" in done.stderr and "without --resume" in done.stderr
     assert not (tmp_path / "nothing").exists()  # nothing was started or written
+
+
+def test_the_demo_cohort_is_prepared_once(ray_cluster, tmp_path):
+    """A second sweep (or a --resume) on the demo reuses its shards: preparing them again would rewrite the cohort
+    a resumed sweep checks against."""
+    from gx_ray.sweep.driver import SweepOptions, _prepare_demo
+
+    options = SweepOptions(space="modality_ablation", demo_dir=tmp_path / "demo", demo_cases=6)
+    _prepare_demo(options)
+    manifest = tmp_path / "demo" / "shards" / "manifest.json"
+    written = manifest.stat().st_mtime_ns
+    _prepare_demo(options)
+    assert manifest.stat().st_mtime_ns == written

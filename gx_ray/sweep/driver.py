@@ -16,7 +16,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -120,10 +120,22 @@ def _shard_path(options: SweepOptions) -> Path:
 
 
 def _prepare_demo(options: SweepOptions) -> None:
-    """The built-in demo cohort, prepared once (a no-op when ``--data`` is given or the cohort is there)."""
-    if options.data is None:
-        config = PrepareConfig(preprocess=PreprocessConfig.preset("demo"), endoscopy_size=64)
-        prepare_data("demo", options.demo_dir, config, DemoConfig(cases=options.demo_cases), address=options.address)
+    """The built-in demo cohort, prepared once (a no-op when ``--data`` is given or the cohort is there): preparing
+    it again would rewrite the shards a ``--resume`` checks against."""
+    if options.data is not None:
+        return
+    config = PrepareConfig(preprocess=PreprocessConfig.preset("demo"), endoscopy_size=64)
+    demo = DemoConfig(cases=options.demo_cases)
+    stamp = Path(options.demo_dir) / "prepared.json"
+    wanted = json.dumps([asdict(demo), asdict(config)], default=str, sort_keys=True)
+    if (
+        stamp.is_file()
+        and stamp.read_text(encoding="utf-8") == wanted
+        and (_shard_path(options) / "manifest.json").is_file()
+    ):
+        return
+    prepare_data("demo", options.demo_dir, config, demo, address=options.address)
+    stamp.write_text(wanted, encoding="utf-8")  # written last: its presence means the cohort is complete
 
 
 def _concurrency(space: SearchSpace, options: SweepOptions, context: dict[str, Any]) -> int:
@@ -214,6 +226,9 @@ def run_sweep(options: SweepOptions) -> SweepResult:
         raise FileExistsError(f"{output} holds this sweep already: pass --resume to continue it, or another --output")
     output.mkdir(parents=True, exist_ok=True)
     mlflow_retries()  # an unreachable server fails a call after ~30 s, not ~4 minutes
+    # Tune snapshots its state whenever a trial has checkpointed num_to_keep times, i.e. every 2 epochs of a short
+    # trial, and warns about it each time: expected here, and not the user's to act on
+    os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
     with _signals_stop_the_sweep() as interrupted:
         # the MLflow server, Ray and the demo cohort start side by side: the server is only waited for once both are up
         server = LocalMlflowServer(output / "mlflow").launch() if options.mlflow_uri is None else None
@@ -343,7 +358,7 @@ def _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timin
         ),
         verbose=1 if sys.stderr.isatty() else 0,
     )
-    path = str(storage / sweep_id)
+    path = str((storage / sweep_id).resolve())  # Tune reads a relative path as a URI without a scheme
     if options.resume and tune.Tuner.can_restore(path):
         tuner = tune.Tuner.restore(
             path,
@@ -374,13 +389,15 @@ def _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timin
     finished = sum(1 for r in rows if r["completed"] and not r["error"])
     stopped = [r["trial"] for r in rows if r["stopped_early"]]
     best = summarise(rows)
-    print(format_summary(best, finished, failed, len(rows), len(stopped)))
+    # Tune's results hold only the trials it created: an interrupted or time-boxed sweep has more cells than that
+    total = max(len(rows), space.trial_count())
+    print(format_summary(best, finished, failed, total, len(stopped)))
     result = SweepResult(
         sweep_id, output, tracking_uri, EXPERIMENT, parent, finished, failed, len(stopped), best, timings,
         interrupted=interrupted["interrupted"],
     )  # fmt: skip
     try:
-        _close_runs(client, parent, rows, stopped, result, timings, host)
+        _close_runs(client, parent, total, stopped, result, timings, host)
     except Exception as err:  # MLflow unreachable: the summary and sweep.json still tell what ran
         result.mlflow_error = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
         print(
@@ -391,7 +408,7 @@ def _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timin
     return result
 
 
-def _close_runs(client, parent, rows, stopped, result: SweepResult, timings, host) -> None:
+def _close_runs(client, parent, total: int, stopped, result: SweepResult, timings, host) -> None:
     """End the sweep's runs in MLflow: the scheduler's stopped trials KILLED and tagged, trials a signal stopped
     KILLED (``--resume`` opens them again), the sweep's counts and GPU figures on the parent, and its status."""
     close_stopped_runs(client, parent, stopped)
@@ -407,8 +424,8 @@ def _close_runs(client, parent, rows, stopped, result: SweepResult, timings, hos
     numbers = {k: v for k, v in result.gpus.items() if isinstance(v, int | float)}
     log_metrics(client, parent, {**counts, **numbers}, step=0)
     # an interrupted sweep's parent stays open for --resume; one whose trials all failed is FAILED
-    done = result.finished + result.failed + len(stopped) == len(rows) and not result.interrupted
-    status = "FAILED" if rows and result.failed == len(rows) else "FINISHED" if done else "KILLED"
+    done = result.finished + result.failed + len(stopped) == total and not result.interrupted
+    status = "FAILED" if result.failed == total else "FINISHED" if done else "KILLED"
     client.set_terminated(parent, status)
 
 
