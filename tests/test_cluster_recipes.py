@@ -62,50 +62,49 @@ def prepare_script():
     return _load_script("prepare_data")
 
 
-@pytest.fixture
-def parse_sweep(sweep_script, monkeypatch):
-    """argv → the ``SweepOptions`` that ``jobs/sweep.py``'s ``main`` hands to ``run_sweep``."""
+def _recording_main(script, monkeypatch, name: str, result: object):
+    """argv → what ``script.main`` hands to its ``name`` function (replaced by a recorder returning ``result``)."""
 
     def parse(argv: list[str]):
         seen = []
 
-        def record(options):
-            seen.append(options)
-            return SimpleNamespace(
-                output=Path(options.output) / "sweep-id", interrupted=False, finished=1, mlflow_error=None
-            )
+        def record(*args, **kwargs):
+            seen.append((args, kwargs))
+            return result(*args) if callable(result) else result
 
-        monkeypatch.setattr(sweep_script, "run_sweep", record)
+        monkeypatch.setattr(script, name, record)
         try:
-            status = sweep_script.main(list(argv))
+            status = script.main(list(argv))
         except SystemExit as err:
-            pytest.fail(f"jobs/sweep.py refuses {shlex.join(argv)} (exit {err.code})")
+            pytest.fail(f"jobs/{Path(script.__file__).name} refuses {shlex.join(argv)} (exit {err.code})")
         assert status == 0 and len(seen) == 1
         return seen[0]
 
     return parse
+
+
+@pytest.fixture
+def parse_sweep(sweep_script, monkeypatch):
+    """argv → the ``SweepOptions`` that ``jobs/sweep.py``'s ``main`` hands to ``run_sweep``."""
+
+    def finished(options):
+        output = Path(options.output) / "sweep-id"
+        return SimpleNamespace(output=output, interrupted=False, finished=1, mlflow_error=None)
+
+    parse = _recording_main(sweep_script, monkeypatch, "run_sweep", finished)
+    return lambda argv: parse(argv)[0][0]
 
 
 @pytest.fixture
 def parse_prepare(prepare_script, monkeypatch):
     """argv → the arguments ``jobs/prepare_data.py``'s ``main`` hands to ``prepare_data``."""
+    parse = _recording_main(prepare_script, monkeypatch, "prepare_data", SimpleNamespace(summary=lambda: "recorded"))
 
-    def parse(argv: list[str]):
-        seen = []
+    def arguments(argv: list[str]):
+        (source, out, config, demo, layout, address), _ = parse(argv)
+        return SimpleNamespace(source=source, out=out, config=config, layout=layout, address=address)
 
-        def record(source, out, config, demo, layout, address):
-            seen.append(SimpleNamespace(source=source, out=out, config=config, layout=layout, address=address))
-            return SimpleNamespace(summary=lambda: "recorded")
-
-        monkeypatch.setattr(prepare_script, "prepare_data", record)
-        try:
-            status = prepare_script.main(list(argv))
-        except SystemExit as err:
-            pytest.fail(f"jobs/prepare_data.py refuses {shlex.join(argv)} (exit {err.code})")
-        assert status == 0 and len(seen) == 1
-        return seen[0]
-
-    return parse
+    return arguments
 
 
 def script_commands(text: str, script: str) -> list[tuple[str, list[str]]]:

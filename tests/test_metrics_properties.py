@@ -41,6 +41,7 @@ from gx_ray.metrics import (
     text_generation_metrics,
 )
 from gx_ray.metrics.detection import match_detections, summarise_matches
+from gx_ray.metrics.text import _NoStemming, _NoSynonyms
 
 SEED = 20260
 
@@ -636,18 +637,6 @@ def _brute_force_rouge_l(predicted: list[list[str]], reference: list[list[str]])
     return 100 * float(np.mean(scores))
 
 
-class _Identity:
-    @staticmethod
-    def stem(word: str) -> str:
-        return word
-
-
-class _NoWordNet:
-    @staticmethod
-    def synsets(word: str) -> list:
-        return []
-
-
 def _nltk_meteor(predicted: list[list[str]], reference: list[list[str]], language: str) -> float:
     from nltk.corpus import wordnet
     from nltk.stem.porter import PorterStemmer
@@ -657,7 +646,7 @@ def _nltk_meteor(predicted: list[list[str]], reference: list[list[str]], languag
     if language == "en":
         matchers = {"stemmer": PorterStemmer(), "wordnet": wordnet}
     else:
-        matchers = {"stemmer": _Identity(), "wordnet": _NoWordNet()}
+        matchers = {"stemmer": _NoStemming(), "wordnet": _NoSynonyms()}  # the module's own stand-ins
     return 100 * float(np.mean([meteor_score([r], p, **matchers) for p, r in zip(predicted, reference, strict=True)]))
 
 

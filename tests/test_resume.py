@@ -37,6 +37,12 @@ def cohort(tmp_path: Path) -> Path:
     return shards
 
 
+def _edit_budget(space_path: Path, **budget) -> None:
+    document = yaml.safe_load(space_path.read_text(encoding="utf-8"))
+    document["budget"].update(budget)
+    space_path.write_text(yaml.safe_dump(document), encoding="utf-8")
+
+
 def _started(tmp_path: Path, space_path: Path, shards: Path) -> tuple[Path, str]:
     space = load_space(str(space_path))
     sweep_id = _sweep_id(space, shards)
@@ -63,9 +69,7 @@ def test_an_edit_outside_the_sweep_id_is_refused_too(tmp_path, cohort):
     """The searcher's sample count is not part of the id: the same id, a different sweep."""
     space_path = _space_file(tmp_path)
     output, sweep_id = _started(tmp_path, space_path, cohort)
-    document = yaml.safe_load(space_path.read_text(encoding="utf-8"))
-    document["budget"]["samples"] = 4
-    space_path.write_text(yaml.safe_dump(document), encoding="utf-8")
+    _edit_budget(space_path, samples=4)
     edited = load_space(str(space_path))
     assert _sweep_id(edited, cohort) == sweep_id
     with pytest.raises(ResumeError, match=r"space\.samples: 1 → 4"):
@@ -83,9 +87,7 @@ def test_a_changed_cohort_is_refused(tmp_path, cohort):
 def test_the_time_budget_may_change(tmp_path, cohort):
     space_path = _space_file(tmp_path)
     output, sweep_id = _started(tmp_path, space_path, cohort)
-    document = yaml.safe_load(space_path.read_text(encoding="utf-8"))
-    document["budget"]["time_s"] = 7200
-    space_path.write_text(yaml.safe_dump(document), encoding="utf-8")
+    _edit_budget(space_path, time_s=7200)
     check_resumable(output, sweep_id, sweep_inputs(load_space(str(space_path)), cohort))
 
 

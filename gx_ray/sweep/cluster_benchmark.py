@@ -231,10 +231,12 @@ def _epoch_timings(client: MlflowClient, run: Any) -> list[dict[str, float]]:
     ]
 
 
-def _epoch_rate(client: MlflowClient, run: Any, epoch: int) -> float:
-    """``train_samples_per_second`` of one epoch (epoch 1: the loop warmed up, its data stream running)."""
-    history = client.get_metric_history(run.info.run_id, "train_samples_per_second")
-    rates = [m.value for m in history if m.step == epoch] or [m.value for m in history]
+def _epoch_rate(epochs: list[dict[str, float]], epoch: int = 1) -> float:
+    """``train_samples_per_second`` of one epoch (epoch 1: the loop warmed up, its data stream running), else the
+    last epoch's."""
+    rates = [e["train_samples_per_second"] for e in epochs if e["epoch"] == epoch] or [
+        e["train_samples_per_second"] for e in epochs
+    ]
     return rates[-1] if rates else math.nan
 
 
@@ -244,7 +246,8 @@ def _slice_figures(sweep: SweepResult, raw: dict[str, dict[str, float]], eval_ro
     for run in child_runs(client, sweep.parent_run_id):
         params, metrics = run.data.params, run.data.metrics
         key = f"{params['task']}/{params['schema']}"
-        rate = _epoch_rate(client, run, 1)
+        epoch_timings = _epoch_timings(client, run)
+        rate = _epoch_rate(epoch_timings)
         trial = metrics.get("trial_seconds", math.nan)
         train = metrics.get("train_seconds", math.nan)
         epochs = max(1, int(metrics.get("epoch", 0)) + 1)
@@ -264,7 +267,7 @@ def _slice_figures(sweep: SweepResult, raw: dict[str, dict[str, float]], eval_ro
             "gpu_busy_fraction": metrics.get("gpu_busy_fraction", math.nan),
             "gpu_shared": metrics.get("gpu_shared", math.nan),
             "setup_seconds": metrics.get("setup_seconds", math.nan),
-            "epochs": _epoch_timings(client, run),
+            "epochs": epoch_timings,
         }
         if run.info.start_time and run.info.end_time:
             slots.append((run.info.end_time - run.info.start_time) / 1000)
@@ -290,7 +293,7 @@ def _ddp_figures(sweep: SweepResult) -> dict[str, Any]:
     client = MlflowClient(sweep.store_uri)
     rates = {}
     for run in child_runs(client, sweep.parent_run_id):
-        rates[int(run.data.params["resources.workers"])] = _epoch_rate(client, run, 1)
+        rates[int(run.data.params["resources.workers"])] = _epoch_rate(_epoch_timings(client, run))
     one = rates.get(1, math.nan)
     return {"samples_per_s": rates, "speed_up": {n: r / one for n, r in sorted(rates.items())}}
 

@@ -37,7 +37,7 @@ from gx_ray.sweep.trial import Prober, gpu_plan_key, resolve, run_trial, trial_r
 from gx_ray.tracking import (
     check_reachable_from,
     child_runs,
-    close_stopped_runs,
+    end_open_runs,
     log_metrics,
     log_series,
     parent_run,
@@ -411,11 +411,8 @@ def _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timin
 def _close_runs(client, parent, total: int, stopped, result: SweepResult, timings, host) -> None:
     """End the sweep's runs in MLflow: the scheduler's stopped trials KILLED and tagged, trials a signal stopped
     KILLED (``--resume`` opens them again), the sweep's counts and GPU figures on the parent, and its status."""
-    close_stopped_runs(client, parent, stopped)
     runs = child_runs(client, parent)
-    for run in runs:
-        if run.info.status == "RUNNING":  # Tune has ended: no trial of this sweep runs any more
-            client.set_terminated(run.info.run_id, "KILLED")
+    end_open_runs(client, runs, stopped)  # Tune has ended: no trial of this sweep runs any more
     counts = {"trials_finished": result.finished, "trials_failed": result.failed, "trials_stopped_early": len(stopped)}
     first_steps = [r.data.metrics["first_step_at"] for r in runs if "first_step_at" in r.data.metrics]
     if first_steps:  # launch → the first optimiser step of any trial: what a user waits before GPUs work

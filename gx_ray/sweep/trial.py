@@ -49,7 +49,7 @@ def run_trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     )
     run_id = run.run_id
     if run.status == "FINISHED":  # done before the sweep was killed, its end not saved by Tune: never trained twice
-        tune.report(client.get_run(run_id).data.metrics)
+        tune.report(run.metrics)
         return
     # a retried or resumed trial logs into its earlier run: what that attempt logged is kept, never logged twice
     tracker = TrialTracker(context["tracking_uri"], run_id, resumed=run.status is not None)

@@ -13,7 +13,8 @@ import hashlib
 import platform
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -93,20 +94,11 @@ def _experiment_id(client: MlflowClient, name: str) -> str:
     return experiment.experiment_id if experiment else client.create_experiment(name)
 
 
-def _find_run(client: MlflowClient, experiment_id: str, tag: str, value: str) -> str | None:
-    runs = client.search_runs([experiment_id], filter_string=f"tags.`{tag}` = '{value}'", max_results=2)
-    return runs[0].info.run_id if runs else None
-
-
-def _find_parent(client: MlflowClient, experiment_id: str, sweep_id: str) -> str | None:
-    """The sweep's parent run: its trials carry the sweep tag too, so the kind tag tells the parent apart."""
-    runs = client.search_runs(
-        [experiment_id],
-        filter_string=f"tags.`{SWEEP_TAG}` = '{sweep_id}' and tags.`{KIND_TAG}` = 'sweep'",
-        order_by=["attributes.start_time ASC"],  # the first one, should a store hold two
-        max_results=1,
-    )
-    return runs[0].info.run_id if runs else None
+def _find_run(client: MlflowClient, experiment_id: str, tags: dict[str, str]) -> Any | None:
+    """The first run carrying every one of ``tags`` (the first, should a store hold two)."""
+    condition = " and ".join(f"tags.`{tag}` = '{value}'" for tag, value in tags.items())
+    runs = client.search_runs([experiment_id], condition, order_by=["attributes.start_time ASC"], max_results=1)
+    return runs[0] if runs else None
 
 
 def parent_run(
@@ -114,10 +106,11 @@ def parent_run(
 ) -> str:
     """The sweep's parent run, created once and found again on resume (then RUNNING again)."""
     experiment_id = _experiment_id(client, experiment)
-    if run_id := _find_parent(client, experiment_id, sweep_id):
-        if (run := client.get_run(run_id)) and run.info.status != "RUNNING":
-            client.update_run(run_id, status="RUNNING")
-        return run_id
+    # its trials carry the sweep tag too: the kind tag tells the parent apart
+    if run := _find_run(client, experiment_id, {SWEEP_TAG: sweep_id, KIND_TAG: "sweep"}):
+        if run.info.status != "RUNNING":
+            client.update_run(run.info.run_id, status="RUNNING")
+        return run.info.run_id
     all_tags = {**(tags or {}), SWEEP_TAG: sweep_id, KIND_TAG: "sweep"}
     run = client.create_run(experiment_id, run_name=sweep_id, tags=all_tags)
     log_params(client, run.info.run_id, params)
@@ -129,6 +122,8 @@ class ChildRun:
     run_id: str
     status: str | None
     """None for a run created now; else the status the earlier attempt left (FINISHED: the cell is done)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """What the earlier attempt logged (latest values)."""
 
 
 def child_run(
@@ -138,11 +133,10 @@ def child_run(
     (RUNNING again, unless it had FINISHED)."""
     parent = client.get_run(parent_run_id)
     experiment_id = parent.info.experiment_id
-    if run_id := _find_run(client, experiment_id, TRIAL_TAG, trial_id):
-        status = client.get_run(run_id).info.status
-        if status != "FINISHED":
-            client.update_run(run_id, status="RUNNING")
-        return ChildRun(run_id, status)
+    if run := _find_run(client, experiment_id, {TRIAL_TAG: trial_id}):
+        if run.info.status != "FINISHED":
+            client.update_run(run.info.run_id, status="RUNNING")
+        return ChildRun(run.info.run_id, run.info.status, dict(run.data.metrics))
     sweep_id = parent.data.tags[SWEEP_TAG]
     all_tags = {**tags, TRIAL_TAG: trial_id, PARENT_TAG: parent_run_id, SWEEP_TAG: sweep_id, KIND_TAG: "trial"}
     run = client.create_run(experiment_id, run_name=run_name, tags=all_tags)
@@ -156,13 +150,15 @@ def child_runs(client: MlflowClient, parent_run_id: str) -> list[Any]:
     return client.search_runs([experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}'")
 
 
-def close_stopped_runs(client: MlflowClient, parent_run_id: str, trial_ids: list[str]) -> None:
-    """End the runs of trials the scheduler stopped early (their loop never reached its own end): KILLED, tagged."""
-    experiment_id = client.get_run(parent_run_id).info.experiment_id
-    for trial_id in trial_ids:
-        if run_id := _find_run(client, experiment_id, TRIAL_TAG, trial_id):
-            client.set_tag(run_id, "gx_ray.stopped_early", "true")
-            client.set_terminated(run_id, "KILLED")
+def end_open_runs(client: MlflowClient, runs: list[Any], stopped_early: list[str]) -> None:
+    """End the trial runs Tune no longer runs: those the scheduler stopped early (their loop never reached its own
+    end) KILLED and tagged; any other still RUNNING (a signal stopped it) KILLED, until ``--resume`` opens it again."""
+    for run in runs:
+        if run.data.tags.get(TRIAL_TAG) in stopped_early:
+            client.set_tag(run.info.run_id, "gx_ray.stopped_early", "true")
+            client.set_terminated(run.info.run_id, "KILLED")
+        elif run.info.status == "RUNNING":
+            client.set_terminated(run.info.run_id, "KILLED")
 
 
 PROVENANCE_PACKAGES = ("torch", "ray", "monai", "transformers", "mlflow", "optuna", "SimpleITK", "pyarrow")
@@ -171,8 +167,6 @@ PROVENANCE_PACKAGES = ("torch", "ray", "monai", "transformers", "mlflow", "optun
 def provenance(manifest: Path | None = None) -> dict[str, str]:
     """What a run's numbers came from: the code (git commit, ``-dirty`` with uncommitted changes, or the installed
     version), the library versions and the shard manifest's SHA-256. Tags, so that the UI and searches show them."""
-    from importlib.metadata import PackageNotFoundError, version
-
     import gx_ray
 
     tags = {"gx_ray.code": _code_version(Path(gx_ray.__file__).parent), "gx_ray.python": platform.python_version()}
@@ -197,8 +191,6 @@ def _code_version(package_dir: Path) -> str:
         ).stdout.strip()  # fmt: skip
         return f"git:{commit}{'-dirty' if dirty else ''}"
     except (OSError, subprocess.SubprocessError):  # an installed package, or a copy without git
-        from importlib.metadata import PackageNotFoundError, version
-
         try:
             return f"gx-ray {version('gx-ray')}"
         except PackageNotFoundError:
