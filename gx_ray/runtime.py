@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import gx_ray
 
@@ -53,6 +54,24 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: 
         logging_level="WARNING",
     )
     quiet_data_context()
+
+
+def nodes_without(folder: str | Path) -> list[str]:
+    """The addresses of the alive Ray nodes (with CPUs, where tasks run) on which the local ``folder`` does not exist:
+    empty on one node, on several nodes of one machine, or on a filesystem every node mounts at the same path."""
+    nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
+    if len(nodes) <= 1:
+        return []
+    checks = [
+        _is_dir.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(str(folder))
+        for n in nodes
+    ]
+    return sorted({n["NodeManagerAddress"] for n, seen in zip(nodes, ray.get(checks), strict=True) if not seen})
+
+
+@ray.remote(num_cpus=0)
+def _is_dir(folder: str) -> bool:
+    return Path(folder).is_dir()
 
 
 def quiet_data_context() -> None:

@@ -2,6 +2,7 @@
 
 python jobs/prepare_data.py --source demo --cases 48 --out outputs/demo
 python jobs/prepare_data.py --source /data/gastric-x --out /data/gastric-x-shards --preset paper
+python jobs/prepare_data.py --source /shared/gastric-x --out s3://team/gx/cohort --preset paper --address auto
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     tolerant_console()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", default="demo", help="'demo' or a folder of raw cases (release or paper layout)")
-    parser.add_argument("--out", type=Path, default=Path("outputs/demo"), help="output folder (default: outputs/demo)")
+    parser.add_argument(
+        "--out", default="outputs/demo", help="output folder or s3://, gs:// URI (default: outputs/demo)"
+    )
     parser.add_argument(
         "--layout", choices=LAYOUTS, help="layout of --source (detected if omitted); for demo: to write"
     )

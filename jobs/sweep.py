@@ -4,6 +4,8 @@ python jobs/sweep.py --space modality_ablation                 # demo cohort, lo
 python jobs/sweep.py --space modality_ablation --preset smoke  # CI-sized
 python jobs/sweep.py --space modality_ablation --preset gpu --data /data/gx --address auto
     --mlflow-uri http://mlflow.internal:5000                   # a GPU cluster
+python jobs/sweep.py --space modality_ablation --preset gpu --address auto --data s3://team/gx/cohort
+    --storage s3://team/gx/sweeps --mlflow-uri http://mlflow.internal:5000  # nodes that share no filesystem
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 from gx_ray.data.shards import ShardIntegrityError
 from gx_ray.runtime import tolerant_console
+from gx_ray.storage import UnreachableStorageError
 from gx_ray.sweep.driver import SweepOptions, run_sweep
 from gx_ray.sweep.resume import ResumeError
 from gx_ray.sweep.spaces import SpaceError
@@ -25,8 +28,15 @@ def main(argv: list[str] | None = None) -> int:
     tolerant_console()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--space", required=True, help="a name in search_spaces/ or a YAML file")
-    parser.add_argument("--data", type=Path, help="prepared data (prepare_data's --out); default: the demo cohort")
+    parser.add_argument(
+        "--data", help="prepared data (prepare_data's --out): a path or s3://, gs:// URI; default: the demo cohort"
+    )
     parser.add_argument("--output", type=Path, default=Path("outputs/sweeps"), help="default: outputs/sweeps")
+    parser.add_argument(
+        "--storage",
+        help="Tune/Train state, checkpoints and a copy of the report where every node reaches them: a shared path or "
+        "s3://, gs:// URI (default: under --output, one machine)",
+    )
     parser.add_argument("--address", help="an existing Ray cluster ('auto' or host:port); default: a local one")
     parser.add_argument("--mlflow-uri", help="an MLflow server every node reaches; default: a local one")
     parser.add_argument("--preset", action="append", default=[], help="a preset of the space (repeatable): smoke, gpu")
@@ -39,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         space=args.space,
         output=args.output,
         data=args.data,
+        storage=args.storage,
         address=args.address,
         mlflow_uri=args.mlflow_uri,
         presets=tuple(args.preset),
@@ -49,7 +60,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         result = run_sweep(options)
-    except (SpaceError, ResumeError, ShardIntegrityError, UnreachableTrackingError, FileExistsError) as err:
+    except (
+        SpaceError,
+        ResumeError,
+        ShardIntegrityError,
+        UnreachableTrackingError,
+        UnreachableStorageError,
+        FileExistsError,
+        FileNotFoundError,
+    ) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:  # a signal before the trials started: nothing to resume yet

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -19,15 +21,17 @@ from typing import Any
 import numpy as np
 import ray
 from PIL import Image
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from gx_ray import storage
 from gx_ray.data.catalogue import describe_abnormal, load_catalogue
 from gx_ray.data.demo.cohort import COHORT_FILE, DemoConfig, generate_cohort
 from gx_ray.data.layouts import FLOAT32_MAX, read_cohort
 from gx_ray.data.parallel import ordered_results
 from gx_ray.data.preprocess import PreprocessConfig, PreprocessedCase, preprocess_case
-from gx_ray.data.shards import ShardWriter, TensorLayout, shard_schema, write_manifest
+from gx_ray.data.shards import MANIFEST_FILE, ShardWriter, TensorLayout, shard_schema, write_manifest
 from gx_ray.data.splits import DEFAULT_FRACTIONS, SPLIT_FILE, SPLITS, assign_splits, write_split_file
-from gx_ray.runtime import init_ray
+from gx_ray.runtime import init_ray, nodes_without
 from gx_ray.schema import BOX_LEVELS, PHASES, REPORT_KINDS, STAGE_GROUPS, Case, CaseError
 
 SHARD_DIR = "shards"
@@ -47,10 +51,11 @@ class PrepareConfig:
 
 @dataclass
 class PrepareResult:
-    shard_dir: Path
+    shard_dir: Path | str
+    """A local folder, or the URI the shards were copied to."""
     rows: dict[str, int]
     excluded: list[dict[str, Any]]
-    qc_report: Path
+    qc_report: Path | str
     seconds: float
 
     def summary(self) -> str:
@@ -202,8 +207,17 @@ def prepare_shards(
     schema = shard_schema(ct_shape, config.endoscopy_size, list(layout_info.lab_names))
     writer = ShardWriter(shard_dir, schema, config.rows_per_shard, config.row_group_rows)
     qc_cases: dict[str, dict[str, Any]] = {}
+    task = _case_row_task
+    if missing := nodes_without(source):  # a cohort on one node's disk: preprocessed there, not failed elsewhere
+        print(
+            f"{source} is not on every Ray node (missing on {', '.join(missing)}): preprocessing runs on this node "
+            "only; a cohort on a filesystem every node mounts is preprocessed by all of them",
+            file=sys.stderr,
+        )
+        here = ray.get_runtime_context().get_node_id()
+        task = _case_row_task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False))
     results = ordered_results(
-        lambda c: _case_row_task.remote(c, assignment[c.patient_id], config), order, len(order), "preprocess"
+        lambda c: task.remote(c, assignment[c.patient_id], config), order, len(order), "preprocess"
     )
     for case, result in zip(order, results, strict=True):
         if isinstance(result, CaseError):
@@ -294,15 +308,34 @@ def _cell(value: Any) -> str:
 
 def prepare_data(
     source: str | Path,
-    out: Path,
+    out: str | Path,
     config: PrepareConfig = PrepareConfig(),
     demo: DemoConfig | None = None,
     layout: str | None = None,
     address: str | None = None,
 ) -> PrepareResult:
-    """``source`` = "demo" (generate the built-in cohort into ``out/raw`` first) or a folder of raw cases."""
+    """``source`` = "demo" (generate the built-in cohort into ``out/raw`` first) or a folder of raw cases.
+
+    ``out`` may be a URI every node of a cluster reaches (``s3://bucket/cohort``, :mod:`gx_ray.storage`): the shards
+    are written to a local folder first (a Parquet writer appends; an object store takes whole files) and copied
+    there, the manifest last, so a reader never sees a manifest without its shards."""
     init_ray(address)
-    out = Path(out)
+    if storage.local_path(out) is not None:
+        return _prepare(source, Path(storage.local_path(out)), config, demo, layout)
+    with tempfile.TemporaryDirectory(prefix="gx-prepare-") as staging:
+        result = _prepare(source, Path(staging), config, demo, layout)
+        destination = storage.normalize(out)
+        shards = storage.join(destination, SHARD_DIR)
+        storage.copy_tree(result.shard_dir, shards, skip=(MANIFEST_FILE,))
+        storage.write_bytes(storage.join(shards, MANIFEST_FILE), (result.shard_dir / MANIFEST_FILE).read_bytes())
+        for name in (QC_JSON, QC_MARKDOWN):
+            storage.write_bytes(storage.join(destination, name), (Path(staging) / name).read_bytes())
+    return PrepareResult(shards, result.rows, result.excluded, storage.join(destination, QC_JSON), result.seconds)
+
+
+def _prepare(
+    source: str | Path, out: Path, config: PrepareConfig, demo: DemoConfig | None, layout: str | None
+) -> PrepareResult:
     if str(source) == "demo":
         demo = demo or DemoConfig()
         source = out / "raw"

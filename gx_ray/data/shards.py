@@ -45,6 +45,7 @@ import ray.data
 import torch
 from ray.data.collate_fn import ArrowBatchCollateFn
 
+from gx_ray import storage
 from gx_ray.data.splits import SPLITS
 from gx_ray.schema import BOX_LEVELS, PHASES, REPORT_KINDS
 
@@ -174,9 +175,9 @@ class ShardWriter:
         return sorted(self.files, key=lambda f: f["file"])
 
 
-def _sha256(path: Path) -> str:
+def _sha256(location: Path | str) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with storage.open_input(location) as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             digest.update(chunk)
     return digest.hexdigest()
@@ -210,18 +211,18 @@ class ShardIntegrityError(ValueError):
     """A shard file that is missing, truncated, altered or unreadable; the message names the file."""
 
 
-def read_manifest(shard_dir: Path, verify: bool = False) -> dict[str, Any]:
-    """The manifest of a shard folder. Every file it lists must exist with the size it records (cheap: catches a
-    truncated or rewritten file); with ``verify``, every file's full SHA-256 is checked as well. Raises
-    :class:`ShardIntegrityError` naming the first file that differs."""
-    path = Path(shard_dir) / MANIFEST_FILE
-    if not path.is_file():
+def read_manifest(shard_dir: Path | str, verify: bool = False) -> dict[str, Any]:
+    """The manifest of a shard folder (a local path or a URI, :mod:`gx_ray.storage`). Every file it lists must exist
+    with the size it records (cheap: catches a truncated or rewritten file); with ``verify``, every file's full
+    SHA-256 is checked as well. Raises :class:`ShardIntegrityError` naming the first file that differs."""
+    path = storage.join(shard_dir, MANIFEST_FILE)
+    if not storage.is_file(path):
         raise FileNotFoundError(f"{path} not found: prepare the data first (python jobs/prepare_data.py)")
-    manifest = json.loads(path.read_text(encoding="utf-8"))
+    manifest = json.loads(storage.read_text(path))
     for entry in manifest["files"]:
-        shard = Path(shard_dir) / entry["file"]
+        shard = storage.join(shard_dir, entry["file"])
         try:
-            size = shard.stat().st_size
+            size = storage.size(shard)
         except OSError as err:
             raise ShardIntegrityError(f"{shard}: listed in {MANIFEST_FILE} but cannot be read ({err})") from err
         if "bytes" in entry and size != entry["bytes"]:
@@ -238,7 +239,7 @@ def read_manifest(shard_dir: Path, verify: bool = False) -> dict[str, Any]:
     return manifest
 
 
-def check_shards(shard_dir: Path, verify: bool = False) -> dict[str, Any]:
+def check_shards(shard_dir: Path | str, verify: bool = False) -> dict[str, Any]:
     """Everything a sweep should know before it trusts ``shard_dir``; returns the manifest.
 
     Always (cheap, a few ms per file): the manifest lists files that exist with their recorded sizes, and every
@@ -248,7 +249,7 @@ def check_shards(shard_dir: Path, verify: bool = False) -> dict[str, Any]:
     """
     manifest = read_manifest(shard_dir, verify=verify)
     for entry in manifest["files"]:
-        shard = Path(shard_dir) / entry["file"]
+        shard = storage.join(shard_dir, entry["file"])
         rows = open_shard(shard).metadata.num_rows
         if rows != entry["rows"]:
             raise ShardIntegrityError(f"{shard}: {rows} rows, the manifest records {entry['rows']}")
@@ -256,10 +257,11 @@ def check_shards(shard_dir: Path, verify: bool = False) -> dict[str, Any]:
 
 
 def open_shard(path: Path | str) -> pq.ParquetFile:
-    """A shard opened for reading with page checksum verification; a footer that does not parse (a truncated
-    file) raises :class:`ShardIntegrityError` naming the file."""
+    """A shard (a local path or a URI) opened for reading with page checksum verification; a footer that does not
+    parse (a truncated file) raises :class:`ShardIntegrityError` naming the file."""
     try:
-        return pq.ParquetFile(path, page_checksum_verification=True)
+        source = storage.open_input(path) if storage.is_uri(path) else path
+        return pq.ParquetFile(source, page_checksum_verification=True)
     except (OSError, pa.ArrowException) as err:
         raise ShardIntegrityError(f"{path}: not a readable Parquet shard ({err})") from err
 
@@ -276,11 +278,12 @@ def read_shard(path: Path | str, columns: Iterable[str] | None = None, row_group
         raise ShardIntegrityError(f"{path}: {where} is corrupt ({err})") from err
 
 
-def split_files(shard_dir: Path, split: str) -> list[Path]:
+def split_files(shard_dir: Path | str, split: str) -> list[str]:
+    """The shard files of one split, as locations (paths or URIs) in the manifest's order."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
     manifest = read_manifest(shard_dir)
-    return [Path(shard_dir) / f["file"] for f in manifest["files"] if f["split"] == split]
+    return [storage.join(shard_dir, f["file"]) for f in manifest["files"] if f["split"] == split]
 
 
 # --- reading -----------------------------------------------------------------------------------------
@@ -320,7 +323,7 @@ def list_tensor(column: pa.ChunkedArray | pa.Array, dtype: np.dtype) -> np.ndarr
     return values.reshape(len(array), -1)
 
 
-def row_groups(shard_dir: Path, split: str) -> list[dict[str, Any]]:
+def row_groups(shard_dir: Path | str, split: str) -> list[dict[str, Any]]:
     """Every Parquet row group of a split in file order: ``{"path", "row_group", "rows"}`` (the unit a read task reads,
     a rank owns and an epoch orders)."""
     files = split_files(shard_dir, split)
@@ -347,7 +350,7 @@ def rank_pieces(
 
 
 def read_split(
-    shard_dir: Path,
+    shard_dir: Path | str,
     split: str,
     columns: Iterable[str] | None = None,
     num_cpus: float = 1.0,
@@ -365,6 +368,10 @@ def read_split(
     ``from_items`` → ``map_batches`` over row groups rather than ``read_parquet``: the latter first samples the
     files in a task of one CPU that no setting changes, which never starts while every CPU is held by trials
     (a deadlock on small machines), and costs 0.8-6 s before the first batch of every epoch.
+
+    Where the read tasks run is Ray Data's choice: Ray 2.60 deprecates every locality setting (``locality_with_output``
+    is gone, ``DataContext.scheduling_strategy`` and per-operator strategies are deprecated: "Ray Data manages
+    scheduling internally"). From an object store no node is nearer the data anyway.
     """
     pieces = [{"path": p["path"], "row_group": p["row_group"]} for p in (pieces or row_groups(shard_dir, split))]
     if not pieces:

@@ -202,7 +202,7 @@ def raw_step_rate(flat: dict[str, Any], steps: int = 10, warmup: int = 3) -> dic
     device = torch.device("cuda")
     task, model, layout = build_trial(config, device)
     micro = int(config.data.micro_batch)
-    batch = on_device(first_rows(Path(config.data.shards), "train", micro, layout), device)
+    batch = on_device(first_rows(config.data.shards, "train", micro, layout), device)
     loss_of = loss_function(task, config, device)
     optimiser = torch.optim.AdamW(model.parameters(), config.optimiser.lr)
     torch.cuda.reset_peak_memory_stats(device)

@@ -26,11 +26,12 @@ from mlflow.tracking import MlflowClient
 from ray import tune
 from ray.tune.search.optuna import OptunaSearch
 
+from gx_ray import storage
 from gx_ray.data.demo.cohort import DemoConfig
 from gx_ray.data.prepare import SHARD_DIR, PrepareConfig, prepare_data
 from gx_ray.data.preprocess import PreprocessConfig
-from gx_ray.data.shards import check_shards, read_manifest
-from gx_ray.runtime import init_ray, mlflow_retries
+from gx_ray.data.shards import MANIFEST_FILE, check_shards, read_manifest
+from gx_ray.runtime import init_ray, mlflow_retries, nodes_without
 from gx_ray.sweep.resume import check_resumable, record_inputs, sweep_inputs
 from gx_ray.sweep.spaces import SearchSpace, available_presets, load_space
 from gx_ray.sweep.trial import Prober, gpu_plan_key, resolve, run_trial, trial_resources
@@ -57,8 +58,13 @@ METRIC = "val_primary"  # every task reports its primary metric under this name 
 class SweepOptions:
     space: str
     output: Path = Path("outputs/sweeps")
-    data: Path | None = None
-    """A prepared dataset (its ``shards/`` folder or the folder above it); None prepares the demo cohort once."""
+    """The driver's own files: the sweep's summary, its MLflow server's store, the report."""
+    data: Path | str | None = None
+    """A prepared dataset (its ``shards/`` folder or the folder above it), a path or a URI (:mod:`gx_ray.storage`);
+    None prepares the demo cohort once. Only read."""
+    storage: str | None = None
+    """Tune's and Train's state and checkpoints (and a copy of the report), a path or URI every node reaches;
+    default ``OUTPUT/<sweep id>/ray`` (one node, or a shared filesystem)."""
     address: str | None = None
     mlflow_uri: str | None = None
     presets: tuple[str, ...] = ()
@@ -101,22 +107,22 @@ class SweepResult:
         return f"sqlite:///{store}" if store.is_file() else self.tracking_uri
 
 
-def _sweep_id(space: SearchSpace, shards: Path) -> str:
+def _sweep_id(space: SearchSpace, shards: str) -> str:
     """Deterministic: the same space, presets and data give the same id (and so the same names on resume)."""
     digest = hashlib.sha1(
         json.dumps(
-            [space.fixed, space.grid, space.sample, space.overrides, str(shards.resolve())], sort_keys=True, default=str
+            [space.fixed, space.grid, space.sample, space.overrides, shards], sort_keys=True, default=str
         ).encode()
     ).hexdigest()[:8]
     return "-".join([space.name, *space.presets_applied, digest])
 
 
-def _shard_path(options: SweepOptions) -> Path:
-    """Where the sweep's shards are (the demo cohort's, once prepared)."""
+def _shard_path(options: SweepOptions) -> str:
+    """Where the sweep's shards are (the demo cohort's, once prepared): an absolute path or a URI."""
     if options.data is None:
-        return Path(options.demo_dir) / SHARD_DIR
-    data = Path(options.data)
-    return data if (data / "manifest.json").is_file() else data / SHARD_DIR
+        return storage.normalize(Path(options.demo_dir) / SHARD_DIR)
+    data = storage.normalize(options.data)
+    return data if storage.is_file(storage.join(data, MANIFEST_FILE)) else storage.join(data, SHARD_DIR)
 
 
 def _prepare_demo(options: SweepOptions) -> None:
@@ -131,11 +137,28 @@ def _prepare_demo(options: SweepOptions) -> None:
     if (
         stamp.is_file()
         and stamp.read_text(encoding="utf-8") == wanted
-        and (_shard_path(options) / "manifest.json").is_file()
+        and storage.is_file(storage.join(_shard_path(options), MANIFEST_FILE))
     ):
         return
     prepare_data("demo", options.demo_dir, config, demo, address=options.address)
     stamp.write_text(wanted, encoding="utf-8")  # written last: its presence means the cohort is complete
+
+
+def _check_every_node_reaches(locations: dict[str, str]) -> None:
+    """Trials read the shards and write their state from whichever node Ray places them on: a local folder must be
+    there on every node (a shared filesystem, or several nodes of one machine). Object stores are not checked."""
+    for flag, location in locations.items():
+        folder = storage.local_path(location)
+        if folder is None:
+            continue
+        if flag == "--storage":
+            folder.mkdir(parents=True, exist_ok=True)
+        if missing := nodes_without(folder):
+            raise storage.UnreachableStorageError(
+                f"{flag} {location} is not on every Ray node (missing on {', '.join(missing)}): give a location every "
+                "node reaches, s3://... or gs://... or a filesystem mounted at the same path on every node "
+                "(jobs/cluster/README.md)"
+            )
 
 
 def _concurrency(space: SearchSpace, options: SweepOptions, context: dict[str, Any]) -> int:
@@ -218,12 +241,13 @@ def run_sweep(options: SweepOptions) -> SweepResult:
     space = load_space(options.space, presets)  # a malformed space fails here, before Ray starts
     shards = _shard_path(options)
     sweep_id = _sweep_id(space, shards)
-    output = Path(options.output) / sweep_id
-    storage = output / "ray"
+    output = Path(options.output).resolve() / sweep_id
+    state = storage.normalize(options.storage or output / "ray")  # Tune's and Train's, on storage every node reaches
     if options.resume:  # a changed space or cohort is refused before anything starts
         check_resumable(Path(options.output), sweep_id, sweep_inputs(space, shards))
-    elif (storage / sweep_id).exists():
-        raise FileExistsError(f"{output} holds this sweep already: pass --resume to continue it, or another --output")
+    elif storage.exists(storage.join(state, sweep_id)):
+        where = f"--storage {options.storage}" if options.storage else output
+        raise FileExistsError(f"{where} holds this sweep already: pass --resume to continue it, or another --output")
     output.mkdir(parents=True, exist_ok=True)
     mlflow_retries()  # an unreachable server fails a call after ~30 s, not ~4 minutes
     # Tune snapshots its state whenever a trial has checkpointed num_to_keep times, i.e. every 2 epochs of a short
@@ -239,6 +263,7 @@ def run_sweep(options: SweepOptions) -> SweepResult:
             timings: dict[str, float] = {"ray_seconds": time.perf_counter() - started, "launched_at": launched_at}
             _prepare_demo(options)
             timings["data_seconds"] = time.perf_counter() - started - timings["ray_seconds"]
+            _check_every_node_reaches({"--data": shards, "--storage": state})
             check_shards(shards, verify=options.verify)  # a truncated or altered shard is named before any trial
             record_inputs(output, sweep_inputs(space, shards))
             if server:  # launched before Ray and the data: only what is left of its start-up is waited for
@@ -246,7 +271,7 @@ def run_sweep(options: SweepOptions) -> SweepResult:
                 server.wait().keep_alive()
                 timings["mlflow_seconds"] = time.perf_counter() - waited
             tracking_uri = options.mlflow_uri or server.uri
-            result = _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timings, interrupted)
+            result = _tune(space, options, shards, sweep_id, output, state, tracking_uri, timings, interrupted)
             if not result.interrupted and result.mlflow_error is None:  # one who pressed Ctrl-C wants out, not a report
                 result.report = _write_report(result, shards)
         finally:
@@ -254,6 +279,8 @@ def run_sweep(options: SweepOptions) -> SweepResult:
                 server.stop()
     result.timings["total_seconds"] = time.perf_counter() - started
     _write_sweep_file(result, space)
+    if options.storage:  # the summary and report beside the sweep's state, where the whole team reaches them
+        storage.copy_tree(output, storage.join(state, sweep_id, "driver"), skip=("mlflow", "ray"))
     if server:
         print(f"\nbrowse the runs:  {server.ui_command()}")
     return result
@@ -288,9 +315,9 @@ def _signals_stop_the_sweep() -> Iterator[dict[str, bool]]:
             signal.signal(signum, old)
 
 
-def _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timings, interrupted) -> SweepResult:
+def _tune(space, options, shards, sweep_id, output, state, tracking_uri, timings, interrupted) -> SweepResult:
     client = MlflowClient(tracking_uri)
-    tags = provenance(shards / "manifest.json")
+    tags = provenance(storage.join(shards, MANIFEST_FILE))
     parent = parent_run(
         client,
         EXPERIMENT,
@@ -298,7 +325,7 @@ def _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timin
         {
             "space": space.name,
             "presets": ",".join(space.presets_applied),
-            "data": str(shards.resolve()),  # the report reads its manifest (which cohort) from anywhere
+            "data": shards,  # the report reads its manifest (which cohort) from anywhere
             **{f"fixed.{k}": v for k, v in space.fixed.items()},
             **{f"grid.{k}": v for k, v in space.grid.items()},
         },
@@ -311,8 +338,8 @@ def _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timin
         "parent_run_id": parent,
         "sweep_id": sweep_id,
         "space": space.name,
-        "shards": str(shards.resolve()),
-        "storage_path": str(storage.resolve()),
+        "shards": shards,
+        "storage_path": state,
         # the space's resources section decides what every trial config says about resources
         "fixed": {**space.resource_keys(), **space.fixed},
         "overrides": space.overrides,
@@ -351,14 +378,14 @@ def _tune(space, options, shards, sweep_id, output, storage, tracking_uri, timin
     )
     run_config = tune.RunConfig(
         name=sweep_id,
-        storage_path=str(storage.resolve()),
+        storage_path=state,
         failure_config=tune.FailureConfig(max_failures=1),  # a trial that fails twice is reported, not fatal
         checkpoint_config=tune.CheckpointConfig(
             num_to_keep=2, checkpoint_score_attribute=METRIC, checkpoint_score_order="max"
         ),
         verbose=1 if sys.stderr.isatty() else 0,
     )
-    path = str((storage / sweep_id).resolve())  # Tune reads a relative path as a URI without a scheme
+    path = storage.join(state, sweep_id)  # absolute: Tune reads a relative path as a URI without a scheme
     if options.resume and tune.Tuner.can_restore(path):
         tuner = tune.Tuner.restore(
             path,
@@ -447,7 +474,7 @@ def _gpu_usage(client: MlflowClient, parent: str, runs: list, host: GpuSampler, 
     }
 
 
-def _write_report(result: SweepResult, shards: Path) -> Path | None:
+def _write_report(result: SweepResult, shards: str) -> Path | None:
     """The sweep's report (tables, figures, statistics), also on the parent run; a failure is printed, not fatal:
     the trials are in MLflow, and ``analysis/report.py`` writes the report again."""
     from gx_ray.analysis.report import cohort_of, write_report

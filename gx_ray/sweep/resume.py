@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from gx_ray import storage
 from gx_ray.sweep.spaces import SearchSpace
 
 INPUTS_FILE = "inputs.json"
@@ -21,10 +22,10 @@ class ResumeError(ValueError):
     """``--resume`` cannot continue: nothing to resume, or the space or cohort changed since the sweep started."""
 
 
-def sweep_inputs(space: SearchSpace, shards: Path) -> dict[str, Any]:
+def sweep_inputs(space: SearchSpace, shards: str) -> dict[str, Any]:
     """The space as it decides trials (not its description or time budget: a resumed sweep gets a budget anew) and
     the SHA-256 of the cohort's shard manifest (which itself holds every shard's SHA-256)."""
-    manifest = Path(shards) / "manifest.json"
+    manifest = storage.join(shards, "manifest.json")
     return {
         "space": {
             "name": space.name,
@@ -39,8 +40,10 @@ def sweep_inputs(space: SearchSpace, shards: Path) -> dict[str, Any]:
             "samples": space.samples,
             "resources": space.resource_keys(),
         },
-        "data": str(Path(shards).resolve()),
-        "manifest_sha256": hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else None,
+        "data": storage.normalize(shards),
+        "manifest_sha256": hashlib.sha256(storage.read_bytes(manifest)).hexdigest()
+        if storage.is_file(manifest)
+        else None,
     }
 
 

@@ -96,7 +96,13 @@ def _device_tags(config: TrialConfig) -> dict[str, str]:
     """Where the trial runs and at which batch (the micro-batch the loop settles on is tagged by the loop)."""
     gpu = config.resources.use_gpu and torch.cuda.is_available()
     device = torch.cuda.get_device_name(torch.cuda.current_device()) if gpu else f"cpu ({os.cpu_count()} cores)"
-    return {"gx_ray.device": device, "gx_ray.effective_batch": str(config.data.effective_batch)}
+    return {
+        "gx_ray.device": device,
+        "gx_ray.effective_batch": str(config.data.effective_batch),
+        # the node of the trial's latest attempt (a retried trial may move): which machine's logs to read
+        "gx_ray.node_id": ray.get_runtime_context().get_node_id(),
+        "gx_ray.node_ip": ray.util.get_node_ip_address(),
+    }
 
 
 def _fit_torch_trainer(

@@ -22,6 +22,8 @@ from urllib.parse import urlparse
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
+from gx_ray import storage
+
 SWEEP_TAG, TRIAL_TAG, KIND_TAG = "gx_ray.sweep_id", "gx_ray.trial_id", "gx_ray.kind"
 PARENT_TAG = "mlflow.parentRunId"  # MLflow's own tag: the UI nests child runs under it
 MAX_PARAM_LENGTH = 6000  # MLflow 3 stores param values up to 6000 characters
@@ -164,7 +166,7 @@ def end_open_runs(client: MlflowClient, runs: list[Any], stopped_early: list[str
 PROVENANCE_PACKAGES = ("torch", "ray", "monai", "transformers", "mlflow", "optuna", "SimpleITK", "pyarrow")
 
 
-def provenance(manifest: Path | None = None) -> dict[str, str]:
+def provenance(manifest: str | Path | None = None) -> dict[str, str]:
     """What a run's numbers came from: the code (git commit, ``-dirty`` with uncommitted changes, or the installed
     version), the library versions and the shard manifest's SHA-256. Tags, so that the UI and searches show them."""
     import gx_ray
@@ -176,7 +178,7 @@ def provenance(manifest: Path | None = None) -> dict[str, str]:
         except PackageNotFoundError:
             tags[f"gx_ray.version.{package}"] = "absent"
     if manifest is not None:
-        tags["gx_ray.manifest_sha256"] = hashlib.sha256(Path(manifest).read_bytes()).hexdigest()
+        tags["gx_ray.manifest_sha256"] = hashlib.sha256(storage.read_bytes(manifest)).hexdigest()
     return tags
 
 

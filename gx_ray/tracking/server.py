@@ -75,6 +75,8 @@ class LocalMlflowServer:
             "--artifacts-destination", str(self.root / "artifacts"),
             "--host", self.host, "--port", str(self.port), "--workers", "1",
         ]  # fmt: skip
+        if not self.host.startswith("127.") and self.host != "localhost":  # clients name it by this address
+            command += ["--allowed-hosts", f"{self.host},{self.host}:{self.port},localhost:*,127.0.0.1:*"]
         # no GenAI job runner: seven more processes (huey consumers) that a sweep never uses
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         # a session of its own, so stopping it stops its uvicorn worker too and Ctrl-C on the sweep is ours

@@ -98,7 +98,7 @@ class SplitStream:
 
     def __init__(self, config: TrialConfig, split: str, layout: TensorLayout, ctx: WorkerContext, batch_size: int):
         self.config, self.split, self.layout, self.ctx, self.batch_size = config, split, layout, ctx, batch_size
-        self.pieces = row_groups(Path(config.data.shards), split)
+        self.pieces = row_groups(config.data.shards, split)
         self.shuffle = config.data.shuffle_buffer if split == "train" else 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"prefetch-{split}")
         self._next: tuple[int, Iterator, Future] | None = None
@@ -117,7 +117,7 @@ class SplitStream:
     def _iterator(self, epoch: int) -> Iterator[dict]:
         data = self.config.data
         dataset = read_split(
-            Path(data.shards), self.split, num_cpus=data.read_cpus, concurrency=data.read_concurrency,
+            data.shards, self.split, num_cpus=data.read_cpus, concurrency=data.read_concurrency,
             pieces=self.my_pieces(epoch),
         )  # fmt: skip
         seed = self.order_seed(epoch)
@@ -178,10 +178,10 @@ def evaluate(
 
 def build_trial(config: TrialConfig, device: torch.device) -> tuple[Any, TaskModel, TensorLayout]:
     """The trial's task (fitted on the training split) and model, on ``device``."""
-    manifest = read_manifest(Path(config.data.shards))
+    manifest = read_manifest(config.data.shards)
     layout = TensorLayout(tuple(manifest["ct_shape"]), tuple(manifest["endoscopy_shape"]), tuple(manifest["lab_names"]))
     task = build_task(config.task, **config.task_options)
-    task.prepare(_train_rows(Path(config.data.shards), task))  # fitted on the training split only
+    task.prepare(_train_rows(config.data.shards, task))  # fitted on the training split only
     model = TaskModel(task, build_encoder(config.model, config.schema), config.schema).to(device)
     return task, model, layout
 
@@ -206,7 +206,7 @@ def micro_batch_for(
         return int(config.data.micro_batch), None
     if device.type != "cuda":
         return per_rank, None
-    rows = first_rows(Path(config.data.shards), "train", per_rank, layout)
+    rows = first_rows(config.data.shards, "train", per_rank, layout)
     loss_of = loss_function(task, config, device)
 
     def peak_of(micro: int) -> int | None:
@@ -259,10 +259,12 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
         optimiser.load_state_dict(state["optimiser"])
         scheduler.load_state_dict(state["scheduler"])
         start_epoch, best = state["epoch"] + 1, state["best"]
+        if ctx.tracker:  # a retried trial (its node lost, say) goes on from here: the run tells where it resumed
+            ctx.tracker.log_metrics({"resumed_from_epoch": start_epoch}, step=start_epoch)
     train.prefetch(start_epoch)  # reads start while DDP is set up
     train_model, no_sync = model, None
     if ctx.world_size > 1:  # Ray Train has set up the process group
-        train_model = _ddp(model, task, config, ctx, first_rows(Path(config.data.shards), "train", micro, layout))
+        train_model = _ddp(model, task, config, ctx, first_rows(config.data.shards, "train", micro, layout))
         no_sync = train_model.no_sync
 
     loss_of = loss_function(task, config, ctx.device)
@@ -395,14 +397,14 @@ def _report(ctx: WorkerContext, metrics: dict, model, optimiser, scheduler, epoc
         ctx.report(metrics, checkpoint=Checkpoint.from_directory(folder))
 
 
-def _train_rows(shard_dir: Path, task: Any) -> list[dict]:
+def _train_rows(shard_dir: str, task: Any) -> list[dict]:
     """The training split's rows without the image columns (what a task may learn from, e.g. VQA answers)."""
     files = split_files(shard_dir, "train")
     columns = [c for c in open_shard(files[0]).schema_arrow.names if c not in TENSOR_COLUMNS]
     return [row for f in files for row in read_shard(f, columns=columns).to_pylist()]
 
 
-def first_rows(shard_dir: Path, split: str, rows: int, layout: TensorLayout) -> dict[str, Any]:
+def first_rows(shard_dir: Path | str, split: str, rows: int, layout: TensorLayout) -> dict[str, Any]:
     """The first ``rows`` rows of a split as one collated batch (what a probe step trains on)."""
     tables = []
     for f in split_files(shard_dir, split):
@@ -456,7 +458,7 @@ def probe_trial(flat: dict[str, Any]) -> dict[str, Any]:
     task, model, layout = build_trial(config, device)
     micro, peak = micro_batch_for(config, model, task, layout, device, config.resources.workers)
     if peak is None:
-        rows = first_rows(Path(config.data.shards), "train", micro, layout)
+        rows = first_rows(config.data.shards, "train", micro, layout)
         peak = probe.step_peak_bytes(model, loss_function(task, config, device), on_device(rows, device), device)
     properties = torch.cuda.get_device_properties(device)
     return {

@@ -1,0 +1,291 @@
+"""A real multi-node Ray cluster on this machine: a head without CPUs and worker nodes started with ``ray start``, each
+in a working directory, home and temp dir of its own, so trials run away from the head and the driver. Shards and the
+sweep's state live in an S3-protocol object store started by the test: moto's standalone server, which speaks S3's
+wire protocol and stands in here for S3 or MinIO (no real bucket is reachable from CI). MLflow is a server on this
+machine's network address, as a team's would be.
+
+The data are prepared onto the bucket by tasks on the worker nodes, the sweep reads them there and keeps Tune's and
+Train's state there; a worker node killed mid-trial (its raylet) is survived: the trial resumes from its last
+checkpoint on a node that joined mid-sweep, nothing lost or logged twice."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from gx_ray.sweep.driver import EXPERIMENT
+from gx_ray.tracking import KIND_TAG, TRIAL_TAG
+from gx_ray.tracking.server import LocalMlflowServer, free_port
+from gx_ray.train.loop import CHECKPOINT_FILE
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+HEALTH_CHECK = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
+
+
+def _node_ip() -> str:
+    import ray._private.services
+
+    return ray._private.services.get_node_ip_address()
+
+
+class RayNodes:
+    """``ray start --block`` per node, each a process group with its own cwd, HOME and ``--temp-dir``."""
+
+    def __init__(self):
+        # short: a node's sockets live under its temp dir, and a socket path has at most 107 bytes
+        self.root, self.ip, self.port = Path(tempfile.mkdtemp(prefix="gxn-")), _node_ip(), free_port("")
+        self.nodes: dict[str, subprocess.Popen] = {}
+
+    @property
+    def address(self) -> str:
+        return f"{self.ip}:{self.port}"
+
+    def folder(self, name: str) -> Path:
+        return self.root / name
+
+    def start(self, name: str, cpus: int, head: bool = False) -> None:
+        folder = self.folder(name)
+        (folder / "home").mkdir(parents=True, exist_ok=True)
+        command = [
+            "ray", "start", "--block", f"--num-cpus={cpus}", "--num-gpus=0", f"--temp-dir={folder / 'tmp'}",
+            "--disable-usage-stats", f"--resources={json.dumps({f'gx_node_{name}': 1})}",
+        ]  # fmt: skip
+        command += (
+            ["--head", f"--port={self.port}", "--include-dashboard=false"] if head else [f"--address={self.address}"]
+        )
+        log = open(folder / "ray.log", "ab")  # noqa: SIM115 - the node outlives this call
+        # the head's GCS declares a silent node dead after ~3 s instead of ~30 s (Ray's health check settings)
+        env = {**os.environ, "HOME": str(folder / "home"), **HEALTH_CHECK}
+        self.nodes[name] = subprocess.Popen(
+            command, cwd=folder, env=env, stdout=log, stderr=log, start_new_session=True
+        )
+        self.wait_for(lambda nodes: name in nodes, f"node {name} to join")
+
+    def alive(self) -> dict[str, str]:
+        """Node name → Ray node ID of the alive nodes, from a driver of its own (the test process keeps its Ray)."""
+        head = self.nodes["head"]
+        assert head.poll() is None, (self.folder("head") / "ray.log").read_text(errors="replace")[-3000:]
+        script = (
+            f"import json, ray; ray.init(address={self.address!r}, logging_level='ERROR'); "
+            "print(json.dumps({k[len('gx_node_'):]: n['NodeID'] for n in ray.nodes() if n['Alive'] "
+            "for k in n['Resources'] if k.startswith('gx_node_')}))"
+        )
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        return json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {}
+
+    def wait_for(self, condition: Callable[[dict[str, str]], bool], what: str, timeout: float = 120) -> dict[str, str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            nodes = self.alive()
+            if condition(nodes):
+                return nodes
+            time.sleep(1)
+        raise AssertionError(f"no {what} within {timeout:.0f} s")
+
+    def kill_raylet(self, name: str) -> None:
+        """SIGKILL the node's raylet, as a machine lost would: its workers die with it; nothing is told to stop."""
+        raylets = [p for p in psutil.Process(self.nodes[name].pid).children(recursive=True) if p.name() == "raylet"]
+        assert raylets, f"node {name} has no raylet"
+        for raylet in raylets:
+            raylet.kill()
+
+    def stop(self) -> None:
+        for process in self.nodes.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in self.nodes.values():
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture
+def s3(monkeypatch) -> Iterator[object]:
+    """moto's S3 server (a stand-in for S3/MinIO) on this machine's address, the endpoint every node is given as
+    MinIO users give it (``AWS_ENDPOINT_URL``); a bucket for the data and one for the sweeps' state."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
+    server = ThreadedMotoServer(ip_address=_node_ip(), port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    for key, value in {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "gx-test",
+        "AWS_SECRET_ACCESS_KEY": "gx-test-secret",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }.items():
+        monkeypatch.setenv(key, value)
+    client = boto3.client("s3", endpoint_url=endpoint)
+    for bucket in ("gx-data", "gx-state"):
+        client.create_bucket(Bucket=bucket)
+    yield client
+    server.stop()
+
+
+@pytest.fixture
+def mlflow_uri(tmp_path) -> Iterator[str]:
+    """A tracking server on this machine's network address (not loopback): every node reaches it."""
+    server = LocalMlflowServer(tmp_path / "mlflow", host=_node_ip()).launch().wait()
+    yield server.uri
+    server.stop()
+
+
+@pytest.fixture
+def nodes(s3) -> Iterator[RayNodes]:
+    cluster = RayNodes()
+    try:
+        cluster.start("head", cpus=0, head=True)  # the head runs the driver's actors only: no trial lands there
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _objects(client, bucket: str) -> dict[str, tuple[str, int]]:
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+    return {o["Key"]: (o["ETag"], o["Size"]) for page in pages for o in page.get("Contents", [])}
+
+
+def _space(folder: Path, epochs: int, seeds: int) -> Path:
+    document = {
+        "description": "small stage-classification trials on a multi-node cluster",
+        "fixed": {
+            "task": "stage_classification",
+            "model.vision": "resnet18_3d",
+            "model.vision_kwargs": {"block_inplanes": [8, 16, 32, 64]},
+            "model.text": "bert_tiny",
+            "model.hidden": 32,
+            "schedule.epochs": epochs,
+            "schedule.max_steps_per_epoch": 2,
+            "data.effective_batch": 2,
+        },
+        "grid": {"seed": list(range(seeds))},
+    }
+    path = folder / "space.yaml"
+    path.write_text(yaml.safe_dump(document), encoding="utf-8")
+    return path
+
+
+def _run(command: list[str], cwd: Path, log: Path) -> subprocess.Popen:
+    cwd.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        return subprocess.Popen(command, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _prepare(nodes: RayNodes, tmp_path: Path) -> None:
+    log = tmp_path / "prepare.log"
+    command = [
+        sys.executable, str(ROOT / "jobs" / "prepare_data.py"), "--source", "demo", "--cases", "10",
+        "--endoscopy-size", "32", "--out", "s3://gx-data/cohort", "--address", nodes.address,
+    ]  # fmt: skip
+    assert _run(command, tmp_path / "driver", log).wait(timeout=600) == 0, log.read_text(errors="replace")[-3000:]
+
+
+def _sweep_command(nodes: RayNodes, space: Path, mlflow_uri: str, *extra: str) -> list[str]:
+    return [
+        sys.executable, str(ROOT / "jobs" / "sweep.py"), "--space", str(space), "--address", nodes.address,
+        "--data", "s3://gx-data/cohort", "--storage", "s3://gx-state/sweeps", "--mlflow-uri", mlflow_uri,
+        "--output", "out", *extra,
+    ]  # fmt: skip
+
+
+def _trials(client: MlflowClient) -> list:
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    runs = client.search_runs([experiment.experiment_id]) if experiment else []
+    return [r for r in runs if r.data.tags.get(KIND_TAG) == "trial"]
+
+
+def _assert_epochs_once(client: MlflowClient, run, epochs: int) -> None:
+    for key in ("epoch", "val_primary", "train_loss"):
+        steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
+        assert steps == list(range(epochs)), f"{key} of {run.info.run_name}: steps {steps} (lost or logged twice)"
+
+
+def test_a_sweep_on_three_nodes_reads_and_keeps_everything_in_the_object_store(nodes, s3, mlflow_uri, tmp_path):
+    nodes.start("worker1", cpus=2)
+    nodes.start("worker2", cpus=2)
+    ids = nodes.alive()
+    _prepare(nodes, tmp_path)  # preprocessing tasks run on the workers: the head has no CPU
+    data = _objects(s3, "gx-data")
+    assert "cohort/shards/manifest.json" in data and "cohort/qc_report.md" in data
+    assert any(key.endswith(".parquet") for key in data)
+    assert not any(key.startswith("cohort/raw") for key in data), "the raw demo cohort is not part of the data"
+
+    space, driver, log = _space(tmp_path, epochs=2, seeds=2), tmp_path / "driver", tmp_path / "sweep.log"
+    # the sweep's own loopback MLflow is refused before any work: trials on the other nodes could not reach it
+    refused = subprocess.run(
+        [c for c in _sweep_command(nodes, space, mlflow_uri) if c not in ("--mlflow-uri", mlflow_uri)],
+        cwd=driver, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "3 nodes" in refused.stderr and "--mlflow-uri" in refused.stderr, refused.stderr
+
+    process = _run(_sweep_command(nodes, space, mlflow_uri), driver, log)
+    assert process.wait(timeout=900) == 0, log.read_text(errors="replace")[-4000:]
+
+    client = MlflowClient(mlflow_uri)
+    trials = _trials(client)
+    assert len(trials) == 2 and {r.info.status for r in trials} == {"FINISHED"}
+    workers = {ids["worker1"], ids["worker2"]}
+    for run in trials:
+        assert run.data.tags["gx_ray.node_id"] in workers, "a trial ran on the head node"
+        _assert_epochs_once(client, run, 2)
+    assert _objects(s3, "gx-data") == data, "the sweep wrote into --data (it is read-only to a sweep)"
+    state = _objects(s3, "gx-state")
+    sweep_id = next(iter(driver.glob("out/*/sweep.json"))).parent.name
+    assert any(k.startswith(f"sweeps/{sweep_id}/") and "experiment_state" in k for k in state), sorted(state)[:20]
+    checkpoints = [k for k in state if "/checkpoint_" in k and k.endswith(CHECKPOINT_FILE)]
+    assert len({k.split("/checkpoint_")[0] for k in checkpoints}) == 2, "each trial keeps its checkpoints in the bucket"
+    assert f"sweeps/{sweep_id}/driver/sweep.json" in state and f"sweeps/{sweep_id}/driver/report/summary.md" in state
+    assert not (driver / "out" / sweep_id / "ray").exists(), "Tune's state went to the driver's disk"
+    for name in ("worker1", "worker2"):  # nothing a trial writes lands in a worker's working directory
+        assert sorted(p.name for p in nodes.folder(name).iterdir()) == ["home", "ray.log", "tmp"]
+
+
+def test_a_worker_node_lost_mid_trial_resumes_on_a_node_that_joined(nodes, s3, mlflow_uri, tmp_path):
+    epochs = 6
+    nodes.start("worker1", cpus=2)
+    _prepare(nodes, tmp_path)
+    space, driver, log = _space(tmp_path, epochs=epochs, seeds=2), tmp_path / "driver", tmp_path / "sweep.log"
+    process = _run([*_sweep_command(nodes, space, mlflow_uri), "--max-concurrent", "1"], driver, log)
+    client = MlflowClient(mlflow_uri)
+    deadline = time.monotonic() + 600
+    while not any(r.info.status == "RUNNING" and r.data.metrics.get("epoch", -1) >= 1 for r in _trials(client)):
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-4000:]
+        time.sleep(0.5)
+    nodes.kill_raylet("worker1")  # lost mid-trial, after a checkpoint reached the bucket
+    nodes.start("worker2", cpus=2)  # joins mid-sweep: the only node left with CPUs
+    ids = nodes.wait_for(lambda alive: "worker1" not in alive and "worker2" in alive, "worker1 seen lost")
+    assert process.wait(timeout=900) == 0, log.read_text(errors="replace")[-4000:]
+
+    trials = _trials(client)
+    assert len(trials) == 2, f"{len(trials)} trial runs for 2 cells: one was run twice or lost"
+    assert {r.info.status for r in trials} == {"FINISHED"}
+    assert len({r.data.tags[TRIAL_TAG] for r in trials}) == 2
+    for run in trials:
+        assert run.data.tags["gx_ray.node_id"] == ids["worker2"], "the joined node took over the sweep's trials"
+        _assert_epochs_once(client, run, epochs)
+    resumed = [r for r in trials if "resumed_from_epoch" in r.data.metrics]
+    assert len(resumed) == 1 and resumed[0].data.metrics["resumed_from_epoch"] >= 1, "not resumed from a checkpoint"
