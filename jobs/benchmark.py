@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster.add_argument("--steps-per-epoch", type=int, default=30)
     cluster.add_argument("--gpus-per-trial", default="auto", help="auto (measured packing), 1, 0.5, ...")
     cluster.add_argument("--tasks", help="comma-separated tasks of the slice (default: all five)")
+    cluster.add_argument("--address", help="an existing Ray cluster, e.g. jobs/cluster/two_nodes_one_host.sh's")
     args = parser.parse_args(argv)
 
     if args.command == "cluster":
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             budget_s=args.budget,
             steps_per_epoch=args.steps_per_epoch,
             gpus_per_trial=share,
+            address=args.address,
             **({"tasks": tuple(args.tasks.split(","))} if args.tasks else {}),
         )
         print(format_cluster_result(run_cluster_benchmark(args.output, config)))

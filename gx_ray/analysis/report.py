@@ -257,7 +257,7 @@ def report_sweep(sweep: str, mlflow_uri: str | None = None, output: Path | None 
             raise ValueError(f"no sweep {sweep_id!r} on the MLflow server {uri}")
         parent = parents[0]
         try:
-            cohort = cohort_of(read_manifest(Path(parent.data.params["data"]), verify=False))
+            cohort = cohort_of(read_manifest(parent.data.params["data"], verify=False))
         except (KeyError, OSError, ValueError):
             cohort = ""
         destination = folder if document else Path(output or Path("outputs/sweeps") / sweep_id)

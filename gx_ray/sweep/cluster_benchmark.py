@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -38,6 +39,7 @@ from gx_ray.schema import TASKS
 from gx_ray.sweep.driver import SweepOptions, SweepResult, run_sweep
 from gx_ray.sweep.spaces import space_path
 from gx_ray.tracking import child_runs
+from gx_ray.tracking.server import LocalMlflowServer
 from gx_ray.train.probe import trials_per_gpu
 
 GASTRIC_X = {"train": 1190, "val": 255, "test": 255}
@@ -71,19 +73,39 @@ class ClusterBenchmarkConfig:
     target_gpus: int = 8
     tasks: tuple[str, ...] = TASKS
     """The slice's tasks (the projection needs all five)."""
+    address: str | None = None
+    """An existing Ray cluster (``jobs/cluster/two_nodes_one_host.sh``); its sweeps log to an MLflow server this run
+    starts on the node's network address, which every node reaches."""
 
 
 def run_cluster_benchmark(out: Path, config: ClusterBenchmarkConfig = ClusterBenchmarkConfig()) -> dict[str, Any]:
     started = time.perf_counter()
     out = Path(out)
-    init_ray(num_gpus=config.gpus)
+    init_ray(config.address, num_gpus=config.gpus)
     gpus = int(ray.cluster_resources().get("GPU", 0))
     if gpus < 1:
         raise RuntimeError("the cluster benchmark needs GPUs: Ray sees none on this node")
+    nodes = len([n for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU")])
+    server = None
+    if nodes > 1:  # the sweeps' own loopback server is refused on several nodes
+        server = LocalMlflowServer(out / "mlflow", host=ray.util.get_node_ip_address()).launch().wait()
+    try:
+        return _run(out, config, gpus, nodes, server.uri if server else None, started)
+    finally:
+        if server:
+            server.stop()
+
+
+def _run(
+    out: Path, config: ClusterBenchmarkConfig, gpus: int, nodes: int, mlflow_uri: str | None, started: float
+) -> dict[str, Any]:
     shards = _bench_cohort(out, config)
     prepared_at = time.perf_counter()
     result: dict[str, Any] = {"config": asdict(config), "gpus": gpus, "gpu": _gpu_name(), "seconds": {}}
+    result["nodes"] = nodes
+    result["nccl"] = {k: v for k, v in os.environ.items() if k in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE")}
     result["seconds"]["cohort"] = prepared_at - started
+    cluster = {"address": config.address, "mlflow_uri": mlflow_uri}
 
     slice_space = _space(out / "slice.yaml", config, SLICE_SCHEMAS, workers=None)
     cells = [(task, schema) for task in config.tasks for schema in SLICE_SCHEMAS]
@@ -93,7 +115,7 @@ def run_cluster_benchmark(out: Path, config: ClusterBenchmarkConfig = ClusterBen
 
     def slice_run() -> dict[str, Any]:
         left = config.budget_s - (time.perf_counter() - started) - ddp_budget
-        options = SweepOptions(str(slice_space), out / "sweeps", shards, time_budget_s=left)
+        options = SweepOptions(str(slice_space), out / "sweeps", shards, time_budget_s=left, **cluster)
         return _slice_figures(run_sweep(options), result["raw"], config.eval_rows)
 
     result["slice"] = _phase(result, "slice", slice_run, {"cells": {}})
@@ -104,7 +126,8 @@ def run_cluster_benchmark(out: Path, config: ClusterBenchmarkConfig = ClusterBen
         def ddp_run() -> dict[str, Any]:
             space = _space(out / "ddp.yaml", config, ("image_only",), workers=sizes)
             budget = max(ddp_budget, config.budget_s - (time.perf_counter() - started))
-            return _ddp_figures(run_sweep(SweepOptions(str(space), out / "sweeps", shards, time_budget_s=budget)))
+            options = SweepOptions(str(space), out / "sweeps", shards, time_budget_s=budget, **cluster)
+            return _ddp_figures(run_sweep(options))
 
         result["ddp"] = _phase(result, "ddp", ddp_run, {})
     result["projection"] = project(result["slice"], config.target_gpus)
@@ -133,14 +156,15 @@ def _gpu_name() -> str:
 
 
 def _bench_cohort(out: Path, config: ClusterBenchmarkConfig) -> Path:
-    prepared = prepare_data(
-        "demo",
-        out / "prepared",
-        PrepareConfig(preprocess=PreprocessConfig.preset("bench"), endoscopy_size=64),
-        DemoConfig(cases=config.cases, seed=0),
-    )
+    """Prepared once per output folder: a second run (another cluster shape) measures on the very same rows."""
     shards = out / "cohort"
     if not (shards / "manifest.json").is_file():
+        prepared = prepare_data(
+            "demo",
+            out / "prepared",
+            PrepareConfig(preprocess=PreprocessConfig.preset("bench"), endoscopy_size=64),
+            DemoConfig(cases=config.cases, seed=0),
+        )
         rows = {"train": config.train_rows, "val": config.eval_rows, "test": config.eval_rows}
         replicate_splits(prepared.shard_dir, shards, rows)
     return shards
@@ -323,10 +347,16 @@ def project(slice_figures: dict[str, Any], gpus: int = 8) -> dict[str, Any]:
     return {"gpus": gpus, "hours": hours, "per_task": per_task, "scheduling_efficiency": efficiency}
 
 
+def _nodes(result: dict[str, Any]) -> str:
+    nodes = result.get("nodes", 1)
+    off = ", ".join(f"{k}={v}" for k, v in sorted(result.get("nccl", {}).items()))
+    return f"{nodes} Ray node{'s' if nodes > 1 else ''}" + (f", {off}" if off else "")
+
+
 def format_cluster_result(result: dict[str, Any]) -> str:
     s, seconds = result["slice"], result["seconds"]
     lines = [
-        f"cluster benchmark on {result['gpus']} x {result['gpu']}: {seconds['total']:.0f} s in all "
+        f"cluster benchmark on {result['gpus']} x {result['gpu']} ({_nodes(result)}): {seconds['total']:.0f} s in all "
         f"(cohort {seconds.get('cohort', 0):.0f} s, raw steps {seconds.get('raw', 0):.0f} s)",
     ]
     if s.get("cells"):
