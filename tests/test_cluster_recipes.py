@@ -142,7 +142,7 @@ def assert_cluster_sweep(options, shared: Path = SHARED) -> None:
     assert options.space == "modality_ablation"
     assert options.presets == ("gpu",)
     assert options.address == "auto"
-    assert options.data == shared / "gx-data"
+    assert Path(options.data) == shared / "gx-data"
     assert options.output.is_absolute() and options.output.is_relative_to(shared)
     assert_every_node_reaches(options.mlflow_uri)
     assert options.verify and not options.resume
@@ -150,7 +150,7 @@ def assert_cluster_sweep(options, shared: Path = SHARED) -> None:
 
 def assert_cluster_prepare(recorded, prepare_script, shared: Path = SHARED) -> None:
     assert Path(recorded.source).is_relative_to(shared)
-    assert recorded.out == shared / "gx-data"
+    assert Path(recorded.out) == shared / "gx-data"
     assert recorded.config.preprocess == prepare_script.PreprocessConfig.preset("paper")
 
 
@@ -575,7 +575,7 @@ def test_slurm_script_takes_shared_paths_from_the_environment(run_sbatch, parse_
     run = run_sbatch(GX_DATA="/lustre/gx/data", GX_OUTPUT="/lustre/gx/sweeps")
     *_, entrypoint = _symmetric_run_parts(run.srun)
     options = parse_sweep(entrypoint[2:])
-    assert options.data == Path("/lustre/gx/data") and options.output == Path("/lustre/gx/sweeps")
+    assert Path(options.data) == Path("/lustre/gx/data") and options.output == Path("/lustre/gx/sweeps")
 
 
 @pytest.mark.parametrize("uri", [None, "http://127.0.0.1:5000", "http://localhost:5000", "http://0.0.0.0:5000"])
@@ -607,7 +607,14 @@ def test_readme_commands_parse(parse_sweep, parse_prepare):
         options = parse_sweep(argv)
         assert options.address == "auto"
         assert_every_node_reaches(options.mlflow_uri)
-        assert options.data.is_relative_to(SHARED) and options.output.is_relative_to(SHARED)
+        assert _every_node_reaches(options.data)
+        # Tune's state under --output on the shared file system, or in --storage
+        assert _every_node_reaches(options.storage) if options.storage else options.output.is_relative_to(SHARED)
     for _, argv in prepares:
         recorded = parse_prepare(argv)
-        assert Path(recorded.source).is_relative_to(SHARED) and recorded.out.is_relative_to(SHARED)
+        assert Path(recorded.source).is_relative_to(SHARED) and _every_node_reaches(recorded.out)
+
+
+def _every_node_reaches(location: str) -> bool:
+    """On the shared file system, or in an object store."""
+    return location.startswith(("s3://", "gs://")) or Path(location).is_relative_to(SHARED)

@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -88,7 +89,10 @@ class RayNodes:
             "print(json.dumps({k[len('gx_node_'):]: n['NodeID'] for n in ray.nodes() if n['Alive'] "
             "for k in n['Resources'] if k.startswith('gx_node_')}))"
         )
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        try:
+            done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+        except subprocess.TimeoutExpired:
+            return {}
         return json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {}
 
     def wait_for(self, condition: Callable[[dict[str, str]], bool], what: str, timeout: float = 120) -> dict[str, str]:
@@ -98,7 +102,8 @@ class RayNodes:
             if condition(nodes):
                 return nodes
             time.sleep(1)
-        raise AssertionError(f"no {what} within {timeout:.0f} s")
+        logs = {name: (self.folder(name) / "ray.log").read_text(errors="replace")[-2000:] for name in self.nodes}
+        raise AssertionError(f"no {what} within {timeout:.0f} s; the nodes' logs:\n{logs}")
 
     def kill_raylet(self, name: str) -> None:
         """SIGKILL the node's raylet, as a machine lost would: its workers die with it; nothing is told to stop."""
@@ -155,7 +160,11 @@ def mlflow_uri(tmp_path) -> Iterator[str]:
 
 
 @pytest.fixture
-def nodes(s3) -> Iterator[RayNodes]:
+def nodes(s3, monkeypatch) -> Iterator[RayNodes]:
+    # token authentication on, as every recipe runs it: nodes and drivers share one token (each node's HOME differs,
+    # so not through ~/.ray/auth_token)
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
     cluster = RayNodes()
     try:
         cluster.start("head", cpus=0, head=True)  # the head runs the driver's actors only: no trial lands there

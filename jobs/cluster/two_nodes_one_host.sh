@@ -4,7 +4,7 @@
 # through the network stack as it would between machines; the benchmark labels its figures with them.
 #
 #   bash jobs/cluster/two_nodes_one_host.sh            # prints the address
-#   python jobs/benchmark.py cluster --address "$(cat /tmp/gx-two-nodes/address)"
+#   RAY_AUTH_MODE=token python jobs/benchmark.py cluster --address "$(cat /tmp/gx-two-nodes/address)"
 #   ray stop                                           # both nodes
 set -euo pipefail
 root=${GX_TWO_NODES_DIR:-/tmp/gx-two-nodes}
@@ -18,6 +18,10 @@ half=$((gpus / 2))
 ip=$(python -c "import ray._private.services as s; print(s.get_node_ip_address())")
 port=${GX_RAY_PORT:-6379}
 export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
+# Ray's token authentication on, as for a cluster of one's own (ray.init's default): every node and driver of this
+# user reads the token from ~/.ray/auth_token, made here when missing
+export RAY_AUTH_MODE=token
+ray get-auth-token --generate >/dev/null
 mkdir -p "$root/head" "$root/worker"
 # each node its own temp dir (its sockets and logs) and working directory
 (cd "$root/head" && CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((half - 1))) ray start --head --port="$port" \
