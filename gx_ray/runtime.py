@@ -43,6 +43,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: 
         "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF),
         **mlflow_retries(),
     }
+    # "token authentication is enabled ... RAY_AUTH_MODE=disabled to opt out": on by design, not for the user to act on
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     ray.init(
         address=address,
         num_cpus=None if address else num_cpus,
@@ -79,6 +81,8 @@ def quiet_data_context() -> None:
     process that reads or reports (trials, Train workers)."""
     logging.getLogger("ray.data").setLevel(logging.WARNING)
     logging.getLogger("ray.train").setLevel(logging.WARNING)  # "Checkpoint successfully created" every epoch
+    # "Progress bars disabled. To enable, set ...": disabled on purpose, off a terminal
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = os.isatty(2)
     context.print_on_execution_start = False

@@ -3,6 +3,10 @@ bootstrap over logged test predictions, Holm, and the files on disk and on the p
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import time
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -97,3 +101,47 @@ def test_a_schema_searched_over_other_parameters_is_not_compared(planted_sweep):
     # these runs logged no predictions: the seeds are the pairing unit
     assert {c["schema_a"] for c in comparisons} == {"image_bbox", "image_table_bbox"}
     assert {c["method"] for c in comparisons} == {"Wilcoxon signed-rank over seeds"}
+
+
+def test_the_report_reads_whole_in_mlflow_in_a_real_browser(planted_sweep, tmp_path):
+    """The report as a user opens it: MLflow's own UI, the parent run's Artifacts tab, ``report/summary.html`` (which
+    the UI renders in a frame of its own), in headless Chromium: every figure loads, the per-task tables are on the
+    page, and the parent run's description points there."""
+    from playwright.sync_api import sync_playwright
+
+    server, parent = planted_sweep
+    write_report(server.uri, SWEEP, tmp_path, parent, cohort="demo", n_resamples=200)
+    browser_path = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert browser_path, "Chromium is installed by the README's set-up and .ci/run"
+    experiment = MlflowClient(server.uri).get_run(parent).info.experiment_id
+    url = f"{server.uri}/#/experiments/{experiment}/runs/{parent}/artifacts/report/summary.html"
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=browser_path, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.goto(url, wait_until="load")
+            report = _frame_showing(page, "img[alt=radar]")
+            images = report.evaluate("Array.from(document.images).map(i => [i.alt, i.complete, i.naturalWidth])")
+            headings = report.evaluate("Array.from(document.querySelectorAll('h3')).map(h => h.textContent)")
+            tables = report.evaluate("document.querySelectorAll('table').length")
+        finally:
+            browser.close()
+    assert {alt for alt, _, _ in images} >= {"radar", "intervals"}
+    broken = [alt for alt, complete, width in images if not complete or width == 0]
+    assert not broken, f"figures that did not load: {broken}"
+    assert any("stage" in h for h in headings), headings  # the per-task table, inline instead of a dead link
+    assert tables >= 3  # headline, significance, the task's own
+    description = MlflowClient(server.uri).get_run(parent).data.tags["mlflow.note.content"]
+    assert "report/summary.html" in description and "| stage_classification |" in description
+
+
+def _frame_showing(page, selector: str, timeout_s: float = 60.0):
+    """The frame of the page (the UI renders an HTML artifact in a frame of its own) in which ``selector`` matches."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for frame in page.frames:
+            with contextlib.suppress(Exception):  # a frame may go away while the UI renders
+                if frame.evaluate(f"document.querySelectorAll({selector!r}).length") > 0:
+                    return frame
+        time.sleep(0.5)
+    raise AssertionError(f"MLflow's UI showed no {selector} within {timeout_s:.0f} s")

@@ -50,7 +50,7 @@ def test_known_best_bold_and_second_underlined():
     expected = {"image_only": None, "image_table": None, "image_bbox": 2, "image_table_bbox": 1}
     assert ranks(table, "auc") == ranks(table, "f1") == expected
     row = to_markdown(table).splitlines()[2].strip("| ").split(" | ")  # columns: schema x (f1, auc)
-    assert row[-1] == "**56.0 ± 0.0**" and row[-3] == "<u>54.0 ± 0.0</u>" and row[-5] == "52.0 ± 0.0"
+    assert row[-1] == "**56.0 ± 0.0**" and row[-3] == "*54.0 ± 0.0*" and row[-5] == "52.0 ± 0.0"
 
 
 def test_ties_both_bold_and_next_value_underlined():
@@ -104,7 +104,7 @@ def marks_markdown(table) -> dict:
     for line in body:
         row, *texts = [c.strip() for c in line.strip("| ").split(" | ")]
         for (schema, metric), text in zip(columns, texts, strict=True):
-            marks[row, schema, metric] = 1 if text.startswith("**") else 2 if text.startswith("<u>") else None
+            marks[row, schema, metric] = 1 if text.startswith("**") else 2 if text.startswith("*") else None
     return marks
 
 

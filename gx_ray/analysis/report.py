@@ -9,8 +9,11 @@ ours, search views and a one-page summary (Markdown and HTML); then logs the fol
 
 from __future__ import annotations
 
+import base64
 import functools
+import html
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,7 +81,14 @@ def write_report(
         summary = _summary(sweep_id, runs, report, cohort, baseline, reference.beside_paper_markdown(printed))
         report.files += _write_summary(folder, summary)
     if parent_run_id:
-        MlflowClient(tracking_uri).log_artifacts(parent_run_id, str(folder), REPORT_FOLDER)
+        client = MlflowClient(tracking_uri)
+        client.log_artifacts(parent_run_id, str(folder), REPORT_FOLDER)
+        # the run page shows its description as Markdown: the headline table there, the whole report one click away
+        description = (
+            f"**Report**: Artifacts → `{REPORT_FOLDER}/summary.html` (figures and tables on one page).\n\n"
+            f"{_headline_markdown(report.cells) if report.cells is not None else ''}"
+        )
+        client.set_tag(parent_run_id, "mlflow.note.content", description)
     report.seconds = time.perf_counter() - started
     return report
 
@@ -198,22 +208,37 @@ def _summary(sweep_id: str, runs: pd.DataFrame, report: Report, cohort: str, bas
 
 
 def _write_summary(folder: Path, markdown: str) -> list[Path]:
-    """``summary.md`` and a self-contained reading of it as ``summary.html`` (tables, headings, images)."""
+    """``summary.md`` and ``summary.html``: the same summary as one self-contained page (figures embedded, the
+    per-task tables inline), which reads the same from disk and in MLflow's artifact view, where relative links
+    to other artifacts resolve nowhere."""
     md, page = folder / "summary.md", folder / "summary.html"
     md.write_text(markdown, encoding="utf-8")
-    page.write_text(_markdown_to_html(markdown), encoding="utf-8")
+    page.write_text(_markdown_to_html(markdown, folder), encoding="utf-8")
     return [md, page]
 
 
-def _markdown_to_html(markdown: str) -> str:
-    """The summary as one HTML page (CommonMark with tables; inline HTML such as ``<u>`` kept)."""
+def _markdown_to_html(markdown: str, folder: Path) -> str:
+    """The summary as one HTML page (CommonMark with tables): each figure as a data URI, each linked Markdown table
+    rendered in place of its link."""
     from markdown_it import MarkdownIt
 
+    def inline_tables(match: re.Match) -> str:
+        path = folder / match.group(2)
+        return f"### {match.group(1)}\n\n{path.read_text(encoding='utf-8')}" if path.is_file() else match.group(0)
+
+    def embed(match: re.Match) -> str:
+        path = folder / html.unescape(match.group(1))
+        if not path.is_file():
+            return match.group(0)
+        return f'src="data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()}"'
+
+    markdown = re.sub(r"^- \[([^\]]+)\]\(([^)]+\.md)\)$", inline_tables, markdown, flags=re.MULTILINE)
     style = (
         "body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse;margin:1em 0}"
-        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}th{background:#f3f3f3}img{max-width:49%}"
+        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}th{background:#f3f3f3}img{max-width:100%}"
     )
     body = MarkdownIt("commonmark").enable("table").render(markdown)
+    body = re.sub(r'src="([^"]+\.png)"', embed, body)
     return f"<!doctype html>\n<meta charset='utf-8'>\n<style>{style}</style>\n{body}"
 
 

@@ -196,14 +196,15 @@ def caption(table: TaskTable) -> str:
 
 
 def to_markdown(table: TaskTable) -> str:
-    """A GitHub Markdown table; headers read ``Setting · Metric ↑``; ``**best**``, ``<u>second</u>``."""
+    """A GitHub Markdown table; headers read ``Setting · Metric ↑``; ``**best**``, ``*second*`` (the paper
+    underlines the second best; Markdown has no underline, and raw HTML shows as markup in most viewers)."""
     header = ["Model"] + [f"{schema_label(s)} · {metric_label(m)}" for s, m in _columns(table)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" + ":-:|" * (len(header) - 1)]
     for row in table.rows:
         texts = []
         for schema, metric in _columns(table):
             text, rank = table.cell(row, schema, metric)
-            texts.append(f"**{text}**" if rank == 1 else f"<u>{text}</u>" if rank == 2 else text)
+            texts.append(f"**{text}**" if rank == 1 else f"*{text}*" if rank == 2 else text)
         lines.append("| " + " | ".join([row, *texts]) + " |")
     return "\n".join(lines) + f"\n\n{caption(table)}\n"
 

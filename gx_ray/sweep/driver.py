@@ -25,6 +25,7 @@ import ray
 from mlflow.tracking import MlflowClient
 from ray import tune
 from ray.tune.search.optuna import OptunaSearch
+from tqdm import tqdm
 
 from gx_ray import storage
 from gx_ray.data.demo.cohort import DemoConfig
@@ -43,8 +44,9 @@ from gx_ray.tracking import (
     log_series,
     parent_run,
     provenance,
+    runs_table_url,
 )
-from gx_ray.tracking.server import LocalMlflowServer
+from gx_ray.tracking.server import LocalMlflowServer, free_port
 from gx_ray.train.config import AUTO
 from gx_ray.train.probe import CONTEXT_BYTES, gpu_share, trials_per_gpu
 from gx_ray.train.telemetry import GpuSampler, busy_fraction, sample_metrics
@@ -99,6 +101,7 @@ class SweepResult:
     """Stopped by a signal (Ctrl-C, SIGTERM): its trials' state is saved, ``--resume`` continues it."""
     mlflow_error: str | None = None
     """Set when MLflow could not be reached at the sweep's end: the summary and ``sweep.json`` are still written."""
+    experiment_id: str = ""
 
     @property
     def store_uri(self) -> str:
@@ -220,11 +223,28 @@ def _param_space(space: SearchSpace) -> dict[str, Any]:
     return params
 
 
-def _trial_name(trial: Any) -> str:
+TASK_SHORT = {"stage_classification": "stage", "lesion_detection": "lesion", "report_generation": "report"}
+SCHEMA_SHORT = {"image": "img", "table": "tab", "bbox": "box", "endoscopy": "endo", "only": ""}
+
+
+def _trial_dirname(trial: Any) -> str:
+    """The trial's folder under Tune's storage: its counter first (unique), then what it trains."""
     index = trial.trial_id.rsplit("_", 1)[-1]
     config = trial.config
     parts = [index, str(config.get("task", "")), str(config.get("schema", "")), f"s{config.get('seed', 0)}"]
     return "-".join(p for p in parts if p and p != "s")
+
+
+def _trial_name(trial: Any) -> str:
+    """What MLflow's runs table shows, which cuts names at ~20 characters: task, inputs and seed first
+    (``stage img+tab+box s0``), the trial counter last (and as the ``gx_ray.trial`` tag)."""
+    config = trial.config
+    task = str(config.get("task", ""))
+    schema = config.get("schema", "")
+    inputs = "+".join(filter(None, (SCHEMA_SHORT.get(p, p) for p in str(schema).split("_")))) if schema else ""
+    index = trial.trial_id.rsplit("_", 1)[-1].lstrip("0") or "0"
+    parts = [TASK_SHORT.get(task, task), inputs, f"s{config['seed']}" if "seed" in config else "", f"#{index}"]
+    return " ".join(p for p in parts if p)
 
 
 def run_sweep(options: SweepOptions) -> SweepResult:
@@ -253,6 +273,11 @@ def run_sweep(options: SweepOptions) -> SweepResult:
     # Tune snapshots its state whenever a trial has checkpointed num_to_keep times, i.e. every 2 epochs of a short
     # trial, and warns about it each time: expected here, and not the user's to act on
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
+    # MLflow prints emoji links whenever a run ends, to a server that stops with the sweep: the sweep prints its own
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+    # Tune's console output (its tables, "View detailed results", a TensorBoard hint) gives way to the sweep's own
+    # progress bar of trials and summary; Tune's classic reporter at verbosity 0 prints nothing
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     with _signals_stop_the_sweep() as interrupted:
         # the MLflow server, Ray and the demo cohort start side by side: the server is only waited for once both are up
         server = LocalMlflowServer(output / "mlflow").launch() if options.mlflow_uri is None else None
@@ -279,11 +304,43 @@ def run_sweep(options: SweepOptions) -> SweepResult:
                 server.stop()
     result.timings["total_seconds"] = time.perf_counter() - started
     _write_sweep_file(result, space)
+    if server:  # its own server has stopped: a UI on a free port, and where its runs table will be
+        port = free_port()
+        print(f"\nbrowse the runs:  {server.ui_command(port)}")
+        print(f"then open:        {runs_table_url(f'http://127.0.0.1:{port}', result.experiment_id)}")
+    elif result.experiment_id:
+        print(f"\nthe runs:  {runs_table_url(tracking_uri, result.experiment_id)}")
     if options.storage:  # the summary and report beside the sweep's state, where the whole team reaches them
         storage.copy_tree(output, storage.join(state, sweep_id, "driver"), skip=("mlflow", "ray"))
-    if server:
-        print(f"\nbrowse the runs:  {server.ui_command()}")
     return result
+
+
+class TrialProgress(tune.Callback):
+    """A progress bar of the sweep's trials (finished, failed, and an ETA) on stderr, in place of Tune's tables."""
+
+    def __init__(self, total: int):
+        self.total, self.bar = total, None
+        self.counts = {"finished": 0, "failed": 0}
+
+    def setup(self, **info: Any) -> None:
+        interval = 1.0 if sys.stderr.isatty() else 30.0  # a log file gets a line now and then, not every update
+        self.bar = tqdm(total=self.total, desc="trials", unit="trial", file=sys.stderr, mininterval=interval)
+
+    def _done(self, outcome: str) -> None:
+        self.counts[outcome] += 1
+        if self.bar is not None:
+            self.bar.set_postfix(self.counts, refresh=False)
+            self.bar.update(1)
+
+    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self._done("finished")
+
+    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self._done("failed")
+
+    def on_experiment_end(self, trials: list, **info: Any) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 @contextmanager
@@ -373,7 +430,7 @@ def _tune(space, options, shards, sweep_id, output, state, tracking_uri, timings
         max_concurrent_trials=concurrency,
         time_budget_s=options.time_budget_s or space.time_s,
         trial_name_creator=_trial_name,
-        trial_dirname_creator=_trial_name,
+        trial_dirname_creator=_trial_dirname,
         reuse_actors=True,
     )
     run_config = tune.RunConfig(
@@ -383,7 +440,8 @@ def _tune(space, options, shards, sweep_id, output, state, tracking_uri, timings
         checkpoint_config=tune.CheckpointConfig(
             num_to_keep=2, checkpoint_score_attribute=METRIC, checkpoint_score_order="max"
         ),
-        verbose=1 if sys.stderr.isatty() else 0,
+        verbose=0,
+        callbacks=[TrialProgress(space.trial_count())],
     )
     path = storage.join(state, sweep_id)  # absolute: Tune reads a relative path as a URI without a scheme
     if options.resume and tune.Tuner.can_restore(path):
@@ -421,7 +479,7 @@ def _tune(space, options, shards, sweep_id, output, state, tracking_uri, timings
     print(format_summary(best, finished, failed, total, len(stopped)))
     result = SweepResult(
         sweep_id, output, tracking_uri, EXPERIMENT, parent, finished, failed, len(stopped), best, timings,
-        interrupted=interrupted["interrupted"],
+        interrupted=interrupted["interrupted"], experiment_id=client.get_run(parent).info.experiment_id,
     )  # fmt: skip
     try:
         _close_runs(client, parent, total, stopped, result, timings, host)

@@ -20,6 +20,7 @@ from mlflow.tracking import MlflowClient
 from ray import tune
 
 from gx_ray.runtime import quiet_data_context
+from gx_ray.tasks import build_task
 from gx_ray.tracking import ChildRun, TrialTracker, child_run, log_series, set_tags
 from gx_ray.train.config import AUTO, TrialConfig
 from gx_ray.train.loop import WorkerContext, probe_trial, run_loop, train_loop_per_worker
@@ -43,9 +44,19 @@ def run_trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     config = TrialConfig.from_flat(flat)
     trial = tune.get_context()
     client = MlflowClient(context["tracking_uri"])
-    tags = {"task": config.task, "schema": config.schema.name, "seed": str(config.seed), "space": context["space"]}
+    task = build_task(config.task)
+    tags = {
+        "task": config.task,
+        "schema": config.schema.name,
+        "seed": str(config.seed),
+        "space": context["space"],
+        "gx_ray.trial": trial.get_trial_id().rsplit("_", 1)[-1],  # the counter the run name ends with
+        # what val_primary/test_primary are for this task, and which way is better (the MLflow UI cannot tell)
+        "gx_ray.primary_metric": task.primary_metric,
+        "gx_ray.primary_direction": task.mode,
+    }
     run = child_run(
-        client, context["parent_run_id"], trial.get_trial_id(), trial.get_trial_name(), tags, config.to_flat()
+        client, context["parent_run_id"], trial.get_trial_id(), trial.get_trial_name(), tags, _params(config)
     )
     run_id = run.run_id
     if run.status == "FINISHED":  # done before the sweep was killed, its end not saved by Tune: never trained twice
@@ -81,6 +92,12 @@ def run_trial(params: dict[str, Any], context: dict[str, Any]) -> None:
         client.log_text(run_id, traceback.format_exc(), "error.txt")
         client.set_terminated(run_id, "FAILED")
         raise
+
+
+def _params(config: TrialConfig) -> dict[str, Any]:
+    """The trial's settings as MLflow params, less those said elsewhere: ``schema.name`` is ``schema``, and the
+    shards are the parent run's ``data`` (the full config is the run's ``config.json``)."""
+    return {k: v for k, v in config.to_flat().items() if k not in ("schema.name", "data.shards")}
 
 
 def _log_gpu(tracker: TrialTracker, sampler: GpuSampler | None) -> None:
@@ -128,7 +145,7 @@ def _fit_torch_trainer(
             resources_per_worker={"CPU": config.resources.cpus_per_worker, **({"GPU": gpus} if gpus else {})},
         ),
         run_config=RunConfig(
-            name=f"{context['sweep_id']}-{trial.get_trial_name()}",  # deterministic: Train resumes by name
+            name=f"{context['sweep_id']}-{trial.get_trial_id()}",  # deterministic: Train resumes by name
             storage_path=context["storage_path"],
             callbacks=[TuneReportCallback()],
         ),

@@ -203,6 +203,12 @@ class UnreachableTrackingError(ValueError):
     """A tracking URI that trials on other nodes of the cluster could not reach."""
 
 
+def runs_table_url(tracking_uri: str, experiment_id: str) -> str:
+    """The MLflow UI's runs table of an experiment (its ``workflowType`` opens the classic ML view, not the GenAI
+    overview an experiment link lands on in MLflow 3)."""
+    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+
+
 def check_reachable_from(tracking_uri: str, nodes: int) -> None:
     """Refuse, on a cluster of several nodes, a tracking URI only this node reaches: a loopback server (the sweep's
     own local one included) or a file/SQLite store. Every trial logs from wherever Ray places it."""

@@ -57,9 +57,13 @@ class LocalMlflowServer:
     def backend_uri(self) -> str:
         return self._backend_store_uri or f"sqlite:///{self.root / 'mlflow.db'}"
 
-    def ui_command(self) -> str:
-        """What a user runs later to browse the runs without the sweep."""
-        return f"mlflow ui --backend-store-uri {self.backend_uri} --artifacts-destination {self.root / 'artifacts'}"
+    def ui_command(self, port: int) -> str:
+        """What a user runs later to browse the runs without the sweep (on a port free now: another sweep's server
+        or a second UI may hold the usual 5000)."""
+        return (
+            f"mlflow ui --backend-store-uri {self.backend_uri} --artifacts-destination {self.root / 'artifacts'} "
+            f"--port {port}"
+        )
 
     def start(self) -> LocalMlflowServer:
         return self.launch().wait()
