@@ -34,7 +34,7 @@ def test_normalise_axis_maps_best_to_one_and_inverts_lower_is_better():
     np.testing.assert_allclose(normalise_axis([10.0, 20.0, 30.0]), [0.2, 0.6, 1.0])
     np.testing.assert_allclose(normalise_axis([10.0, 20.0, 30.0], higher_is_better=False), [1.0, 0.6, 0.2])
     np.testing.assert_allclose(normalise_axis([5.0, np.nan, 7.0], floor=0.0), [0.0, np.nan, 1.0])
-    np.testing.assert_allclose(normalise_axis([4.0, 4.0]), [1.0, 1.0])
+    np.testing.assert_allclose(normalise_axis([4.0, 4.0]), [0.6, 0.6])  # a tie: neither best nor worst
 
 
 def radar_lines(fig) -> dict:
@@ -86,5 +86,20 @@ def test_interval_one_panel_per_task_one_dot_per_schema_with_ci(cells):
         vqa = cells.query("task == 'vqa' and metric == 'accuracy'").set_index("schema")
         bars = fig.axes[0].containers[3].lines[2][0].get_segments()[0]  # image_table_bbox's CI segment
         np.testing.assert_allclose(bars[:, 0], vqa.loc["image_table_bbox", ["ci_low", "ci_high"]].to_numpy(float))
+    finally:
+        plt.close(fig)
+
+
+def test_an_axis_where_every_setting_scores_the_same_is_drawn_and_labelled_as_a_tie(cells):
+    tied = cells.copy()
+    stage = tied["task"] == "stage_classification"
+    tied.loc[stage, "mean"] = 0.0  # e.g. AP 0.0 for every schema: nobody is best
+    fig = radar_figure(tied)
+    try:
+        for schema, line in radar_lines(fig).items():
+            assert line.get_ydata()[2] == pytest.approx(0.6), f"{schema} not half-way on the tied axis"
+        labels = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+        assert labels[2].endswith("(tie)") and not labels[0].endswith("(tie)")
+        assert "tie" in " ".join(t.get_text() for t in fig.texts)  # the caption says what a tie looks like
     finally:
         plt.close(fig)

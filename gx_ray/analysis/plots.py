@@ -12,6 +12,7 @@ axes (MedR, MnR) are inverted so that outward is always better. A setting withou
 
 from __future__ import annotations
 
+import math
 import zlib
 from pathlib import Path
 
@@ -41,7 +42,8 @@ def schema_colour(schema: str) -> str:
 def normalise_axis(values, higher_is_better: bool = True, floor: float = RADAR_FLOOR) -> np.ndarray:
     """Min–max over ``values`` to [floor, 1], 1 = best (the smallest when lower is better); NaN stays NaN.
 
-    All equal (or a single value): every finite value is 1.
+    All equal (or a single value): a tie, every finite value half-way between floor and 1 (neither best nor worst:
+    an axis on which every setting scores 0 would otherwise put them all on the "best" ring).
     """
     values = np.asarray(values, dtype=float)
     finite = values[np.isfinite(values)]
@@ -49,7 +51,7 @@ def normalise_axis(values, higher_is_better: bool = True, floor: float = RADAR_F
         return values.copy()
     low, high = finite.min(), finite.max()
     if high == low:
-        return np.where(np.isfinite(values), 1.0, np.nan)
+        return np.where(np.isfinite(values), (floor + 1.0) / 2, np.nan)
     share = (values - low) / (high - low)
     return floor + (1.0 - floor) * (share if higher_is_better else 1.0 - share)
 
@@ -97,9 +99,13 @@ def radar_figure(cells: pd.DataFrame, metric_per_task: dict[str, str] | None = N
     picked = {task: _pick_model(cells, task, headlines[task], model) for task in tasks}
     schemas = schema_order(pd.concat(picked.values())["schema"])
     grid = np.full((len(schemas), len(tasks)), np.nan)  # normalised value per schema x task
+    ties = []
     for j, task in enumerate(tasks):
         means = picked[task].set_index("schema")["mean"].reindex(schemas).to_numpy(dtype=float)
         grid[:, j] = normalise_axis(means, higher_is_better(headlines[task]))
+        finite = means[np.isfinite(means)]
+        if len(finite) > 1 and np.ptp(finite) == 0:
+            ties.append(task)
     angles = np.linspace(0, 2 * np.pi, len(tasks), endpoint=False)
     closed = np.append(angles, angles[0])
     fig, ax = plt.subplots(figsize=(6.4, 6.4), subplot_kw={"projection": "polar"})
@@ -107,7 +113,8 @@ def radar_figure(cells: pd.DataFrame, metric_per_task: dict[str, str] | None = N
         values, colour = np.append(row, row[0]), schema_colour(schema)
         ax.plot(closed, values, color=colour, linewidth=2, label=schema_label(schema), gid=f"radar-{schema}")
         ax.fill(closed, values, color=colour, alpha=0.12, gid=f"radar-fill-{schema}")
-    ax.set_xticks(angles, [f"{task}\n{metric_label(headlines[task])}" for task in tasks], fontsize=9)
+    labels = [f"{task}\n{metric_label(headlines[task])}" + ("\n(tie)" if task in ties else "") for task in tasks]
+    ax.set_xticks(angles, labels, fontsize=9)
     ax.tick_params(axis="x", pad=18)
     ax.set_ylim(0, 1.0)
     ax.set_yticks([RADAR_FLOOR, 0.6, 1.0], ["worst", "", "best"], fontsize=7, color="grey")
@@ -116,7 +123,7 @@ def radar_figure(cells: pd.DataFrame, metric_per_task: dict[str, str] | None = N
         0.5,
         -0.06,
         f"Per axis: min–max over settings to [{RADAR_FLOOR}, 1]; outward is better (↓ axes inverted); "
-        f"missing = centre.\n{_footnote(picked)}",
+        f"missing = centre; a tie (every setting the same) half-way.\n{_footnote(picked)}",
         ha="center",
         fontsize=7,
         wrap=True,
@@ -137,8 +144,13 @@ def radar_plot(
 def interval_figure(cells: pd.DataFrame, metric_per_task: dict[str, str] | None = None, model: str | None = None):
     """One panel per task: a dot per schema at its mean with the 95 % CI (``ci_low``–``ci_high``) as error bar."""
     headlines = _headlines(cells, metric_per_task)
-    fig, axes = plt.subplots(1, len(headlines), figsize=(3.2 * len(headlines), 2.8), squeeze=False)
-    for ax, (task, metric) in zip(axes[0], headlines.items(), strict=True):
+    # A4 width (~7.5 in, three panels a row): one row of five panels was 16 in wide, unreadable on a page
+    columns = min(3, len(headlines))
+    rows = math.ceil(len(headlines) / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(7.5, 2.5 * rows), squeeze=False)
+    for ax in axes.flat[len(headlines) :]:
+        ax.remove()
+    for ax, (task, metric) in zip(axes.flat[: len(headlines)], headlines.items(), strict=True):
         frame = _pick_model(cells, task, metric, model).set_index("schema")
         schemas = schema_order(frame.index)
         for y, schema in enumerate(schemas):

@@ -102,6 +102,7 @@ class StageClassification(Task):
         ticks = range(len(STAGE_GROUPS))
         axes.set(xticks=ticks, yticks=ticks, xticklabels=STAGE_GROUPS, yticklabels=STAGE_GROUPS)
         axes.set(xlabel="predicted stage", ylabel="true stage", title="test confusion matrix")
+        figure.tight_layout()  # MLflow saves the figure as it is: without this the x label is cut off
         return {"confusion_matrix": figure}
 
 
