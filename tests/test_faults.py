@@ -135,6 +135,9 @@ def assert_every_cell_finished_once(sweep: Sweep) -> None:
             steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
             assert steps == list(range(EPOCHS)), f"{key} of seed {run.data.tags['seed']}: steps {steps}"
         assert [m.step for m in client.get_metric_history(run.info.run_id, "test_primary")] == [EPOCHS - 1]
+        # the learning rate of every optimiser step, numbered across epochs, each once (a retried epoch's too)
+        lr_steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "lr"))
+        assert lr_steps == list(range(len(lr_steps))) and len(lr_steps) >= EPOCHS, lr_steps
 
 
 def _server_record(sweep: Sweep) -> dict:

@@ -77,6 +77,13 @@ class TrialTracker:
         if fresh:
             log_metrics(self.client, self.run_id, fresh, step)
 
+    def log_points(self, key: str, first_step: int, values: list[float]) -> None:
+        """One metric at consecutive steps from ``first_step`` (the learning rate of each optimiser step), one
+        request; steps an earlier attempt logged are kept."""
+        logged = self.logged.get(key, ())
+        points = [(key, v, first_step + i, int(time.time() * 1000)) for i, v in enumerate(values)]
+        log_series(self.client, self.run_id, [p for p in points if p[2] not in logged])
+
     def set_tags(self, tags: dict[str, str]) -> None:
         set_tags(self.client, self.run_id, tags)
 

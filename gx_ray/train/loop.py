@@ -283,6 +283,7 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
         model.train()
         loss_sum, micro_steps, samples = torch.zeros((), device=ctx.device), 0, 0
         group: list[dict] = []
+        rates: list[float] = []  # the learning rate of each optimiser step (warm-up, then linear decay)
         for batch in train.batches(epoch):
             group.append(batch)
             if len(group) < accumulation:
@@ -291,6 +292,7 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
             micro_steps += len(group)
             samples += sum(len(b["case_id"]) for b in group)
             group = []
+            rates.append(scheduler.get_last_lr()[0])
             _optimiser_step(model, optimiser, scheduler, config)
             timing.setdefault("first_step_at", time.time())  # wall clock: the sweep measures launch → first step
             if micro_steps >= steps[epoch] * accumulation:
@@ -298,6 +300,7 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
         if group and steps[epoch] == 0:  # fewer rows than one effective batch (tiny cohorts, one rank): step anyway
             loss_sum += probe.accumulate(train_model, loss_of, group, accumulation, no_sync)
             micro_steps, samples = len(group), sum(len(b["case_id"]) for b in group)
+            rates.append(scheduler.get_last_lr()[0])
             _optimiser_step(model, optimiser, scheduler, config)
         if epoch + 1 < config.schedule.epochs:
             train.prefetch(epoch + 1)  # the next epoch's first batch is read while this one validates
@@ -312,7 +315,6 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
         metrics = {
             "epoch": epoch,
             "train_loss": train_loss if micro_steps else math.nan,
-            "lr": scheduler.get_last_lr()[0],
             "epoch_seconds": time.perf_counter() - started,
             "eval_seconds": eval_seconds,
             "train_samples_per_second": samples * ctx.world_size / train_seconds,
@@ -322,6 +324,8 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
         }
         if ctx.tracker:
             ctx.tracker.log_metrics(metrics, step=epoch)
+            # per optimiser step, numbered across epochs (a resumed trial numbers its steps the same)
+            ctx.tracker.log_points("lr", sum(steps[e] for e in range(epoch)), rates)
         if epoch == config.schedule.epochs - 1:  # the best model scores the test split
             model.load_state_dict(best["state"])
             test, records = evaluate(model, task, streams["test"], config, ctx.device, records=True)
