@@ -118,9 +118,10 @@ class RayNodes:
                 os.killpg(process.pid, signal.SIGTERM)
         for process in self.nodes.values():
             try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # its raylet and workers are in its process group
                 os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=30)
         shutil.rmtree(self.root, ignore_errors=True)
 
 
