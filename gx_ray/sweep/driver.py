@@ -25,6 +25,7 @@ import ray
 from mlflow.tracking import MlflowClient
 from ray import tune
 from ray.tune.search.optuna import OptunaSearch
+from ray.tune.utils.util import warn_if_slow
 from tqdm import tqdm
 
 from gx_ray import storage
@@ -278,6 +279,9 @@ def run_sweep(options: SweepOptions) -> SweepResult:
     # Tune's console output (its tables, "View detailed results", a TensorBoard hint) gives way to the sweep's own
     # progress bar of trials and summary; Tune's classic reporter at verbosity 0 prints nothing
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    # "The `process_trial_result` operation took 0.512 s, which may be a performance bottleneck": Tune's 0.5 s
+    # threshold (TUNE_WARN_THRESHOLD_S, read when Tune is imported) trips on a loaded 2-core machine; 5 s still warns
+    warn_if_slow.DEFAULT_THRESHOLD = float(os.environ.get("TUNE_WARN_THRESHOLD_S", 5.0))
     with _signals_stop_the_sweep() as interrupted:
         # the MLflow server, Ray and the demo cohort start side by side: the server is only waited for once both are up
         server = LocalMlflowServer(output / "mlflow").launch() if options.mlflow_uri is None else None
@@ -316,29 +320,26 @@ def run_sweep(options: SweepOptions) -> SweepResult:
 
 
 class TrialProgress(tune.Callback):
-    """A progress bar of the sweep's trials (finished, failed, and an ETA) on stderr, in place of Tune's tables."""
+    """A progress bar of the sweep's trials (finished, failed, and an ETA) on stderr, in place of Tune's tables. It
+    counts Tune's ended trials, so a resumed sweep's bar starts where the interrupted one stopped."""
 
     def __init__(self, total: int):
-        self.total, self.bar = total, None
-        self.counts = {"finished": 0, "failed": 0}
+        self.total, self.bar, self.shown = total, None, (0, 0)
 
     def setup(self, **info: Any) -> None:
         interval = 1.0 if sys.stderr.isatty() else 30.0  # a log file gets a line now and then, not every update
         self.bar = tqdm(total=self.total, desc="trials", unit="trial", file=sys.stderr, mininterval=interval)
 
-    def _done(self, outcome: str) -> None:
-        self.counts[outcome] += 1
-        if self.bar is not None:
-            self.bar.set_postfix(self.counts, refresh=False)
-            self.bar.update(1)
-
-    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        self._done("finished")
-
-    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        self._done("failed")
+    def on_step_end(self, iteration: int, trials: list, **info: Any) -> None:
+        finished = sum(t.status == "TERMINATED" for t in trials)
+        failed = sum(t.status == "ERROR" for t in trials)
+        if self.bar is not None and (finished, failed) != self.shown:
+            self.shown = (finished, failed)
+            self.bar.set_postfix({"finished": finished, "failed": failed}, refresh=False)
+            self.bar.update(finished + failed - self.bar.n)
 
     def on_experiment_end(self, trials: list, **info: Any) -> None:
+        self.on_step_end(0, trials)
         if self.bar is not None:
             self.bar.close()
 
