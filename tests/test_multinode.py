@@ -163,7 +163,8 @@ def mlflow_uri(tmp_path) -> Iterator[str]:
 @pytest.fixture
 def nodes(s3, monkeypatch) -> Iterator[RayNodes]:
     # token authentication on, as every recipe runs it: nodes and drivers share one token (each node's HOME differs,
-    # so not through ~/.ray/auth_token)
+    # so not through ~/.ray/auth_token). Needed in any case: the session's own ray.init() has set RAY_AUTH_MODE=token
+    # in this process's environment, and nodes that inherit it without a token never come up
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
     cluster = RayNodes()
