@@ -260,6 +260,12 @@ def _rename(path: tuple, new: str):
     return mutate
 
 
+def assert_refused_at(errors: list[str], where: tuple) -> None:
+    """A mutated document is refused, and at the place the mutation broke (``dotted.path: message``)."""
+    assert errors, "the mutated document passed"
+    assert any(e.split(": ")[0] == _dotted(where) for e in errors), errors
+
+
 def _dotted(path: tuple) -> str:
     return ".".join(map(str, path))
 
@@ -292,9 +298,7 @@ AUTH_MODE = ("spec", "rayClusterSpec", "authOptions", "mode")
 def test_a_broken_rayjob_is_refused_where_it_is_broken(rayjob_validator, mutate, where):
     job = the_rayjob()
     mutate(job)
-    errors = rayjob_errors(rayjob_validator, job)
-    assert errors, "the mutated manifest passed"
-    assert any(e.split(": ")[0] == _dotted(where) for e in errors), errors
+    assert_refused_at(rayjob_errors(rayjob_validator, job), where)
 
 
 def test_a_duplicate_container_name_is_refused(rayjob_validator):
@@ -420,9 +424,7 @@ GPU_G5 = ("available_node_types", "gpu_g5")
 def test_a_broken_launcher_config_is_refused(launcher_schema, mutate, where):
     config = the_launcher_config()
     mutate(config)
-    errors = launcher_errors(config, launcher_schema)
-    assert errors, "the mutated config passed"
-    assert any(e.split(": ")[0] == _dotted(where) for e in errors), errors
+    assert_refused_at(launcher_errors(config, launcher_schema), where)
 
 
 def test_launcher_has_an_on_demand_cpu_head_and_spot_gpu_workers(parse_sweep, parse_prepare, prepare_script):

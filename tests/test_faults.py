@@ -15,12 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import yaml
 from mlflow.tracking import MlflowClient
 
 from gx_ray.sweep.driver import EXPERIMENT
 from gx_ray.tracking import KIND_TAG, SWEEP_TAG, TRIAL_TAG
 from gx_ray.tracking.server import PID_FILE
+from tests.spaces import small_stage_space
 
 ROOT = Path(__file__).resolve().parents[1]
 EPOCHS, SEEDS = 3, (0, 1)
@@ -35,24 +35,8 @@ def _poll_quickly(monkeypatch):
 
 
 def _space(tmp_path: Path) -> Path:
-    document = {
-        "description": "two small stage-classification trials, three epochs each",
-        "fixed": {
-            "task": "stage_classification",
-            "model.vision": "resnet18_3d",
-            "model.vision_kwargs": {"block_inplanes": [8, 16, 32, 64]},
-            "model.text": "bert_tiny",
-            "model.hidden": 32,
-            "optimiser.lr": 1.0e-3,
-            "schedule.epochs": EPOCHS,
-            "schedule.max_steps_per_epoch": 2,
-            "data.effective_batch": 2,
-        },
-        "grid": {"seed": list(SEEDS)},
-    }
-    path = tmp_path / "faults.yaml"
-    path.write_text(yaml.safe_dump(document), encoding="utf-8")
-    return path
+    description = "two small stage-classification trials, three epochs each"
+    return small_stage_space(tmp_path / "faults.yaml", EPOCHS, SEEDS, description, **{"optimiser.lr": 1.0e-3})
 
 
 class Sweep:

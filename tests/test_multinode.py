@@ -26,13 +26,13 @@ from pathlib import Path
 
 import psutil
 import pytest
-import yaml
 from mlflow.tracking import MlflowClient
 
 from gx_ray.sweep.driver import EXPERIMENT
 from gx_ray.tracking import KIND_TAG, TRIAL_TAG
 from gx_ray.tracking.server import LocalMlflowServer, free_port
 from gx_ray.train.loop import CHECKPOINT_FILE
+from tests.spaces import small_stage_space
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -181,23 +181,8 @@ def _objects(client, bucket: str) -> dict[str, tuple[str, int]]:
 
 
 def _space(folder: Path, epochs: int, seeds: int) -> Path:
-    document = {
-        "description": "small stage-classification trials on a multi-node cluster",
-        "fixed": {
-            "task": "stage_classification",
-            "model.vision": "resnet18_3d",
-            "model.vision_kwargs": {"block_inplanes": [8, 16, 32, 64]},
-            "model.text": "bert_tiny",
-            "model.hidden": 32,
-            "schedule.epochs": epochs,
-            "schedule.max_steps_per_epoch": 2,
-            "data.effective_batch": 2,
-        },
-        "grid": {"seed": list(range(seeds))},
-    }
-    path = folder / "space.yaml"
-    path.write_text(yaml.safe_dump(document), encoding="utf-8")
-    return path
+    description = "small stage-classification trials on a multi-node cluster"
+    return small_stage_space(folder / "space.yaml", epochs, list(range(seeds)), description)
 
 
 def _run(command: list[str], cwd: Path, log: Path) -> subprocess.Popen:

@@ -293,3 +293,16 @@ def test_the_same_loop_runs_under_a_torch_trainer(ray_cluster, demo_prepared, ml
     assert child.info.status == "FINISHED" and "test_accuracy" in child.data.metrics
     assert child.data.params["resources.torch_trainer"] == "True"
     assert (result.output / "ray").is_dir() and any((result.output / "ray").iterdir())
+
+
+def test_run_names_lead_with_task_inputs_and_seed_also_when_the_space_fixes_them():
+    from types import SimpleNamespace
+
+    from gx_ray.sweep.driver import _trial_name
+
+    varied = SimpleNamespace(
+        trial_id="5c0a1_00015", config={"task": "stage_classification", "schema": "image_table_bbox", "seed": 0}
+    )
+    assert _trial_name({}, varied) == "stage img+tab+box s0 #15"
+    fixed = SimpleNamespace(trial_id="5c0a1_00000", config={"seed": 1})  # Tune's config holds only what varies
+    assert _trial_name({"task": "vqa", "schema": "image_only"}, fixed) == "vqa img s1 #0"

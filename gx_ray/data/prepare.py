@@ -320,8 +320,8 @@ def prepare_data(
     are written to a local folder first (a Parquet writer appends; an object store takes whole files) and copied
     there, the manifest last, so a reader never sees a manifest without its shards."""
     init_ray(address)
-    if storage.local_path(out) is not None:
-        return _prepare(source, Path(storage.local_path(out)), config, demo, layout)
+    if (local := storage.local_path(out)) is not None:
+        return _prepare(source, local, config, demo, layout)
     with tempfile.TemporaryDirectory(prefix="gx-prepare-") as staging:
         result = _prepare(source, Path(staging), config, demo, layout)
         destination = storage.normalize(out)

@@ -215,10 +215,7 @@ def read_manifest(shard_dir: Path | str, verify: bool = False) -> dict[str, Any]
     """The manifest of a shard folder (a local path or a URI, :mod:`gx_ray.storage`). Every file it lists must exist
     with the size it records (cheap: catches a truncated or rewritten file); with ``verify``, every file's full
     SHA-256 is checked as well. Raises :class:`ShardIntegrityError` naming the first file that differs."""
-    path = storage.join(shard_dir, MANIFEST_FILE)
-    if not storage.is_file(path):
-        raise FileNotFoundError(f"{path} not found: prepare the data first (python jobs/prepare_data.py)")
-    manifest = json.loads(storage.read_text(path))
+    manifest = _load_manifest(shard_dir)
     for entry in manifest["files"]:
         shard = storage.join(shard_dir, entry["file"])
         try:
@@ -237,6 +234,14 @@ def read_manifest(shard_dir: Path | str, verify: bool = False) -> dict[str, Any]
                     f"{shard}: SHA-256 {actual} does not match the manifest's {entry['sha256']} (altered)"
                 )
     return manifest
+
+
+def _load_manifest(shard_dir: Path | str) -> dict[str, Any]:
+    """The manifest as written, nothing checked (one read: in an object store each file checked is a request)."""
+    path = storage.join(shard_dir, MANIFEST_FILE)
+    if not storage.is_file(path):
+        raise FileNotFoundError(f"{path} not found: prepare the data first (python jobs/prepare_data.py)")
+    return json.loads(storage.read_text(path))
 
 
 def check_shards(shard_dir: Path | str, verify: bool = False) -> dict[str, Any]:
@@ -279,10 +284,12 @@ def read_shard(path: Path | str, columns: Iterable[str] | None = None, row_group
 
 
 def split_files(shard_dir: Path | str, split: str) -> list[str]:
-    """The shard files of one split, as locations (paths or URIs) in the manifest's order."""
+    """The shard files of one split, as locations (paths or URIs) in the manifest's order. The files are not checked
+    here: the sweep checks them all before any trial (:func:`check_shards`), each trial once more
+    (:func:`read_manifest`), and every read verifies its pages; a trial lists splits several times."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
-    manifest = read_manifest(shard_dir)
+    manifest = _load_manifest(shard_dir)
     return [storage.join(shard_dir, f["file"]) for f in manifest["files"] if f["split"] == split]
 
 

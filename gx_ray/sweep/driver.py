@@ -236,10 +236,11 @@ def _trial_dirname(trial: Any) -> str:
     return "-".join(p for p in parts if p and p != "s")
 
 
-def _trial_name(trial: Any) -> str:
+def _trial_name(fixed: dict[str, Any], trial: Any) -> str:
     """What MLflow's runs table shows, which cuts names at ~20 characters: task, inputs and seed first
-    (``stage img+tab+box s0``), the trial counter last (and as the ``gx_ray.trial`` tag)."""
-    config = trial.config
+    (``stage img+tab+box s0``), the trial counter last (and as the ``gx_ray.trial`` tag). A task or schema the space
+    fixes is in ``fixed``, not in the trial's config (which holds only what the space varies)."""
+    config = {**fixed, **trial.config}
     task = str(config.get("task", ""))
     schema = config.get("schema", "")
     inputs = "+".join(filter(None, (SCHEMA_SHORT.get(p, p) for p in str(schema).split("_")))) if schema else ""
@@ -430,7 +431,7 @@ def _tune(space, options, shards, sweep_id, output, state, tracking_uri, timings
         num_samples=space.samples,
         max_concurrent_trials=concurrency,
         time_budget_s=options.time_budget_s or space.time_s,
-        trial_name_creator=_trial_name,
+        trial_name_creator=functools.partial(_trial_name, space.fixed),
         trial_dirname_creator=_trial_dirname,
         reuse_actors=True,
     )

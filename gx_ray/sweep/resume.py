@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gx_ray import storage
+from gx_ray.data.shards import MANIFEST_FILE
 from gx_ray.sweep.spaces import SearchSpace
 
 INPUTS_FILE = "inputs.json"
@@ -25,7 +26,7 @@ class ResumeError(ValueError):
 def sweep_inputs(space: SearchSpace, shards: str) -> dict[str, Any]:
     """The space as it decides trials (not its description or time budget: a resumed sweep gets a budget anew) and
     the SHA-256 of the cohort's shard manifest (which itself holds every shard's SHA-256)."""
-    manifest = storage.join(shards, "manifest.json")
+    manifest = storage.join(shards, MANIFEST_FILE)
     return {
         "space": {
             "name": space.name,

@@ -20,7 +20,7 @@ from mlflow.tracking import MlflowClient
 from ray import tune
 
 from gx_ray.runtime import quiet_data_context
-from gx_ray.tasks import build_task
+from gx_ray.tasks import task_class
 from gx_ray.tracking import ChildRun, TrialTracker, child_run, log_series, set_tags
 from gx_ray.train.config import AUTO, TrialConfig
 from gx_ray.train.loop import WorkerContext, probe_trial, run_loop, train_loop_per_worker
@@ -44,7 +44,7 @@ def run_trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     config = TrialConfig.from_flat(flat)
     trial = tune.get_context()
     client = MlflowClient(context["tracking_uri"])
-    task = build_task(config.task)
+    task = task_class(config.task)  # its primary metric and direction are class attributes: nothing to build
     tags = {
         "task": config.task,
         "schema": config.schema.name,
