@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true", help="continue an interrupted sweep with the same arguments")
     parser.add_argument("--max-concurrent", type=int, help="cap on trials running at once")
     parser.add_argument("--verify", action="store_true", help="check every shard's SHA-256 first (reads all data)")
-    parser.add_argument("--demo-cases", type=int, default=48, help="size of the demo cohort (without --data)")
+    parser.add_argument(
+        "--demo-cases", type=int, default=SweepOptions.demo_cases, help="size of the demo cohort (without --data)"
+    )
     args = parser.parse_args(argv)
     options = SweepOptions(
         space=args.space,

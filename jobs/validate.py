@@ -1,5 +1,6 @@
 """Known-answer checks of the whole pipeline (data, sweep, report) on demo cohorts with a planted answer.
 
+python jobs/validate.py demo                          # the main command learns on every task (about 10 min on 2 cores)
 python jobs/validate.py planted-signal                # two 160-case cohorts, 2 x 10 trials (about 15 min on 2 cores)
 python jobs/validate.py planted-signal --cases 240    # more test patients, more power
 """
@@ -11,7 +12,7 @@ import sys
 from pathlib import Path
 
 from gx_ray.runtime import tolerant_console
-from gx_ray.sweep.validate import planted_signal
+from gx_ray.sweep.validate import demo, planted_signal
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,9 +24,15 @@ def main(argv: list[str] | None = None) -> int:
     planted.add_argument("--cases", type=int, default=160, help="cases per cohort (15 %% of them are test patients)")
     planted.add_argument("--seed", type=int, default=0, help="the demo cohorts' seed")
     planted.add_argument("--address", help="an existing Ray cluster; default: a local one")
+    main_command = checks.add_parser("demo", help="the main command's demo learns every task and finds inputs help")
+    main_command.add_argument("--output", type=Path, default=Path("outputs/validate/demo"))
+    main_command.add_argument("--address", help="an existing Ray cluster; default: a local one")
     args = parser.parse_args(argv)
-    results = planted_signal(args.output, args.cases, args.seed, args.address)
-    print("\nplanted-signal check:")
+    if args.check == "demo":
+        results = demo(args.output, args.address)
+    else:
+        results = planted_signal(args.output, args.cases, args.seed, args.address)
+    print(f"\n{args.check} check:")
     for check in results:
         print("  " + check.line())
     return 0 if all(check.passed for check in results) else 1

@@ -15,6 +15,7 @@ from mlflow.tracking import MlflowClient
 from gx_ray.analysis.report import schema_comparisons, write_report
 from gx_ray.analysis.runs import load_runs
 from gx_ray.schema import STAGE_GROUPS
+from gx_ray.sweep.validate import demo_checks
 from gx_ray.tracking import child_run, log_metrics, parent_run
 from gx_ray.tracking.server import LocalMlflowServer
 from tests.analysis_fixture import make_runs
@@ -55,7 +56,7 @@ def planted_sweep(tmp_path_factory):
                 labels = np.array([STAGE_GROUPS.index(r["target"]) for r in records])
                 test = classification_metrics(probabilities, labels)
                 log_metrics(client, run_id, {f"test_{k}": v for k, v in test.items()}, step=0)
-                log_metrics(client, run_id, {"best_val_primary": test["auc"]}, step=0)
+                log_metrics(client, run_id, {"best_val_primary": test["auc"], "test_chance": 50.0}, step=0)
                 client.log_dict(run_id, records, "predictions/test.json")
                 client.set_terminated(run_id, "FINISHED")
         yield server, parent
@@ -65,7 +66,7 @@ def test_the_runs_table_of_a_sweep(planted_sweep):
     server, _ = planted_sweep
     runs = load_runs(server.uri, SWEEP)
     assert runs["run_id"].nunique() == 9 and set(runs["schema"]) == set(SKILL)
-    assert set(runs[runs["split"] == "test"]["metric"]) == {"precision", "recall", "f1", "accuracy", "auc"}
+    assert set(runs[runs["split"] == "test"]["metric"]) == {"precision", "recall", "f1", "accuracy", "auc", "chance"}
     assert runs.attrs["searched"] == []  # lr is the same in every trial
     assert sorted(runs.drop_duplicates("run_id")["seed"]) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
 
@@ -90,7 +91,34 @@ def test_the_report_finds_the_planted_difference_and_only_it(planted_sweep, tmp_
     summary = (tmp_path / "report" / "summary.md").read_text(encoding="utf-8")
     assert "| stage_classification | auc | image_table |" in summary and "**yes**" in summary
     logged = {a.path for a in MlflowClient(server.uri).list_artifacts(parent, "report")}
-    assert {"report/summary.md", "report/summary.html", "report/significance.csv"} <= logged
+    assert {"report/summary.md", "report/summary.html", "report/significance.csv", "report/cells.csv"} <= logged
+    # the chance level stands beside each headline number
+    assert "| chance | seeds |" in summary
+    row = next(
+        line
+        for line in summary.splitlines()
+        if line.startswith("| stage_classification | ") and "image_table |" in line
+    )
+    assert row.split("|")[-3].strip() == "50.0"
+
+
+def test_the_demo_check_reads_chance_significance_and_time_from_the_report(planted_sweep, tmp_path):
+    server, parent = planted_sweep
+    report = write_report(server.uri, SWEEP, tmp_path, None, cohort="demo", n_resamples=400).folder
+    checks = {c.name: c for c in demo_checks(report, 300.0, 9, full="image_table")}
+    assert checks["stage_classification above chance"].passed  # AUC far above 50 in every seed
+    assert "vs chance 50.0" in checks["stage_classification above chance"].line()
+    beats = checks["image_table > image_only"]
+    assert not beats.passed and "on 1 of 1 tasks: stage_classification; 2 needed" in beats.detail  # one task only
+    assert checks["ten minutes"].passed and not demo_checks(report, 601.0, 9, full="image_table")[-1].passed
+    # a chance level inside the cell's interval is not cleared
+    cells = pd.read_csv(report / "cells.csv")
+    auc = cells[(cells["schema"] == "image_bbox") & (cells["metric"] == "auc")].iloc[0]
+    cells.loc[(cells["schema"] == "image_bbox") & (cells["metric"] == "chance"), "mean"] = auc["ci_low"] + 0.1
+    cells.to_csv(report / "cells.csv", index=False)
+    assert not {c.name: c for c in demo_checks(report, 300.0, 9, full="image_bbox")}[
+        "stage_classification above chance"
+    ].passed
 
 
 def test_a_schema_searched_over_other_parameters_is_not_compared(planted_sweep):

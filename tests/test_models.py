@@ -351,3 +351,46 @@ def test_model_benchmark_reports_rates_memory_and_the_ratio():
     assert "ratio registry/raw" in format_model_result(result)
     with pytest.raises(ValueError, match="valid: swin3d"):
         ModelBenchmarkConfig(model="vit")
+
+
+def test_concat_fusion_pools_the_query_apart_from_the_context():
+    """A VQA question must not drown in the lab-table text before it: the query has its own pooled slot, so a
+    longer context leaves the query's contribution as it was."""
+    from gx_ray.models.fusion import ConcatFusion
+
+    torch.manual_seed(0)
+    fusion = ConcatFusion(8, [4]).eval()
+    maps = [torch.randn(2, 4, 2, 2, 2)]
+    text = torch.randn(2, 7, 8)
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    query_mask = torch.zeros(2, 7, dtype=torch.bool)
+    query_mask[:, 5:] = True  # five context tokens, then a two-token query
+    pooled = fusion(maps, text, mask, query_mask=query_mask).pooled
+    visual = fusion.project(maps[0].flatten(2).transpose(1, 2)).mean(1)
+    context, query = text[:, :5].mean(1), text[:, 5:].mean(1)
+    expected = fusion.norm(fusion.mlp(torch.cat([visual, context, query], dim=1)))
+    torch.testing.assert_close(pooled, expected)
+    # without a query mask every text token is context
+    alone = fusion(maps, text, mask).pooled
+    torch.testing.assert_close(alone, fusion.norm(fusion.mlp(torch.cat([visual, text.mean(1), 0 * query], dim=1))))
+
+
+def test_the_encoder_marks_the_query_tokens_for_the_fusion():
+    schema = ModalitySchema("t", table="text")
+    encoder = build_encoder(ModelConfig(vision="resnet10_3d", text="bert_tiny", fusion="concat", hidden=8), schema)
+    seen = {}
+    original = encoder.fusion.forward
+
+    def spy(maps, text, text_mask, **kwargs):
+        seen.update(text_mask=text_mask, query_mask=kwargs["query_mask"])
+        return original(maps, text, text_mask, **kwargs)
+
+    encoder.fusion.forward = spy
+    inputs = random_inputs(schema, np.random.default_rng(0))
+    questions = QUESTIONS
+    encoder(inputs, query=questions)
+    query_lengths = [len(encoder.tokenizer(q)["input_ids"]) for q in questions]
+    query_mask, text_mask = seen["query_mask"], seen["text_mask"]
+    assert query_mask.shape == text_mask.shape
+    assert (query_mask & text_mask).sum(1).tolist() == query_lengths  # exactly the query's real tokens
+    assert not query_mask[:, : text_mask.shape[1] - query_mask.sum(1).max()].any()  # context first, then the query

@@ -28,6 +28,7 @@ from gx_ray.analysis.runs import headline_metric, higher_is_better, load_runs, t
 REPORT_FOLDER = "report"
 BASELINE = "image_only"
 DEMO_COHORT = "demo"
+CELLS_FILE = "cells.csv"
 
 
 @dataclass
@@ -63,6 +64,9 @@ def write_report(
         report.files += _write_summary(folder, summary)
     else:
         report.cells = stats.cell_statistics(finished, split="test")
+        path = folder / CELLS_FILE  # every metric of every cell over seeds, chance levels among them: for scripts
+        report.cells.to_csv(path, index=False)
+        report.files.append(path)
         report.files += tables.write_task_tables(report.cells, folder / "tables")
         report.files += plots.radar_plot(report.cells, folder / "figures" / "radar")
         report.files += plots.interval_plot(report.cells, folder / "figures" / "intervals")
@@ -133,8 +137,18 @@ def _fmt(value: float, digits: int = 1) -> str:
     return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
 
+CHANCE = "chance"
+"""The metric each trial logs as ``test_chance``: its primary metric for a predictor that never looks at the patient
+(:meth:`gx_ray.tasks.base.Task.chance_level`)."""
+
+
 def _headline_markdown(cells: pd.DataFrame) -> str:
-    lines = ["| task | model | schema | metric | test mean ± sd | 95 % CI | seeds |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| task | model | schema | metric | test mean ± sd | 95 % CI | chance | seeds |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    keys = ["task", "model", "schema"]
+    chance = cells[cells["metric"] == CHANCE].set_index(keys)["mean"].to_dict()
     headline = cells[cells["metric"] == cells["task"].map(headline_metric)]
     order = {schema: i for i, schema in enumerate(tables.schema_order(headline["schema"]))}
     tasks = {task: i for i, task in enumerate(tables.task_order(headline["task"]))}
@@ -145,7 +159,8 @@ def _headline_markdown(cells: pd.DataFrame) -> str:
         spread = f" ± {_fmt(row['sd'])}" if row["n"] > 1 else ""
         lines.append(
             f"| {row['task']} | {row['model']} | {row['schema']} | {row['metric']} {arrow} | "
-            f"{_fmt(row['mean'])}{spread} | [{_fmt(row['ci_low'])}, {_fmt(row['ci_high'])}] | {row['n']} |"
+            f"{_fmt(row['mean'])}{spread} | [{_fmt(row['ci_low'])}, {_fmt(row['ci_high'])}] | "
+            f"{_fmt(chance.get(tuple(row[keys]), math.nan))} | {row['n']} |"
         )
     return "\n".join(lines)
 
@@ -193,6 +208,9 @@ def _summary(sweep_id: str, runs: pd.DataFrame, report: Report, cohort: str, bas
         cohort_line,
         f"Trials: {len(trials)} ({', '.join(f'{n} {s.lower()}' for s, n in sorted(counts.items()))}).",
         "## Headline metric per cell (test split, over seeds)",
+        "*Chance*: the same metric for a predictor that never looks at the patient and knows only the training "
+        "split (its stage frequencies, each question's answer frequencies, the median tumour box, a random "
+        "training report, a random ranking). A cell whose interval does not clear it has learnt nothing.",
         _headline_markdown(report.cells),
         f"## Which inputs help: each schema against {baseline}",
         "Paired on seeds and test patients; p-values Holm-corrected across every comparison below.",

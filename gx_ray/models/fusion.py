@@ -5,7 +5,9 @@ endoscopy image and one for the numeric lab table when the schema has them. Text
 arrive already projected to ``hidden``. Every block reports the image side before text (``Encoded.image``)
 the same way, so retrieval sees the same "image + its cues" whatever the fusion.
 
-- ``concat``: pooled image ⊕ cue tokens ⊕ pooled text → MLP.
+- ``concat``: pooled image ⊕ cue tokens ⊕ pooled context text ⊕ pooled query → MLP. Context and query are pooled
+  apart: pooled together, a VQA question drowned in the lab-table text before it (VQA accuracy 10 % with the table
+  against 38 % without, on the demo).
 - ``cross_attention``: image tokens attend to text tokens (pre-norm residual block), then mean-pooled.
 - ``film``: pooled text and table produce a per-channel scale and shift of every vision map (Perez et al., 2018).
 """
@@ -69,8 +71,9 @@ def _cues(endoscopy: torch.Tensor | None, table: torch.Tensor | None) -> list[to
 class ConcatFusion(Fusion):
     def __init__(self, hidden: int, map_channels: list[int], endoscopy: bool = False, table: bool = False):
         super().__init__(hidden, map_channels, endoscopy, table)
-        # One slot each for the pooled image, every cue and the pooled text (zeros when a sample has no text).
-        self.mlp = mlp(hidden * (2 + self.cue_count), hidden)
+        # One slot each for the pooled image, every cue, the pooled context text and the pooled query (zeros where
+        # a sample has none).
+        self.mlp = mlp(hidden * (3 + self.cue_count), hidden)
         self.norm = nn.LayerNorm(hidden)
 
     def forward(
@@ -80,12 +83,17 @@ class ConcatFusion(Fusion):
         text_mask: torch.Tensor | None = None,
         endoscopy: torch.Tensor | None = None,
         table: torch.Tensor | None = None,
+        query_mask: torch.Tensor | None = None,
     ) -> Encoded:
         cues = _cues(endoscopy, table)
         tokens = self.image_tokens(maps[-1], cues)
         visual = tokens[:, : tokens.shape[1] - len(cues)].mean(1)
-        text_pooled = torch.zeros_like(visual) if text is None else masked_mean(text, text_mask)
-        pooled = self.norm(self.mlp(torch.cat([visual, *cues, text_pooled], dim=1)))
+        if text is None:
+            context = query = torch.zeros_like(visual)
+        else:
+            is_query = torch.zeros_like(text_mask) if query_mask is None else query_mask
+            context, query = masked_mean(text, text_mask & ~is_query), masked_mean(text, text_mask & is_query)
+        pooled = self.norm(self.mlp(torch.cat([visual, *cues, context, query], dim=1)))
         return self.encoded(pooled, tokens, tokens.mean(1), maps, text, text_mask)
 
 
@@ -113,6 +121,7 @@ class CrossAttentionFusion(Fusion):
         text_mask: torch.Tensor | None = None,
         endoscopy: torch.Tensor | None = None,
         table: torch.Tensor | None = None,
+        query_mask: torch.Tensor | None = None,
     ) -> Encoded:
         tokens = self.image_tokens(maps[-1], _cues(endoscopy, table))
         fused = tokens
@@ -149,6 +158,7 @@ class FilmFusion(Fusion):
         text_mask: torch.Tensor | None = None,
         endoscopy: torch.Tensor | None = None,
         table: torch.Tensor | None = None,
+        query_mask: torch.Tensor | None = None,
     ) -> Encoded:
         cues = _cues(endoscopy, table)
         tokens = self.image_tokens(maps[-1], cues)

@@ -122,10 +122,14 @@ class MultimodalEncoder(nn.Module):
             context = None if context is None else tuple(x.index_select(0, index) for x in context)
         # Context tokens, then query tokens; with neither, the text encoder is not run at all.
         parts = [p for p in (context, None if query is None else self.text_tokens(query)) if p is not None]
-        text = text_mask = None
+        text = text_mask = query_mask = None
         if parts:
             text, text_mask = torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
-        return self.fusion(maps, text, text_mask, endoscopy=endoscopy, table=table)
+            # which text tokens are the query's (the last part), for fusions that pool context and query apart
+            query_mask = torch.zeros_like(text_mask)
+            if query is not None:
+                query_mask[:, text_mask.shape[1] - parts[-1][1].shape[1] :] = True
+        return self.fusion(maps, text, text_mask, endoscopy=endoscopy, table=table, query_mask=query_mask)
 
     def _check(self, inputs: ModelInputs, query: list[str] | None) -> None:
         name = self.schema.name

@@ -110,6 +110,12 @@ class Task:
     def metric(self) -> TaskMetric:
         raise NotImplementedError
 
+    def chance_level(self, train_rows: Sequence[Mapping[str, Any]], test_rows: Sequence[Mapping[str, Any]]) -> float:
+        """The primary metric on ``test_rows`` of a predictor that never looks at the patient: it knows only what
+        the training rows say of everyone (answer frequencies, a typical box, typical reports), scored by the
+        task's own metric. A model must beat it to have learnt anything from the inputs. NaN where undefined."""
+        return float("nan")
+
 
 def check_train_rows(rows: Iterable[Mapping[str, Any]], task: str) -> list[Mapping[str, Any]]:
     """The rows as a list, refusing any row that says it is not from the training split (no leakage)."""

@@ -227,6 +227,17 @@ class LesionDetection(Task):
     def metric(self) -> TaskMetric:
         return DetectionMetric()
 
+    def chance_level(self, train_rows: Sequence[dict], test_rows: Sequence[dict]) -> float:
+        """The training tumours' median box (each corner's median) predicted for every test case, one score."""
+        train = [tumour_boxes(r["boxes"], r["box_present"]) for r in train_rows]
+        train_boxes = [boxes[0] for boxes, present in train if present[0]]
+        test = [tumour_boxes(r["boxes"], r["box_present"]) for r in test_rows]
+        targets = [{"boxes": boxes} for boxes, present in test if present[0]]
+        if not train_boxes or not targets:
+            return float("nan")
+        prior = {"boxes": np.median(np.stack(train_boxes), axis=0)[None], "scores": np.ones(1)}
+        return detection_metrics([prior] * len(targets), targets)[self.primary_metric]
+
 
 class DetectionMetric(TaskMetric):
     """COCO-style 3D detection metrics over the cases that have a tumour box."""

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -136,7 +137,35 @@ class ReportGeneration(Task):
                 add_cross_attention=True,
             )
             decoder = BertLMHeadModel(config)
+        self.tokenizer = tokenizer  # the targets are cut with it (target_texts), and the chance level's too
         return ReportDecoder(decoder, dim, tokenizer)
+
+    def target_texts(self, reports: Sequence[str | None]) -> list[str | None]:
+        """Each report as the model is taught to write it: its first ``max_report_tokens`` tokens ([CLS] and [SEP]
+        counted), cut in the original text where the last kept token ends. Scoring against words it was never
+        asked to write would measure the cut, not the model; with the default 256 most reports are whole."""
+        if not hasattr(self, "tokenizer"):
+            raise RuntimeError("the report targets need the tokenizer: call build_head first")
+        encoded = self.tokenizer(
+            [r or "" for r in reports], truncation=True, max_length=self.max_report_tokens, return_offsets_mapping=True
+        )
+        cut = []
+        for report, offsets in zip(reports, encoded["offset_mapping"], strict=True):
+            ends = [end for start, end in offsets if end > start]  # special tokens have empty spans
+            cut.append(report[: ends[-1]] if report and ends else report)
+        return cut
+
+    def chance_level(self, train_rows: Sequence[dict], test_rows: Sequence[dict]) -> float:
+        """A training report drawn at random for each test case (its target cut as the model's), averaged over
+        five draws: what a writer who never looks at the patient but knows the report template scores."""
+        train = self.target_texts([r[self.column] for r in train_rows if r[self.column]])
+        test = self.target_texts([r[self.column] for r in test_rows if r[self.column]])
+        if not train or not test:
+            return float("nan")
+        rng = np.random.default_rng(0)
+        metric = self.primary_metric
+        draws = [[train[i] for i in rng.integers(0, len(train), len(test))] for _ in range(5)]
+        return float(np.mean([text_generation_metrics(d, test, self.language, [metric])[metric] for d in draws]))
 
     def forward(self, encoder: nn.Module, head: nn.Module, inputs: ModelInputs, batch: Batch) -> Outputs:
         from gx_ray.models.text import tokenize_bucketed  # the models package imports MONAI: only when asked
@@ -152,6 +181,7 @@ class ReportGeneration(Task):
             "references": references,
         }
         if not head.training:
+            outputs["references"] = self.target_texts(references)  # what the metric scores: the taught targets
             outputs["generated"] = head.generate(
                 encoded.tokens, encoded.token_mask, self.num_beams, self.max_new_tokens
             )

@@ -106,6 +106,15 @@ class Retrieval(Task):
     def metric(self) -> TaskMetric:
         return RetrievalMetric()
 
+    def chance_level(self, train_rows: Sequence[dict], test_rows: Sequence[dict]) -> float:
+        """A random ranking of the test gallery, in expectation: query ``i`` finds its report at rank ``i + 1``, so
+        the ranks 1..N occur once each, as they do on average under random similarities (R@K = K/N)."""
+        n = sum(1 for row in test_rows if row[self.column])
+        if not n:
+            return float("nan")
+        metrics = retrieval_metrics(-np.tile(np.arange(n, dtype=float), (n, 1)))
+        return metrics[self.primary_metric.split("_", 3)[-1]]
+
 
 class RetrievalMetric(TaskMetric):
     """Retrieval metrics over every gathered (image, report) pair of the evaluation set, both directions."""

@@ -84,6 +84,15 @@ class StageClassification(Task):
     def metric(self) -> TaskMetric:
         return StageMetric()
 
+    def chance_level(self, train_rows: Sequence[dict], test_rows: Sequence[dict]) -> float:
+        """Every test case given the training split's stage frequencies: an AUC of 50 whatever the frequencies."""
+        train = np.array([r["stage_label"] for r in train_rows if r["stage_label"] >= 0], dtype=np.int64)
+        test = np.array([r["stage_label"] for r in test_rows if r["stage_label"] >= 0], dtype=np.int64)
+        if not len(train) or not len(test):
+            return float("nan")
+        prior = np.bincount(train, minlength=len(STAGE_GROUPS)) / len(train)
+        return classification_metrics(np.tile(prior, (len(test), 1)), test)[self.primary_metric]
+
     def figures(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         """The test split's confusion matrix (rows: true stage, columns: predicted)."""
         import matplotlib

@@ -11,6 +11,7 @@ question category (``accuracy_<category>``, NaN for a category without questions
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -134,6 +135,26 @@ class VisualQuestionAnswering(Task):
 
     def metric(self) -> TaskMetric:
         return VQAMetric(len(self.answers))
+
+    def chance_level(self, train_rows: Sequence[dict], test_rows: Sequence[dict]) -> float:
+        """Each test question answered by a guess among the answers the training split gives to the same wording
+        (all training answers for a wording it never asks): chance accuracy, averaged over the guesses."""
+        options: dict[str, set[int]] = defaultdict(set)
+        for row in train_rows:
+            for item in row[self.column] or ():
+                options[item["question"]].add(self.answer_index(item["answer"]))
+        everything = set().union(*options.values()) if options else set()
+        probabilities, targets = [], []
+        for row in test_rows:
+            for item in row[self.column] or ():
+                p = np.zeros(len(self.answers))
+                p[sorted(options.get(item["question"]) or everything)] = 1.0
+                probabilities.append(p / p.sum())
+                targets.append(self.answer_index(item["answer"]))
+        if not targets or not everything:
+            return float("nan")
+        # the expected accuracy of the guess: the probability it gives the right answer (argmax would pick one)
+        return 100.0 * float(np.mean([p[t] for p, t in zip(probabilities, targets, strict=True)]))
 
 
 def answer_probabilities(logits: torch.Tensor) -> np.ndarray:

@@ -181,7 +181,7 @@ def build_trial(config: TrialConfig, device: torch.device) -> tuple[Any, TaskMod
     manifest = read_manifest(config.data.shards)
     layout = TensorLayout(tuple(manifest["ct_shape"]), tuple(manifest["endoscopy_shape"]), tuple(manifest["lab_names"]))
     task = build_task(config.task, **config.task_options)
-    task.prepare(_train_rows(config.data.shards, task))  # fitted on the training split only
+    task.prepare(split_rows(config.data.shards, "train"))  # fitted on the training split only
     model = TaskModel(task, build_encoder(config.model, config.schema), config.schema).to(device)
     return task, model, layout
 
@@ -333,6 +333,10 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
             final = {
                 **{f"test_{k}": v for k, v in test.items()},
                 "test_primary": test[task.primary_metric],
+                # the primary metric of a predictor that never looks at the patient: the bar a model must clear
+                "test_chance": task.chance_level(
+                    split_rows(config.data.shards, "train"), split_rows(config.data.shards, "test")
+                ),
                 "best_epoch": best["epoch"],
                 **timing,
             }
@@ -401,9 +405,9 @@ def _report(ctx: WorkerContext, metrics: dict, model, optimiser, scheduler, epoc
         ctx.report(metrics, checkpoint=Checkpoint.from_directory(folder))
 
 
-def _train_rows(shard_dir: str, task: Any) -> list[dict]:
-    """The training split's rows without the image columns (what a task may learn from, e.g. VQA answers)."""
-    files = split_files(shard_dir, "train")
+def split_rows(shard_dir: str, split: str) -> list[dict]:
+    """A split's rows without the image columns (what a task may learn from, e.g. VQA answers)."""
+    files = split_files(shard_dir, split)
     columns = [c for c in open_shard(files[0]).schema_arrow.names if c not in TENSOR_COLUMNS]
     return [row for f in files for row in read_shard(f, columns=columns).to_pylist()]
 
