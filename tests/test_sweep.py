@@ -306,3 +306,24 @@ def test_run_names_lead_with_task_inputs_and_seed_also_when_the_space_fixes_them
     assert _trial_name({}, varied) == "stage img+tab+box s0 #15"
     fixed = SimpleNamespace(trial_id="5c0a1_00000", config={"seed": 1})  # Tune's config holds only what varies
     assert _trial_name({"task": "vqa", "schema": "image_only"}, fixed) == "vqa img s1 #0"
+
+
+def test_the_summary_leaves_out_trials_a_time_budget_never_started():
+    """A time-boxed sweep (benchmark.py cluster --budget) can end before some trials start: Tune keeps them without
+    a config. They are no cell; before, their task None failed the whole summary ("unknown task None")."""
+    from gx_ray.sweep.driver import summarise
+
+    done = {"schema": "image_only", "error": None, "completed": True, "trial": "t0", "chosen": {}}
+    rows = [
+        {**done, "task": "stage_classification", "val_primary": 70.0, "test_primary": 60.0},
+        {**done, "task": "stage_classification", "val_primary": 80.0, "test_primary": 64.0, "trial": "t1"},
+        {**done, "task": None, "completed": False, "val_primary": None, "test_primary": None, "trial": "t2"},
+    ]
+    (cell,) = summarise(rows)
+    assert (cell["task"], cell["metric"], cell["trials"], cell["best_trial"]) == (
+        "stage_classification",
+        "auc",
+        2,
+        "t1",
+    )
+    assert cell["test_mean"] == pytest.approx(62.0)

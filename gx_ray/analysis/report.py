@@ -209,8 +209,8 @@ def _summary(sweep_id: str, runs: pd.DataFrame, report: Report, cohort: str, bas
         f"Trials: {len(trials)} ({', '.join(f'{n} {s.lower()}' for s, n in sorted(counts.items()))}).",
         "## Headline metric per cell (test split, over seeds)",
         "*Chance*: the same metric for a predictor that never looks at the patient and knows only the training "
-        "split (its stage frequencies, each question's answer frequencies, the median tumour box, a random "
-        "training report, a random ranking). A cell whose interval does not clear it has learnt nothing.",
+        "split (its stage frequencies, a guess among each question's training answers, the median tumour box, "
+        "a random training report, a random ranking). A cell whose interval does not clear it has learnt nothing.",
         _headline_markdown(report.cells),
         f"## Which inputs help: each schema against {baseline}",
         "Paired on seeds and test patients; p-values Holm-corrected across every comparison below.",

@@ -580,12 +580,14 @@ def _result_rows(grid: Any, context: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per task and schema: test primary metric over seeds (mean, sd, n) and the best trial by validation."""
-    from gx_ray.tasks import build_task
+    """Per task and schema: test primary metric over seeds (mean, sd, n) and the best trial by validation. A trial
+    that never started (a time budget ended first) has no config, so no task: it is in no cell."""
+    from gx_ray.tasks import task_class
 
     cells: dict[tuple[str, str], list[dict]] = {}
     for row in rows:
-        cells.setdefault((row["task"], row["schema"]), []).append(row)
+        if row["task"] is not None:
+            cells.setdefault((row["task"], row["schema"]), []).append(row)
     summary = []
     for (task, schema), members in sorted(cells.items()):
         done = [m for m in members if not m["error"] and m["completed"]]
@@ -596,7 +598,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             {
                 "task": task,
                 "schema": schema,
-                "metric": build_task(task).primary_metric,
+                "metric": task_class(task).primary_metric,
                 "trials": len(members),
                 "failed": len(members) - len(done),
                 "test_mean": float(tests.mean()) if len(tests) else None,

@@ -1,0 +1,41 @@
+"""The local Ray runtime that sweeps start (:func:`gx_ray.runtime.init_ray`)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import ray
+
+
+@ray.remote(num_cpus=1)
+def _hold(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+@ray.remote(num_cpus=1)
+def _read_epochs(epochs: int, pause: float) -> list[set[int]]:
+    """Each 'epoch' reads four blocks with zero-CPU tasks, as a trial's split streams do; the worker ids per epoch."""
+    seen = []
+    for _ in range(epochs):
+        dataset = ray.data.from_items(list(range(4)), override_num_blocks=4).map_batches(
+            lambda batch: {"pid": [os.getpid()] * len(batch["item"])},
+            batch_size=1,
+            num_cpus=0,
+            compute=ray.data.TaskPoolStrategy(size=2),
+        )
+        seen.append({row["pid"] for row in dataset.take_all()})
+        time.sleep(pause)  # training and validation between two reads of the split
+    return seen
+
+
+def test_read_workers_outlive_the_gap_between_epochs(ray_cluster):
+    """With every CPU held by a trial, Ray's default kept no idle worker beyond one per CPU for more than 1 s: each
+    epoch's reads started fresh worker processes (~2 s of CPU each, 4.5 s per epoch on two cores). The sweep's
+    runtime keeps them, so a later epoch reads with the workers of an earlier one."""
+    holder = _hold.remote(60)  # the other CPU, as the second of two trials holds it
+    try:
+        seen = ray.get(_read_epochs.remote(3, 2.0), timeout=120)
+    finally:
+        ray.cancel(holder, force=True)
+    assert seen[0] & seen[2], f"every epoch read with new workers: {seen}"
