@@ -4,6 +4,7 @@ trial, and an interrupted sweep resumed."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -131,6 +132,11 @@ def test_mlflow_holds_one_parent_and_a_child_per_trial_with_metrics(smoke_sweep,
         assert {"task", "schema", "seed"} <= set(child.data.tags) and child.info.status == "FINISHED"
         assert child.data.params["optimiser.lr"] and child.data.params["schema"] == child.data.tags["schema"]
         assert "val_primary" in child.data.metrics and "test_primary" in child.data.metrics
+        # the bar the trial's test number must clear, on its own test split (AUC's is 50 whatever the stage mix)
+        # the bar the trial's test number must clear, on its own test split: undefined exactly where the metric is
+        # (an AUC on a one-stage test split of the tiny cohort), else a number on the metric's scale
+        chance, metric = child.data.metrics["test_chance"], child.data.metrics["test_primary"]
+        assert math.isnan(chance) == math.isnan(metric) and (math.isnan(chance) or 0 <= chance <= 100)
         artifacts = {a.path for a in client.list_artifacts(child.info.run_id, "predictions")}
         assert "predictions/test_sample.json" in artifacts
 
