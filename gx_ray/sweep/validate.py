@@ -105,7 +105,7 @@ class DemoCheck:
     detail: str
 
     def line(self) -> str:
-        return f"{'PASS' if self.passed else 'FAIL'}  {self.name:<26} {self.detail}"
+        return f"{'PASS' if self.passed else 'FAIL'}  {self.name:<36} {self.detail}"
 
 
 def demo(output: Path, address: str | None = None) -> list[DemoCheck]:
