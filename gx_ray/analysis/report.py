@@ -29,6 +29,9 @@ REPORT_FOLDER = "report"
 BASELINE = "image_only"
 DEMO_COHORT = "demo"
 CELLS_FILE = "cells.csv"
+CHANCE = "chance"
+"""The metric each trial logs as ``test_chance``: its primary metric for a predictor that never looks at the patient
+(:meth:`gx_ray.tasks.base.Task.chance_level`)."""
 
 
 @dataclass
@@ -135,11 +138,6 @@ def _paired_bootstrap(arms: list[list[CaseScorer | None]], n_resamples: int) -> 
 
 def _fmt(value: float, digits: int = 1) -> str:
     return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
-
-
-CHANCE = "chance"
-"""The metric each trial logs as ``test_chance``: its primary metric for a predictor that never looks at the patient
-(:meth:`gx_ray.tasks.base.Task.chance_level`)."""
 
 
 def _headline_markdown(cells: pd.DataFrame) -> str:

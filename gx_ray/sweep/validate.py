@@ -138,9 +138,10 @@ def demo_checks(
             )
         )
     path = report / "significance.csv"
-    table = pd.read_csv(path) if path.is_file() else pd.DataFrame(columns=["task", "schema_a", "schema_b"])
+    empty = pd.DataFrame(columns=["task", "schema_a", "schema_b", "significant", "better"])
+    table = pd.read_csv(path) if path.is_file() else empty  # no comparison could be made
     wins = table[(table["schema_a"] == full) & (table["schema_b"] == baseline)]
-    won = sorted(wins.loc[wins["significant"].astype(bool) & (wins["better"] == full), "task"]) if len(wins) else []
+    won = sorted(wins.loc[wins["significant"].astype(bool) & (wins["better"] == full), "task"])
     checks.append(
         DemoCheck(
             f"{full} > {baseline}",

@@ -178,10 +178,10 @@ class ReportGeneration(Task):
         outputs = {
             "logits": head(tokens.input_ids, tokens.attention_mask, encoded.tokens, encoded.token_mask),
             "labels": labels,
-            "references": references,
+            # what the metric scores (evaluation only): the reports as the model is taught them
+            "references": references if head.training else self.target_texts(references),
         }
         if not head.training:
-            outputs["references"] = self.target_texts(references)  # what the metric scores: the taught targets
             outputs["generated"] = head.generate(
                 encoded.tokens, encoded.token_mask, self.num_beams, self.max_new_tokens
             )

@@ -144,17 +144,12 @@ class VisualQuestionAnswering(Task):
             for item in row[self.column] or ():
                 options[item["question"]].add(self.answer_index(item["answer"]))
         everything = set().union(*options.values()) if options else set()
-        probabilities, targets = [], []
+        hits = []  # per question: the probability that a uniform guess among its choices is right
         for row in test_rows:
             for item in row[self.column] or ():
-                p = np.zeros(len(self.answers))
-                p[sorted(options.get(item["question"]) or everything)] = 1.0
-                probabilities.append(p / p.sum())
-                targets.append(self.answer_index(item["answer"]))
-        if not targets or not everything:
-            return float("nan")
-        # the expected accuracy of the guess: the probability it gives the right answer (argmax would pick one)
-        return 100.0 * float(np.mean([p[t] for p, t in zip(probabilities, targets, strict=True)]))
+                choices = options.get(item["question"]) or everything
+                hits.append(float(self.answer_index(item["answer"]) in choices) / max(1, len(choices)))
+        return 100.0 * float(np.mean(hits)) if hits and everything else float("nan")
 
 
 def answer_probabilities(logits: torch.Tensor) -> np.ndarray:

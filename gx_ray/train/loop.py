@@ -176,12 +176,14 @@ def evaluate(
     return metric.compute(), [r for part in gather_state({"records": [kept]}).get("records", []) for r in part]
 
 
-def build_trial(config: TrialConfig, device: torch.device) -> tuple[Any, TaskModel, TensorLayout]:
-    """The trial's task (fitted on the training split) and model, on ``device``."""
+def build_trial(
+    config: TrialConfig, device: torch.device, train_rows: list[dict] | None = None
+) -> tuple[Any, TaskModel, TensorLayout]:
+    """The trial's task (fitted on the training split: ``train_rows``, read here when not given) and model."""
     manifest = read_manifest(config.data.shards)
     layout = TensorLayout(tuple(manifest["ct_shape"]), tuple(manifest["endoscopy_shape"]), tuple(manifest["lab_names"]))
     task = build_task(config.task, **config.task_options)
-    task.prepare(split_rows(config.data.shards, "train"))  # fitted on the training split only
+    task.prepare(split_rows(config.data.shards, "train") if train_rows is None else train_rows)  # training split only
     model = TaskModel(task, build_encoder(config.model, config.schema), config.schema).to(device)
     return task, model, layout
 
@@ -227,7 +229,8 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
     """Train, validate every epoch, test the best model; returns the final metrics."""
     setup_started = time.perf_counter()
     seed_everything(config.seed)
-    task, model, layout = build_trial(config, ctx.device)
+    train_rows = split_rows(config.data.shards, "train")  # the task's fit and, at the end, its chance level
+    task, model, layout = build_trial(config, ctx.device, train_rows)
     micro = ctx.micro_batch or micro_batch_for(config, model, task, layout, ctx.device, ctx.world_size)[0]
     accumulation = config.data.accumulation(ctx.world_size, micro)
     if ctx.tracker:
@@ -334,9 +337,7 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
                 **{f"test_{k}": v for k, v in test.items()},
                 "test_primary": test[task.primary_metric],
                 # the primary metric of a predictor that never looks at the patient: the bar a model must clear
-                "test_chance": task.chance_level(
-                    split_rows(config.data.shards, "train"), split_rows(config.data.shards, "test")
-                ),
+                "test_chance": task.chance_level(train_rows, split_rows(config.data.shards, "test")),
                 "best_epoch": best["epoch"],
                 **timing,
             }
