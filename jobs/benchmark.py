@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     model.add_argument("--amp", default=ModelBenchmarkConfig.amp, choices=AMP_MODES)
     model.add_argument("--fusion", default=ModelBenchmarkConfig.fusion, choices=list(FUSIONS))
     model.add_argument("--gradient-checkpointing", action="store_true", help="swin3d only")
+    model.add_argument("--compile", action="store_true", help="torch.compile the CT network (model.compile)")
     model.add_argument("--device", help="default: cuda when available, else cpu")
     sweep = commands.add_parser("sweep", help="wall time of a sweep: data, start-up and training per trial")
     sweep.add_argument("--space", default="modality_ablation")
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster.add_argument("--output", type=Path, default=Path("outputs/benchmark/cluster"))
     cluster.add_argument("--steps-per-epoch", type=int, default=30)
     cluster.add_argument("--gpus-per-trial", default="auto", help="auto (measured packing), 1, 0.5, ...")
+    cluster.add_argument("--eager", action="store_true", help="measure the models uncompiled (model.compile off)")
     cluster.add_argument("--tasks", help="comma-separated tasks of the slice (default: all five)")
     cluster.add_argument("--address", help="an existing Ray cluster, e.g. jobs/cluster/two_nodes_one_host.sh's")
     args = parser.parse_args(argv)
@@ -77,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             steps_per_epoch=args.steps_per_epoch,
             gpus_per_trial=share,
             address=args.address,
+            compile=not args.eager,
             **({"tasks": tuple(args.tasks.split(","))} if args.tasks else {}),
         )
         print(format_cluster_result(run_cluster_benchmark(args.output, config)))
@@ -116,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             amp=args.amp,
             fusion=args.fusion,
             gradient_checkpointing=args.gradient_checkpointing,
+            compile=args.compile,
         )
         print(format_model_result(run_model_benchmark(config, args.device)))
     return 0

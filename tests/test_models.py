@@ -339,6 +339,28 @@ def test_gradients_reach_every_branch_and_a_few_steps_fit_a_batch(fusion):
     assert losses[-1] < 0.5 * losses[0], losses
 
 
+def test_a_compiled_encoder_computes_what_the_eager_one_does_and_keeps_its_checkpoint_keys():
+    from gx_ray.train.probe import compiled_copy
+
+    torch.manual_seed(0)
+    eager = build_encoder(config("resnet18_3d", text_kwargs={"num_hidden_layers": 1}), PRESETS["image_only"])
+    compiled = build_encoder(config("resnet18_3d", text_kwargs={"num_hidden_layers": 1}, compile=True), eager.schema)
+    assert compiled.state_dict().keys() == eager.state_dict().keys()  # checkpoints load into either
+    compiled.load_state_dict(eager.state_dict())
+    inputs = random_inputs(eager.schema, np.random.default_rng(5), size=(16, 16, 16))
+    expected, got = eager(inputs).pooled, compiled(inputs).pooled
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    got.sum().backward()
+    expected.sum().backward()
+    for (name, p), q in zip(eager.vision.named_parameters(), compiled.vision.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-5, msg=name)
+    # the GPU probe measures a copy; a plain deep copy would run (and measure) the eager step
+    assert compiled.vision._compiled_call_impl is not None and eager.vision._compiled_call_impl is None
+    copy = compiled_copy(compiled)
+    assert copy.vision._compiled_call_impl is not None and copy.vision is not compiled.vision
+    assert compiled_copy(eager).vision._compiled_call_impl is None
+
+
 # --- benchmark -----------------------------------------------------------------------------------------
 
 

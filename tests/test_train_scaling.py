@@ -272,16 +272,21 @@ def test_the_projection_spreads_every_cell_over_the_gpus_with_the_measured_packi
                 "train_samples_per_s": rate,
                 "eval_seconds_per_row": 0.01,
                 "startup_seconds": 5.0,
+                "warmup_seconds": 30.0 + i,
                 "gpu_share": 0.5,
             }
     figures = project({"cells": cells, "scheduling_efficiency": 0.8}, gpus=8)
     trials = PAPER_ABLATION["schemas"] * PAPER_ABLATION["seeds"]
-    expected = 0.0
-    for i, _ in enumerate(TASKS):  # the slower (heavier) schema stands for all four
+    jobs = []
+    for i, _ in enumerate(TASKS):  # the slower (heavier) schema stands for all four; warm-up once a trial
         epoch = GASTRIC_X["train"] / (20.0 + i) + GASTRIC_X["val"] * 0.01
-        expected += trials * (PAPER_ABLATION["epochs"] * epoch + 5.0) * 0.5
-    assert figures["hours"] == pytest.approx(expected / 8 / 0.8 / 3600)
+        jobs += [(PAPER_ABLATION["epochs"] * epoch + 5.0 + 30.0 + i) * 0.5] * trials
+    assert figures["hours_at_slice_efficiency"] == pytest.approx(sum(jobs) / 8 / 0.8 / 3600)
+    # longest first on the least loaded GPU: never below the even spread, never more than one trial above it
+    assert sum(jobs) / 8 / 3600 <= figures["hours"] <= (sum(jobs) / 8 + max(jobs)) / 3600
+    whole_cards = {k: {**c, "gpu_share": 1.0} for k, c in cells.items()}
     assert all(t["trials_per_gpu"] == 2 for t in figures["per_task"].values())
+    assert project({"cells": whole_cards}, gpus=8)["hours"] > 1.9 * figures["hours"]  # twice the GPU-seconds
     # a task the slice did not measure leaves the projection undefined, never silently smaller
     partial = {k: v for k, v in cells.items() if not k.startswith("vqa/")}
     assert np.isnan(project({"cells": partial}, gpus=8)["hours"])

@@ -51,6 +51,8 @@ class ModelBenchmarkConfig:
     lr: float = 5e-5
     weight_decay: float = 0.01
     gradient_checkpointing: bool = False
+    compile: bool = False
+    """``torch.compile`` the CT network on both sides (the registry's ``model.compile``)."""
     vision_kwargs: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
 
@@ -70,6 +72,8 @@ class Timing:
     samples_per_s: float
     peak_memory_bytes: int
     seconds: float
+    warmup_seconds: float = 0.0
+    """Building the model and its untimed steps: where a compiled model pays its compilation."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,7 @@ def run_model_benchmark(config: ModelBenchmarkConfig, device: str | torch.device
         fusion=config.fusion,
         vision_kwargs=config.vision_kwargs,
         gradient_checkpointing=config.gradient_checkpointing,
+        compile=config.compile,
     )
     inputs = ModelInputs(ct, torch.ones(config.batch, len(schema.phases), dtype=torch.bool, device=device))
     backbone: dict[str, Any] = {}
@@ -123,6 +128,8 @@ def run_model_benchmark(config: ModelBenchmarkConfig, device: str | torch.device
 
     def raw_step() -> Callable[[], torch.Tensor]:
         net = backbone["cls"](**backbone["arguments"])
+        if config.compile:
+            net.compile()
         model = nn.ModuleDict({"net": net, "head": nn.Linear(backbone["width"], config.classes)}).to(device)
         x = stack_slices(ct, model_config.vision_kwargs.get("slices", 16)) if config.model == "multichannel2d" else ct
         optimizer = torch.optim.AdamW(model.parameters(), config.lr, weight_decay=config.weight_decay)
@@ -174,6 +181,7 @@ def _time_training(
     device: torch.device,
 ) -> Timing:
     with _peak_memory(device) as peak:
+        built = time.perf_counter()
         step = build()
         for _ in range(config.warmup):
             step(loss_of, amp)
@@ -189,7 +197,7 @@ def _time_training(
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return Timing(config.steps * config.batch / seconds, peak["bytes"], seconds)
+    return Timing(config.steps * config.batch / seconds, peak["bytes"], seconds, start - built)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -230,10 +238,12 @@ def format_model_result(result: ModelBenchmarkResult) -> str:
     c = result.config
     rows = [
         f"model {c.model} (fusion {c.fusion}), input {'x'.join(map(str, c.shape))}, batch {c.batch}, "
-        f"amp {c.amp}, {c.steps} timed steps after {c.warmup} warm-up, on {result.device}",
-        f"{'':10}{'samples/s':>12}{'peak memory':>14}",
+        f"amp {c.amp}{', compiled' if c.compile else ''}, {c.steps} timed steps after {c.warmup} warm-up, "
+        f"on {result.device}",
+        f"{'':10}{'samples/s':>12}{'peak memory':>14}{'warm-up':>10}",
     ]
-    for label, timing in (("registry", result.registry), ("raw", result.raw)):
-        rows.append(f"{label:10}{timing.samples_per_s:12.2f}{timing.peak_memory_bytes / 2**30:11.2f} GiB")
+    for label, t in (("registry", result.registry), ("raw", result.raw)):
+        memory = t.peak_memory_bytes / 2**30
+        rows.append(f"{label:10}{t.samples_per_s:12.2f}{memory:11.2f} GiB{t.warmup_seconds:8.1f} s")
     rows.append(f"ratio registry/raw: {result.ratio:.3f}")
     return "\n".join(rows)

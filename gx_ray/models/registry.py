@@ -38,6 +38,9 @@ class ModelConfig:
     """cross_attention: ``heads``, ``dropout``."""
     gradient_checkpointing: bool = False
     """MONAI's ``use_checkpoint`` for swin3d: what fits the paper's 192 x 288 x 288 crop on one GPU."""
+    compile: bool = False
+    """``torch.compile`` the CT encoder, the step's dominant cost (in place: its state-dict keys stay the same, so
+    checkpoints load either way). Costs a compilation in each new process; pays on GPUs over a whole trial."""
 
     def __post_init__(self) -> None:
         for key, registry in (("vision", VISION_ENCODERS), ("fusion", FUSIONS), ("endoscopy", ENDOSCOPY_ENCODERS)):
@@ -70,6 +73,8 @@ class MultimodalEncoder(nn.Module):
         self.vision = build_vision_encoder(
             config.vision, self.in_channels, config.gradient_checkpointing, **config.vision_kwargs
         )
+        if config.compile:
+            self.vision.compile()
         # Always built: a task may send a query (VQA) or encode reports (retrieval) under a text-free schema.
         self.text = build_text_encoder(config.text, **config.text_kwargs)
         if config.lora is not None:

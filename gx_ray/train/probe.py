@@ -70,8 +70,10 @@ def step_peak_bytes(
     model: nn.Module, loss_of: Callable[[nn.Module, Any], torch.Tensor], batch: Any, device: torch.device
 ) -> int | None:
     """Peak GPU memory of one training step (forward, backward, AdamW with its state) on a copy of the model, so the
-    model itself is untouched; None when the step runs out of memory."""
-    trial = copy.deepcopy(model)
+    model itself is untouched; None when the step runs out of memory. A compiled part is compiled in the copy too (a
+    compiled 3D Swin step held 22 GiB against 32 eager on H100), which also fills the node's compilation cache for the
+    trials that follow."""
+    trial = compiled_copy(model)
     optimiser = torch.optim.AdamW(trial.parameters())
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -88,6 +90,16 @@ def step_peak_bytes(
     finally:
         del trial, optimiser
         torch.cuda.empty_cache()
+
+
+def compiled_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` with the same parts compiled (``copy.deepcopy`` drops ``nn.Module.compile()``)."""
+    compiled = {name for name, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None}
+    trial = copy.deepcopy(model)
+    for name, module in trial.named_modules():
+        if name in compiled:
+            module.compile()
+    return trial
 
 
 def divisors(n: int) -> list[int]:
