@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster.add_argument("--output", type=Path, default=Path("outputs/benchmark/cluster"))
     cluster.add_argument("--steps-per-epoch", type=int, default=30)
     cluster.add_argument("--gpus-per-trial", default="auto", help="auto (measured packing), 1, 0.5, ...")
-    cluster.add_argument("--eager", action="store_true", help="measure the models uncompiled (model.compile off)")
+    cluster.add_argument("--compile", action="store_true", help="measure compiled models (model.compile)")
     cluster.add_argument("--tasks", help="comma-separated tasks of the slice (default: all five)")
     cluster.add_argument("--address", help="an existing Ray cluster, e.g. jobs/cluster/two_nodes_one_host.sh's")
     args = parser.parse_args(argv)
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             steps_per_epoch=args.steps_per_epoch,
             gpus_per_trial=share,
             address=args.address,
-            compile=not args.eager,
+            compile=args.compile,
             **({"tasks": tuple(args.tasks.split(","))} if args.tasks else {}),
         )
         print(format_cluster_result(run_cluster_benchmark(args.output, config)))

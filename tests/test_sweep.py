@@ -20,7 +20,8 @@ from mlflow.tracking import MlflowClient
 from gx_ray.analysis.runs import headline_metric, load_runs
 from gx_ray.schema import TASKS
 from gx_ray.sweep.driver import EXPERIMENT, SweepOptions, run_sweep
-from gx_ray.sweep.spaces import SpaceError, load_space
+from gx_ray.sweep.spaces import SpaceError, available_presets, load_space
+from gx_ray.train.config import TrialConfig
 from gx_ray.tracking import TRIAL_TAG
 from gx_ray.tracking.server import LocalMlflowServer
 
@@ -93,9 +94,14 @@ def test_malformed_space_fails_before_ray_starts(tmp_path):
 
 def test_every_shipped_space_and_preset_is_valid():
     for path in sorted((ROOT / "search_spaces").glob("*.yaml")):
-        for presets in ((), ("demo",), ("demo", "smoke"), ("gpu",)):
+        combined = [("demo", "smoke"), ("gpu", "compiled")]
+        for presets in [(), *[(p,) for p in available_presets(path.stem)], *combined]:
+            if not set(presets) <= set(available_presets(path.stem)):
+                continue
             space = load_space(path.stem, presets)
             assert space.trial_count() >= 1, (path, presets)
+            for cell in space.cells()[:3]:  # every key the preset sets is one a trial config takes
+                TrialConfig.from_flat({**space.resource_keys(), **space.resolve(cell), "data.shards": "x"})
 
 
 # --- the smoke modality ablation, end to end --------------------------------------------------------------
