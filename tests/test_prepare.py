@@ -17,7 +17,17 @@ from gx_ray.data.catalogue import load_catalogue
 from gx_ray.data.demo.cohort import DemoConfig, generate_cohort
 from gx_ray.data.layouts import read_cohort
 from gx_ray.data.prepare import prepare_shards
-from gx_ray.data.shards import BatchCollate, TensorLayout, read_manifest, read_split, split_files
+from gx_ray.data.shards import (
+    FORMAT_VERSION,
+    BatchCollate,
+    ShardFormatError,
+    TensorLayout,
+    hounsfield,
+    read_manifest,
+    read_split,
+    require_format,
+    split_files,
+)
 from gx_ray.data.splits import SPLITS, read_split_file
 from gx_ray.data.volumes import write_dicom_series
 from gx_ray.schema import PHASES, STAGE_GROUPS, CaseError
@@ -69,10 +79,27 @@ def test_rows_carry_every_modality_of_their_case(demo_prepared, demo_raw):
         for p, present in enumerate(row["phase_present"]):
             channel = volume[p].astype(np.float32)
             assert (abs(channel.mean()) < 0.05 and abs(channel.std() - 1) < 0.05) if present else not channel.any()
+            # the HU statistics travel with the row: windows in HU can be taken from the shards alone
+            assert present == np.isfinite(row["ct_hu_mean"][p]) == (row["ct_hu_std"][p] > 0)
+        hu = hounsfield(volume, row["ct_hu_mean"], row["ct_hu_std"])[np.asarray(row["phase_present"])]
+        low, high = tiny_prepare().preprocess.hu_window
+        assert hu.min() >= low - 1 and hu.max() <= high + 1
         boxes = np.asarray(row["boxes"]).reshape(len(PHASES), 3, 6)
         tumour = boxes[PHASES.index("venous"), 0]
         assert row["box_present"][PHASES.index("venous") * 3] and (tumour[3:] > tumour[:3]).all()
         assert row["endoscopy_present"] and len(row["endoscopy"]) == 3 * 32 * 32
+
+
+def test_shards_older_than_a_task_needs_are_refused_with_the_fix(demo_prepared, tmp_path):
+    assert read_manifest(demo_prepared.shard_dir)["format_version"] == FORMAT_VERSION == 2
+    require_format(demo_prepared.shard_dir, 2, "lesion QA")  # current shards pass
+    old = tmp_path / "old"
+    shutil.copytree(demo_prepared.shard_dir, old)
+    manifest = json.loads((old / "manifest.json").read_text(encoding="utf-8"))
+    manifest["format_version"] = 1
+    (old / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+    with pytest.raises(ShardFormatError, match=r"old holds shard format 1; lesion QA needs format 2.*HU.*prepare_data"):
+        require_format(old, 2, "lesion QA")
 
 
 def test_a_split_streams_through_ray_data_into_tensors(demo_prepared):

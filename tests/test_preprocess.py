@@ -16,6 +16,7 @@ import pytest
 import SimpleITK as sitk
 
 from gx_ray.data.preprocess import Grid, PreprocessConfig, preprocess_case, register_rigid, resample_onto
+from gx_ray.data.shards import hounsfield
 from gx_ray.schema import PHASES, Box, Case, CaseError
 
 from .conftest import find_real_ct_dir
@@ -179,6 +180,28 @@ def test_output_is_float16_z_scored_and_the_phases_are_aligned(result, real_case
         aligned = np.corrcoef(result.volume[venous].ravel(), result.volume[channel].ravel())[0, 1]
         apart = np.corrcoef(unregistered.volume[venous].ravel(), unregistered.volume[channel].ravel())[0, 1]
         assert aligned > 0.9 and aligned > apart + 0.05, (phase, aligned, apart)
+
+
+def test_the_stored_hu_statistics_undo_the_z_score_to_float16_precision(result, real_case):
+    """What windowed views rely on: ``hounsfield`` gives back the clipped HU of the crop (venous, unmatched, is
+    resampled here independently), every phase stays inside the clip window, an absent phase has no statistics."""
+    venous = _ct()
+    reference = Grid.of(venous).resampled(tuple(reversed(CONFIG.spacing_zyx_mm)))
+    crop = reference.window(np.asarray(result.crop_origin_zyx)[::-1], tuple(reversed(CONFIG.shape_zyx)))
+    low, high = CONFIG.hu_window
+    resampled = sitk.Clamp(resample_onto(venous, crop, default=low), sitk.sitkFloat32, low, high)
+    hu = hounsfield(result.volume, result.hu_mean, result.hu_std)
+    v = PHASES.index("venous")
+    # float16 keeps 11 significant bits of the z-score: |z| <= ~5 here, so a few thousandths of an sd
+    np.testing.assert_allclose(hu[v], sitk.GetArrayFromImage(resampled), atol=5e-3 * result.hu_std[v])
+    assert hu.min() >= low - 1 and hu.max() <= high + 1
+    assert all(20 < s < 400 for s in result.hu_std)  # soft tissue, air and fat floor: tens to hundreds of HU
+    phases = {p: f for p, f in real_case.phases.items() if p != "arterial"}
+    boxes = [b for b in real_case.boxes if b.phase != "arterial"]
+    missing = preprocess_case(Case("real-003", real_case.source, phases, boxes=boxes), UNREGISTERED)
+    a = PHASES.index("arterial")
+    assert np.isnan(missing.hu_mean[a]) and np.isnan(missing.hu_std[a])
+    assert np.isnan(hounsfield(missing.volume, missing.hu_mean, missing.hu_std)[a]).all()
 
 
 def test_histogram_matching_brings_each_phase_to_the_venous_distribution(real_case):

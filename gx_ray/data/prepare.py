@@ -148,6 +148,8 @@ def case_row(case: Case, split: str, config: PrepareConfig) -> tuple[dict[str, A
         "split": split,
         "ct": pre.volume.astype(np.float16, copy=False).tobytes(),
         "phase_present": list(pre.phase_present),
+        "ct_hu_mean": list(pre.hu_mean),
+        "ct_hu_std": list(pre.hu_std),
         "endoscopy": endoscopy,
         "endoscopy_present": endoscopy is not None,
         "labs": labs,

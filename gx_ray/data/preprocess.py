@@ -16,7 +16,7 @@ interpolated exactly once:
 5. clip to the HU window, histogram-match each phase to venous;
 6. the crop is centred on the stomach (stomach box, else the venous organ mask's stomach label, else the body),
    padded with the window minimum where it leaves the venous field of view;
-7. per-phase z-score over the crop, stored as float16;
+7. per-phase z-score over the crop, stored as float16 (with the phase's HU mean and sd, to recover HU);
 8. boxes are carried from their own phase's raw grid into the crop (QC: outside the volume or the crop).
 
 Registration transforms follow SimpleITK's convention: they map a point of the fixed (venous) image to the
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -173,6 +174,10 @@ class PreprocessedCase:
     anatomy: dict[str, dict] = field(default_factory=dict)
     """Per phase: ``structure`` (:func:`structure_score`) and, for non-venous phases, ``reference_correlation``
     and ``overlap`` (:func:`reference_correlation`)."""
+    hu_mean: tuple[float, ...] = ()
+    hu_std: tuple[float, ...] = ()
+    """Per phase (PHASES order, NaN where absent): the HU mean and sd over the crop that the z-score divided out,
+    so ``volume * hu_std + hu_mean`` gives HU back (within the clip window) for windowed views."""
 
 
 # --- grids ------------------------------------------------------------------------------------------
@@ -443,7 +448,7 @@ def _preprocess(case: Case, config: PreprocessConfig) -> PreprocessedCase:
     crop_origin = np.floor(centre - (shape - 1) / 2 + 0.5).astype(int)
     crop = reference.window(crop_origin[::-1], tuple(shape[::-1]))
 
-    volume, present = _phase_volumes(images, transforms, crop, config, warnings)
+    volume, present, (hu_mean, hu_std) = _phase_volumes(images, transforms, crop, config, warnings)
     boxes = [
         _box_on_crop(case, i, box, edges, crop_origin, shape, warnings)
         for i, (box, edges) in enumerate(zip(case.boxes, mapped, strict=True))
@@ -457,6 +462,8 @@ def _preprocess(case: Case, config: PreprocessConfig) -> PreprocessedCase:
         crop_origin_zyx=_ints(crop_origin),
         warnings=warnings,
         anatomy=anatomy,
+        hu_mean=hu_mean,
+        hu_std=hu_std,
     )
 
 
@@ -617,13 +624,14 @@ def _phase_volumes(
     crop: Grid,
     config: PreprocessConfig,
     warnings: list[str],
-) -> tuple[np.ndarray, tuple[bool, ...]]:
+) -> tuple[np.ndarray, tuple[bool, ...], tuple[tuple[float, ...], tuple[float, ...]]]:
     low, high = config.hu_window
     windowed = {
         phase: sitk.Clamp(resample_onto(image, crop, transforms.get(phase), default=low), sitk.sitkFloat32, low, high)
         for phase, image in images.items()
     }
     volume = np.zeros((len(PHASES), *config.shape_zyx), np.float16)
+    mean, sd = [math.nan] * len(PHASES), [math.nan] * len(PHASES)
     for phase, image in windowed.items():
         if config.histogram_match and phase != REFERENCE_PHASE:
             matched = sitk.HistogramMatching(
@@ -639,4 +647,5 @@ def _phase_volumes(
         if std == 0:
             warnings.append(f"{phase} is constant over the crop")
         volume[PHASES.index(phase)] = (values - values.mean()) / (std or 1.0)
-    return volume, tuple(p in images for p in PHASES)
+        mean[PHASES.index(phase)], sd[PHASES.index(phase)] = float(values.mean()), float(std or 1.0)
+    return volume, tuple(p in images for p in PHASES), (tuple(mean), tuple(sd))

@@ -16,7 +16,9 @@ Row layout (all fixed-size lists are in :mod:`gx_ray.schema` order):
 =====================  =========================================================================
 ``case_id``            case folder name; ``patient_id``: the patient (splits are per patient)
 ``split``              train / val / test
-``ct``                 float16 bytes of ``(len(PHASES), D, H, W)``; ``phase_present``: bool per phase
+``ct``                 float16 bytes of ``(len(PHASES), D, H, W)``, z-scored per phase; ``phase_present``: bool
+                       per phase; ``ct_hu_mean``, ``ct_hu_std``: per phase, what the z-score divided out (HU,
+                       NaN where absent; format 2), so :func:`hounsfield` recovers HU for windowed views
 ``endoscopy``          uint8 bytes of ``(3, S, S)`` RGB or null; ``endoscopy_present``
 ``labs``               float32 per numeric model-input variable (NaN if missing); ``labs_missing``
 ``lab_abnormal``       abnormal values as short text descriptors (paper Sec. 4)
@@ -50,7 +52,8 @@ from gx_ray.data.splits import SPLITS
 from gx_ray.schema import BOX_LEVELS, PHASES, REPORT_KINDS
 
 MANIFEST_FILE = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""See ``FORMAT_HISTORY``: 2 added ``ct_hu_mean``/``ct_hu_std`` (HU windows, e.g. CT-Bench's soft-tissue window)."""
 COMPRESSION = "lz4"
 """Parquet codec of the shards, chosen with `python jobs/benchmark.py ingest --codec ...` (README)."""
 TENSOR_COLUMNS = ("ct", "endoscopy")
@@ -66,6 +69,8 @@ def shard_schema(ct_shape: tuple[int, ...], endoscopy_size: int, lab_names: list
         ("split", pa.string()),
         ("ct", pa.large_binary()),
         ("phase_present", pa.list_(pa.bool_())),
+        ("ct_hu_mean", pa.list_(pa.float32())),
+        ("ct_hu_std", pa.list_(pa.float32())),
         ("endoscopy", pa.large_binary()),
         ("endoscopy_present", pa.bool_()),
         ("labs", pa.list_(pa.float32())),
@@ -209,6 +214,31 @@ def write_manifest(
 
 class ShardIntegrityError(ValueError):
     """A shard file that is missing, truncated, altered or unreadable; the message names the file."""
+
+
+class ShardFormatError(ValueError):
+    """Shards older than what a task needs: prepared before the columns it reads existed."""
+
+
+def require_format(shard_dir: Path | str, version: int, needed_by: str) -> None:
+    """Refuse shards of a format older than ``version``, naming what needs it and how to get it."""
+    found = int(_load_manifest(shard_dir).get("format_version", 1))
+    if found < version:
+        raise ShardFormatError(
+            f"{shard_dir} holds shard format {found}; {needed_by} needs format {version} or later "
+            f"({FORMAT_HISTORY[version]}): prepare the data again with python jobs/prepare_data.py"
+        )
+
+
+FORMAT_HISTORY = {1: "the first layout", 2: "each phase's HU mean and sd, for windows in HU"}
+
+
+def hounsfield(ct: np.ndarray, hu_mean: np.ndarray, hu_std: np.ndarray) -> np.ndarray:
+    """``(C, D, H, W)`` z-scored phases back in HU (float32), undoing preprocessing's step 7 per phase; values stay
+    inside the clip window the data were prepared with. Absent phases (NaN statistics) come back NaN."""
+    mean = np.asarray(hu_mean, np.float32).reshape(-1, 1, 1, 1)
+    std = np.asarray(hu_std, np.float32).reshape(-1, 1, 1, 1)
+    return np.asarray(ct, np.float32)[: len(mean)] * std + mean
 
 
 def read_manifest(shard_dir: Path | str, verify: bool = False) -> dict[str, Any]:
@@ -441,7 +471,7 @@ class BatchCollate(ArrowBatchCollateFn):
                 out[name] = torch.from_numpy(fixed_tensor(column, self.layout.endoscopy_shape, np.uint8))
             elif name in ("phase_present", "labs_missing", "box_present"):
                 out[name] = torch.tensor(list_tensor(column, np.bool_))
-            elif name == "labs":
+            elif name in ("labs", "ct_hu_mean", "ct_hu_std"):
                 out[name] = torch.tensor(list_tensor(column, np.float32))
             elif name == "boxes":
                 boxes = list_tensor(column, np.int32).reshape(len(column), len(PHASES), len(BOX_LEVELS), 6)
