@@ -39,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--address", help="an existing Ray cluster ('auto' or host:port); default: a local one")
     parser.add_argument("--mlflow-uri", help="an MLflow server every node reaches; default: a local one")
-    parser.add_argument("--preset", action="append", default=[], help="a preset of the space (repeatable): smoke, gpu, compiled")
+    parser.add_argument(
+        "--preset", action="append", default=[], help="a preset of the space (repeatable): smoke, gpu, compiled"
+    )
     parser.add_argument("--resume", action="store_true", help="continue an interrupted sweep with the same arguments")
     parser.add_argument("--max-concurrent", type=int, help="cap on trials running at once")
     parser.add_argument("--verify", action="store_true", help="check every shard's SHA-256 first (reads all data)")

@@ -21,9 +21,9 @@ from gx_ray.analysis.runs import headline_metric, load_runs
 from gx_ray.schema import TASKS
 from gx_ray.sweep.driver import EXPERIMENT, SweepOptions, run_sweep
 from gx_ray.sweep.spaces import SpaceError, available_presets, load_space
-from gx_ray.train.config import TrialConfig
 from gx_ray.tracking import TRIAL_TAG
 from gx_ray.tracking.server import LocalMlflowServer
+from gx_ray.train.config import TrialConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMAS = ("image_only", "image_table", "image_bbox", "image_table_bbox")
