@@ -83,7 +83,7 @@ def test_a_lesion_view_of_a_real_ct_windows_its_key_slices():
     z = box_centre_slice(box)
     assert plain.shape == (9, 3, *ct.shape[1:]) and plain.dtype == np.float32
     np.testing.assert_allclose(plain[4, 0], window(ct[z]), atol=1e-6)
-    assert 0.0 <= plain.min() and plain.max() <= 1.0
+    assert plain.min() >= 0.0 and plain.max() <= 1.0
     assert (plain == 0).any() and (plain == 1).any()  # air below the window, bone above it
     drawn = lesion_view(ct, box, slices=9, overlay=True)
     changed = (drawn != plain).any(axis=1)  # (9, H, W)
