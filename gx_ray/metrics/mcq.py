@@ -17,8 +17,6 @@ import re
 import string
 from collections.abc import Sequence
 
-from scipy.stats import binomtest
-
 MCQ_METRICS: tuple[str, ...] = ("accuracy", "accuracy_ci_low", "accuracy_ci_high", "parse_failure_rate")
 
 
@@ -28,6 +26,8 @@ def wilson_interval(correct: int, total: int, confidence: float = 0.95) -> tuple
         raise ValueError(f"need 0 <= correct <= total, got {correct} of {total}")
     if total == 0:
         return math.nan, math.nan
+    from scipy.stats import binomtest  # on first use, as the package's other heavy imports
+
     interval = binomtest(correct, total).proportion_ci(confidence_level=confidence, method="wilson")
     return float(interval.low), float(interval.high)
 
