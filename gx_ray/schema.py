@@ -44,7 +44,10 @@ BOX_LEVEL_ALIASES = {
 
 # --- tasks, reports, VQA ----------------------------------------------------------------------------
 
-TASKS: tuple[str, ...] = ("vqa", "report_generation", "retrieval", "stage_classification", "lesion_detection")
+PAPER_TASKS: tuple[str, ...] = ("vqa", "report_generation", "retrieval", "stage_classification", "lesion_detection")
+"""The Gastric-X paper's five tasks: its ablation (``modality_ablation``) and Tables 2a-6."""
+TASKS: tuple[str, ...] = (*PAPER_TASKS, "lesion_qa")
+"""Every task: the paper's, then the related papers' (``lesion_qa``: CT-Bench's lesion-level multiple choice)."""
 REPORT_KINDS: tuple[str, ...] = ("ct_report", "endoscopy_report", "diagnosis_report")
 LANGUAGES: tuple[str, ...] = ("en", "zh")
 VQA_CATEGORIES: tuple[str, ...] = ("lesion", "enhancement", "staging", "localization", "yes_no")

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from gx_ray.metrics import detection_metrics, retrieval_metrics, text_generation_metrics
+from gx_ray.modalities.boxes import TARGET_LEVEL, TARGET_PHASE
 from gx_ray.models.text import offline_tokenizer
 from gx_ray.schema import BOX_LEVELS, PHASES, STAGE_GROUPS
 from gx_ray.tasks import build_task
-from gx_ray.tasks.lesion_detection import TARGET_LEVEL, TARGET_PHASE
 
 COHORTS = range(12)
 

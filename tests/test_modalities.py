@@ -164,18 +164,29 @@ LEAKING = [
     ("target_report", {"reports": ["ct_report"]}, "report_generation"),
     ("target_report", {"reports": ["ct_report"]}, "retrieval"),
     ("report_answers", {"reports": ["endoscopy_report"]}, "vqa"),
+    ("reports_in_lesion_qa", {"reports": ["endoscopy_report"]}, "lesion_qa"),
+    ("box_gives_the_answer", {"boxes": "overlay"}, "lesion_qa", {"family": "img2size"}),
+    ("box_gives_the_answer", {"boxes": "channels", "box_levels": ["tumour"]}, "lesion_qa", {"family": "img2size"}),
 ]
 
 
 def test_every_rule_is_tested():
-    assert {rule for rule, _, _ in LEAKING} == {r.name for r in LEAKAGE_RULES}
+    assert {rule for rule, *_ in LEAKING} == {r.name for r in LEAKAGE_RULES}
 
 
-@pytest.mark.parametrize(("rule", "spec", "task"), LEAKING)
-def test_each_leakage_rule_fires_with_its_name(rule, spec, task):
+@pytest.mark.parametrize(("rule", "spec", "task", "options"), [(*case, {})[:4] for case in LEAKING])
+def test_each_leakage_rule_fires_with_its_name(rule, spec, task, options):
     with pytest.raises(LeakageError, match=rule) as err:
-        check_leakage(resolve_schema(spec), task)
+        check_leakage(resolve_schema(spec), task, options)
     assert err.value.rule == rule
+
+
+def test_lesion_qa_sees_the_box_where_it_answers_nothing():
+    for family in ("img2txt", "ct2txt", "img2attrib"):
+        check_leakage(PRESETS["image_bbox"], "lesion_qa", {"family": family})
+    check_leakage(PRESETS["image_only"], "lesion_qa", {"family": "img2size"})
+    # a box cue without the tumour's outline shows nothing of the lesion's size
+    check_leakage(resolve_schema({"boxes": "overlay", "box_levels": ["stomach"]}), "lesion_qa", {"family": "img2size"})
 
 
 @pytest.mark.parametrize("task", TASKS)

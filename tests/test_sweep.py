@@ -18,7 +18,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from gx_ray.analysis.runs import headline_metric, load_runs
-from gx_ray.schema import TASKS
+from gx_ray.schema import PAPER_TASKS as TASKS
 from gx_ray.sweep.driver import EXPERIMENT, SweepOptions, run_sweep
 from gx_ray.sweep.spaces import SpaceError, available_presets, load_space
 from gx_ray.tracking import TRIAL_TAG

@@ -29,11 +29,12 @@ from gx_ray.metrics import (
     text_generation_metrics,
 )
 from gx_ray.modalities import LeakageError, ModelInputs, build_inputs, input_channels, resolve_schema
+from gx_ray.modalities.boxes import tumour_boxes
 from gx_ray.models.encoded import Encoded
 from gx_ray.models.text import offline_tokenizer
 from gx_ray.schema import BOX_LEVELS, PHASES, STAGE_GROUPS, TASKS, VQA_CATEGORIES
 from gx_ray.tasks import TASK_CLASSES, TaskModel, build_task, task_class
-from gx_ray.tasks.lesion_detection import flatten_maps, tumour_boxes
+from gx_ray.tasks.lesion_detection import flatten_maps
 from gx_ray.tasks.retrieval import info_nce
 from gx_ray.tasks.vqa import UNKNOWN_ANSWER
 

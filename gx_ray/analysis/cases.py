@@ -158,7 +158,7 @@ def case_scorer(task: str, records: Records, metric: str, language: str = "en") 
     """
     if task == "stage_classification":
         return _stage(records, metric)
-    if task == "vqa":
+    if task in ("vqa", "lesion_qa"):  # both: one chosen answer against the right one per question
         return _vqa(records, metric)
     if task == "report_generation":
         return _report(records, metric, language)

@@ -222,10 +222,15 @@ class ShardFormatError(ValueError):
 
 def require_format(shard_dir: Path | str, version: int, needed_by: str) -> None:
     """Refuse shards of a format older than ``version``, naming what needs it and how to get it."""
-    found = int(_load_manifest(shard_dir).get("format_version", 1))
+    check_format(_load_manifest(shard_dir), version, needed_by, str(shard_dir))
+
+
+def check_format(manifest: dict[str, Any], version: int, needed_by: str, where: str = "the shards") -> None:
+    """:func:`require_format` on a manifest already read."""
+    found = int(manifest.get("format_version", 1))
     if found < version:
         raise ShardFormatError(
-            f"{shard_dir} holds shard format {found}; {needed_by} needs format {version} or later "
+            f"{where} holds shard format {found}; {needed_by} needs format {version} or later "
             f"({FORMAT_HISTORY[version]}): prepare the data again with python jobs/prepare_data.py"
         )
 

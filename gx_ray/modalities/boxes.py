@@ -14,9 +14,22 @@ their values. Where outlines cross, the brighter level wins. Absent phase channe
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from gx_ray.schema import BOX_LEVELS, PHASES, REFERENCE_PHASE
+
+TARGET_PHASE, TARGET_LEVEL = "venous", "tumour"
+"""The lesion's own box, as the tasks about it read it: the venous phase's tumour box."""
+
+
+def tumour_boxes(boxes: torch.Tensor | np.ndarray, present: torch.Tensor | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(B, 6) venous tumour boxes and (B,) whether each case has one, from a batch's ``boxes``/``box_present``."""
+    boxes = np.asarray(boxes).reshape(-1, len(PHASES), len(BOX_LEVELS), 6)
+    present = np.asarray(present).reshape(-1, len(PHASES), len(BOX_LEVELS))
+    phase, level = PHASES.index(TARGET_PHASE), BOX_LEVELS.index(TARGET_LEVEL)
+    return boxes[:, phase, level].astype(np.float32), present[:, phase, level].astype(bool)
+
 
 OVERLAY_OFFSETS: dict[str, float] = {"tumour": 4.0, "lymph_nodes": 3.0, "stomach": 2.0}
 """Overlay value of each level above the channel's maximum, in the z-score units of the shards' CT."""

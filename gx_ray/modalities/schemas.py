@@ -145,15 +145,34 @@ LEAKAGE_RULES: tuple[LeakageRule, ...] = (
         ("report_generation", "retrieval"),
     ),
     LeakageRule("report_answers", "VQA answers are taken from the reports, so no report is a VQA input", ("vqa",)),
+    LeakageRule(
+        "box_gives_the_answer",
+        "a lesion QA family whose answer the tumour box shows (Img2size: the outline's extent is the size) never "
+        "sees the tumour box",
+        ("lesion_qa",),
+    ),
+    LeakageRule(
+        "reports_in_lesion_qa",
+        "lesion QA's descriptions and attributes are taken from the reports, so no report is a lesion QA input",
+        ("lesion_qa",),
+    ),
 )
+DECLARED_CUES: dict[str, str] = {
+    "lesion_qa": "its views are centred on the lesion's own box (its key slice) under every schema, as CT-Bench's; "
+    "'with box' (a tumour box cue) adds the drawn outline",
+}
+"""Box cues a task takes under every schema, declared rather than refused: they give no answer away."""
+BOX_ANSWERS: dict[str, str] = {"img2size": "the drawn outline's extent is the lesion's size"}
+"""Lesion QA families (``task_options.family``) that a tumour box would answer, and why."""
 
 REPORT_TARGETS = {"report_generation": "ct_report", "retrieval": "ct_report"}
 """The report each text task produces or matches (the CT report describes what the image shows)."""
 
 
-def check_leakage(schema: ModalitySchema, task: str) -> None:
-    """Raise :class:`LeakageError` when ``schema`` breaks a rule for ``task``."""
+def check_leakage(schema: ModalitySchema, task: str, options: dict[str, Any] | None = None) -> None:
+    """Raise :class:`LeakageError` when ``schema`` breaks a rule for ``task`` with its ``options``."""
     _check_choice("task", task, TASKS)
+    options = options or {}
     catalogue = load_catalogue()
     leaking = [v for v in schema.table_variables or () if not catalogue[v].is_model_input]
     if schema.table != "off" and leaking:
@@ -173,3 +192,13 @@ def check_leakage(schema: ModalitySchema, task: str) -> None:
         )
     if task == "vqa" and schema.reports:
         raise LeakageError("report_answers", f"schema {schema.name!r} gives reports ({', '.join(schema.reports)})")
+    if task == "lesion_qa" and schema.reports:
+        raise LeakageError(
+            "reports_in_lesion_qa", f"schema {schema.name!r} gives reports ({', '.join(schema.reports)})"
+        )
+    family = options.get("family")
+    if task == "lesion_qa" and family in BOX_ANSWERS and schema.boxes != "off" and "tumour" in schema.box_levels:
+        raise LeakageError(
+            "box_gives_the_answer",
+            f"schema {schema.name!r} shows the tumour box to {family}, whose answer it gives ({BOX_ANSWERS[family]})",
+        )

@@ -137,13 +137,14 @@ def stack_slices(ct: torch.Tensor, slices: int) -> torch.Tensor:
 
 
 class Endoscopy2d(nn.Module):
-    """MONAI 2D ResNet on the (B, 3, S, S) endoscopy image, globally pooled to one vector of width ``dim``."""
+    """MONAI 2D ResNet on a (B, C, S, S) image, globally pooled to one vector of width ``dim``: the endoscopy frame
+    (C = 3), or a stack of RGB CT views (C = 3 x slices, lesion QA)."""
 
-    def __init__(self, depth: int = 18, **overrides: Any):
+    def __init__(self, depth: int = 18, in_channels: int = 3, **overrides: Any):
         super().__init__()
-        self.backbone_arguments = resnet_arguments(depth, 2, 3, **overrides)
+        self.backbone_arguments = resnet_arguments(depth, 2, in_channels, **overrides)
         self.backbone = monai_resnet(**self.backbone_arguments)
-        self.dim = RESNET_WIDTHS[-1] * self.backbone.layer1[0].expansion
+        self.dim = self.backbone_arguments["block_inplanes"][-1] * self.backbone.layer1[0].expansion
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:
         return self.backbone(image)

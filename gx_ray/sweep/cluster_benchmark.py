@@ -39,7 +39,7 @@ from gx_ray.data.ingest_benchmark import replicate_splits
 from gx_ray.data.prepare import PrepareConfig, prepare_data
 from gx_ray.data.preprocess import PreprocessConfig
 from gx_ray.runtime import init_ray
-from gx_ray.schema import TASKS
+from gx_ray.schema import PAPER_TASKS
 from gx_ray.sweep.driver import SweepOptions, SweepResult, run_sweep
 from gx_ray.sweep.spaces import space_path
 from gx_ray.tracking import child_runs
@@ -48,7 +48,7 @@ from gx_ray.train.probe import trials_per_gpu
 
 GASTRIC_X = {"train": 1190, "val": 255, "test": 255}
 """Gastric-X's 1.7 K cases split 70/15/15."""
-PAPER_ABLATION = {"tasks": len(TASKS), "schemas": 4, "seeds": 3, "epochs": 20}
+PAPER_ABLATION = {"tasks": len(PAPER_TASKS), "schemas": 4, "seeds": 3, "epochs": 20}
 SLICE_SCHEMAS = ("image_only", "image_table_bbox")
 HEAVY_FIRST = ("report_generation", "vqa", "lesion_detection", "retrieval", "stage_classification")
 """The slice's tasks longest first (as measured on H100), so that the last wave of trials is short."""
@@ -77,7 +77,7 @@ class ClusterBenchmarkConfig:
     target_gpus: int = 8
     compile: bool = False
     """``model.compile`` for every measured model."""
-    tasks: tuple[str, ...] = TASKS
+    tasks: tuple[str, ...] = PAPER_TASKS
     """The slice's tasks (the projection needs all five)."""
     address: str | None = None
     """An existing Ray cluster (``jobs/cluster/two_nodes_one_host.sh``); its sweeps log to an MLflow server this run
@@ -361,7 +361,7 @@ def project(slice_figures: dict[str, Any], gpus: int = 8) -> dict[str, Any]:
     efficiency = slice_figures.get("scheduling_efficiency") or 1.0
     efficiency = efficiency if math.isfinite(efficiency) else 1.0
     per_task, jobs = {}, []
-    for task in TASKS:
+    for task in PAPER_TASKS:
         measured = [c for k, c in cells.items() if k.startswith(f"{task}/") and math.isfinite(c["train_samples_per_s"])]
         if not measured:
             per_task[task] = None

@@ -1,4 +1,5 @@
-"""The paper's five tasks, one module each: head, loss, predictions and a DDP-correct metric (DESIGN.md).
+"""The paper's five tasks and CT-Bench's lesion QA, one module each: head, loss, predictions and a DDP-correct
+metric (DESIGN.md).
 
 ``build_task(name, **options)`` gives a :class:`Task`; :class:`TaskModel` joins it to an encoder. A task's module
 is imported when the task is first built: detection pulls in MONAI and report generation transformers, which a
@@ -20,6 +21,7 @@ TASK_CLASSES: dict[str, str] = {
     "retrieval": "gx_ray.tasks.retrieval:Retrieval",
     "stage_classification": "gx_ray.tasks.stage_classification:StageClassification",
     "lesion_detection": "gx_ray.tasks.lesion_detection:LesionDetection",
+    "lesion_qa": "gx_ray.tasks.lesion_qa:LesionQA",
 }
 """Task name → ``module:class``, for every task of :data:`gx_ray.schema.TASKS`."""
 

@@ -12,6 +12,7 @@ metrics (which is wrong for AUC, ranks, AP and corpus BLEU alike).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -93,6 +94,16 @@ class Task:
         fitted here. Rows may come from pyarrow (``to_pylist``) or Ray Data; a row of another split is refused.
         """
 
+    def attach_splits(self, rows: Mapping[str, Sequence[Mapping[str, Any]]], manifest: Mapping[str, Any]) -> None:
+        """Build what the task asks its questions with, per split, from each split's own rows (no image columns)
+        and the shards' manifest (grid spacing, format); nothing by default. Lesion QA builds its multiple-choice
+        questions here, each from its own split's material. Nothing learnt may come from here: that is
+        :meth:`prepare`'s, from training rows only."""
+
+    def bind(self, schema: ModalitySchema) -> None:
+        """See the trial's modality schema before the head is built (a task whose inputs depend on it); nothing
+        by default."""
+
     def build_head(self, dim: int, tokenizer: Any, map_channels: Sequence[int] = ()) -> nn.Module:
         """The task's head over features of width ``dim``; ``map_channels``: the vision feature maps' channels."""
         raise NotImplementedError
@@ -115,6 +126,15 @@ class Task:
         the training rows say of everyone (answer frequencies, a typical box, typical reports), scored by the
         task's own metric. A model must beat it to have learnt anything from the inputs. NaN where undefined."""
         return float("nan")
+
+
+def task_options(task: Task) -> dict[str, Any]:
+    """The options a task was built with (its dataclass's init fields)."""
+    return (
+        {f.name: getattr(task, f.name) for f in dataclasses.fields(task) if f.init}
+        if dataclasses.is_dataclass(task)
+        else {}
+    )
 
 
 def check_train_rows(rows: Iterable[Mapping[str, Any]], task: str) -> list[Mapping[str, Any]]:
@@ -152,10 +172,11 @@ class TaskModel(nn.Module):
 
     def __init__(self, task: Task, encoder: nn.Module, schema: ModalitySchema):
         super().__init__()
-        check_leakage(schema, task.name)
+        check_leakage(schema, task.name, task_options(task))
         self.task = task
         self.schema = schema
         self.encoder = encoder
+        task.bind(schema)
         self.head = task.build_head(encoder.dim, encoder.tokenizer, map_channels=list(encoder.vision.channels))
 
     def forward(self, batch: Batch) -> Outputs:

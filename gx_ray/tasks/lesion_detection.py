@@ -32,21 +32,12 @@ from torch import nn
 
 from gx_ray.metrics import DETECTION_METRICS, detection_metrics
 from gx_ray.modalities import ModelInputs
-from gx_ray.schema import BOX_LEVELS, PHASES
+from gx_ray.modalities.boxes import TARGET_PHASE, tumour_boxes
 from gx_ray.tasks.base import Batch, Outputs, Task, TaskMetric, check_train_rows
 
-TARGET_PHASE, TARGET_LEVEL = "venous", "tumour"
 BOX_KEY, LABEL_KEY, SCORE_KEY = "boxes", "labels", "labels_scores"  # RetinaNetDetector's default keys
 CLS_KEY, BOX_REG_KEY = "classification", "box_regression"
 ANCHOR_QUANTILES = (0.2, 0.5, 0.8)
-
-
-def tumour_boxes(boxes: torch.Tensor | np.ndarray, present: torch.Tensor | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(B, 6) venous tumour boxes and (B,) whether each case has one, from a batch's ``boxes``/``box_present``."""
-    boxes = np.asarray(boxes).reshape(-1, len(PHASES), len(BOX_LEVELS), 6)
-    present = np.asarray(present).reshape(-1, len(PHASES), len(BOX_LEVELS))
-    phase, level = PHASES.index(TARGET_PHASE), BOX_LEVELS.index(TARGET_LEVEL)
-    return boxes[:, phase, level].astype(np.float32), present[:, phase, level].astype(bool)
 
 
 class DetectionHead(nn.Module):

@@ -107,7 +107,7 @@ class TrialConfig:
             raise ValueError(f"unknown task {self.task!r}; valid: {', '.join(TASKS)}")
         if self.amp not in ("auto", "bf16", "off"):
             raise ValueError(f"unknown amp {self.amp!r}; valid: auto, bf16, off")
-        check_leakage(self.schema, self.task)
+        check_leakage(self.schema, self.task, self.task_options)
         self._check_values()
         self._check_batch()
 

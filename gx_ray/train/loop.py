@@ -50,7 +50,7 @@ from gx_ray.data.shards import (
 )
 from gx_ray.models.registry import build_encoder, param_groups
 from gx_ray.runtime import quiet_data_context
-from gx_ray.tasks import TaskModel, build_task, gather_state
+from gx_ray.tasks import Task, TaskModel, build_task, gather_state
 from gx_ray.tracking import TrialTracker
 from gx_ray.train import probe
 from gx_ray.train.config import AUTO, TrialConfig
@@ -183,7 +183,11 @@ def build_trial(
     manifest = read_manifest(config.data.shards)
     layout = TensorLayout(tuple(manifest["ct_shape"]), tuple(manifest["endoscopy_shape"]), tuple(manifest["lab_names"]))
     task = build_task(config.task, **config.task_options)
-    task.prepare(split_rows(config.data.shards, "train") if train_rows is None else train_rows)  # training split only
+    train_rows = split_rows(config.data.shards, "train") if train_rows is None else train_rows
+    task.prepare(train_rows)  # training split only
+    if type(task).attach_splits is not Task.attach_splits:  # only a task that asks reads the other splits
+        splits = {"train": train_rows, **{s: split_rows(config.data.shards, s) for s in ("val", "test")}}
+        task.attach_splits(splits, manifest)
     model = TaskModel(task, build_encoder(config.model, config.schema), config.schema).to(device)
     return task, model, layout
 

@@ -1,0 +1,350 @@
+"""CT-Bench-style lesion QA: four-option multiple-choice questions about each case's gastric lesion, asked on 2D views
+of its CT with and without the box drawn in, scored by accuracy with Wilson 95 % intervals (chance: 25 %).
+
+Families (``family``), after CT-Bench's tasks:
+
+- ``img2txt``: the lesion's key slice → which of four descriptions is its own;
+- ``ct2txt``: nine consecutive slices centred on the lesion → which description;
+- ``img2size``: the key slice → the long-axis size bucket (the four buckets of :data:`SIZE_BUCKETS` are the options);
+- ``img2attrib``: the key slice → an attribute of the lesion (gross type, depth, enhancement, side) among values
+  that attribute takes.
+
+CT-Bench's Txt2img and Txt2bbox need other cases' images or boxes as options inside one batch; they are not built yet.
+
+**Material**, all from the case's own row: the *description* is the CT report's sentences about the primary lesion
+(:func:`lesion_description`); the *size* is the venous tumour box's long axis in mm (its larger in-plane extent times
+the preparation's spacing: the box, not the report, so that it matches what is drawn); the *attributes* are the
+case's own VQA answers to attribute questions (categories in :data:`ATTRIBUTE_CATEGORIES`).
+
+**Distractors** (``distractors``, for the description families; size and attribute options are their ontology's
+other values: the size buckets, and the values an attribute question takes anywhere in the cohort, which are
+category names, not any patient's material):
+
+- ``random``: three other cases' descriptions, uniformly;
+- ``matched``: three other cases whose lesion falls in the same size bucket (then the nearest buckets): a harder,
+  ontology-matched kind (CT-Bench: random distractors are too easy). Appearance-based neighbours from a trained
+  encoder are not built yet.
+
+**The split rule**: every option of a question comes from the question's own split. A distractor drawn from
+training material could be recognised as seen in training and eliminated by a model that memorised the training
+descriptions; within one split every option is equally seen (training) or unseen (validation, test).
+
+Questions are a pure function of the rows, the family, the distractor kind and ``seed`` (each case's draw is seeded
+by its id, so a question does not depend on which other cases were read first). A case without a venous tumour box,
+without a description, or without four distinct candidates gets no question and a reason (:class:`QuestionSet`).
+
+**Views** (:mod:`gx_ray.modalities.views`): the schema's reference phase (venous, else its first) in HU (shard format
+2), CT-Bench's soft-tissue window, centred on the lesion's key slice in every condition; a schema with a tumour box
+cue (overlay or channels) draws the box's outline in red. A 2D MONAI ResNet reads the RGB slices stacked as channels;
+options are encoded by the encoder's own text encoder; both are projected, L2-normalised and compared under a
+learnt temperature, trained with cross-entropy over the four options (as CT-Bench fine-tunes BiomedCLIP).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gx_ray.data.shards import check_format, hounsfield
+from gx_ray.metrics import MCQ_METRICS, mcq_metrics
+from gx_ray.metrics.mcq import option_letter
+from gx_ray.modalities import ModalitySchema, ModelInputs
+from gx_ray.modalities.boxes import TARGET_PHASE, tumour_boxes
+from gx_ray.modalities.views import lesion_view
+from gx_ray.models.vision import Endoscopy2d
+from gx_ray.schema import PHASES
+from gx_ray.tasks.base import Batch, Outputs, Task, TaskMetric
+
+FAMILIES: dict[str, int] = {"img2txt": 1, "ct2txt": 9, "img2size": 1, "img2attrib": 1}
+"""Family → axial slices in its view (CT-Bench: one key slice, or nine for CT2txt)."""
+DISTRACTORS: tuple[str, ...] = ("random", "matched")
+OPTIONS = 4
+SIZE_BUCKETS: tuple[tuple[str, float, float], ...] = (
+    ("under 20 mm", 0.0, 20.0),
+    ("20-40 mm", 20.0, 40.0),
+    ("40-60 mm", 40.0, 60.0),
+    ("over 60 mm", 60.0, math.inf),
+)
+ATTRIBUTE_CATEGORIES: tuple[str, ...] = ("lesion", "enhancement", "localization")
+"""VQA categories whose answers describe the lesion (not staging, not yes/no)."""
+_LESION_WORDS = re.compile(r"\b(lesion|tumou?r|mass|wall|mucosa|ulcer|thicken\w*|long axis|enhanc\w*)\b", re.IGNORECASE)
+_OTHER_FINDINGS = re.compile(
+    r"\b(lymph|liver|hepatic|ascites|kidney|renal|gallbladder|spleen|peritone\w*|impression)\b", re.IGNORECASE
+)
+QUESTION_FORMAT = 1
+"""Version of the question recipe: bump when the same rows would give other questions."""
+
+
+def lesion_description(report: str | None) -> str | None:
+    """The sentences of a CT report about the primary lesion: those naming the lesion, its wall or its enhancement,
+    and no other finding (nodes, liver, ascites, incidental organs, the impression). None when there are none."""
+    if not report:
+        return None
+    sentences = [s.strip() for s in re.split(r"(?<=\.)\s+", report) if s.strip()]
+    kept = [s for s in sentences if _LESION_WORDS.search(s) and not _OTHER_FINDINGS.search(s)]
+    return " ".join(kept) or None
+
+
+def long_axis_mm(box: Sequence[float], spacing_zyx_mm: Sequence[float]) -> float:
+    """The larger in-plane extent of a ``(z0, y0, x0, z1, y1, x1)`` box in mm (a RECIST-style long axis)."""
+    return max((box[4] - box[1]) * spacing_zyx_mm[1], (box[5] - box[2]) * spacing_zyx_mm[2])
+
+
+def size_bucket(mm: float) -> int:
+    return next(i for i, (_, low, high) in enumerate(SIZE_BUCKETS) if low <= mm < high)
+
+
+@dataclass(frozen=True)
+class Question:
+    case_id: str
+    split: str
+    family: str
+    options: tuple[str, ...]
+    answer: int
+    prompt: str = ""
+    """What is asked (the attribute's question for img2attrib), shown to the text side with each option."""
+    option_cases: tuple[str | None, ...] = ()
+    """The case each description option was taken from (None for ontology values)."""
+
+
+@dataclass
+class QuestionSet:
+    """Every case's question (by case id) and, for each case without one, why."""
+
+    recipe: dict[str, Any]
+    questions: dict[str, Question] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": QUESTION_FORMAT,
+            "recipe": self.recipe,
+            "questions": [asdict(q) for q in self.questions.values()],
+            "skipped": self.skipped,
+        }
+
+
+def _case_rng(seed: int, case_id: str, family: str) -> np.random.Generator:
+    return np.random.default_rng([seed, zlib.crc32(case_id.encode()), zlib.crc32(family.encode())])
+
+
+def build_questions(
+    rows: Mapping[str, Sequence[Mapping[str, Any]]],
+    family: str,
+    distractors: str,
+    spacing_zyx_mm: Sequence[float],
+    seed: int = 0,
+) -> QuestionSet:
+    """The family's question for every case of every split (``rows``: split → shard rows without images), each
+    from its own split's material only (see the module docstring)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown lesion QA family {family!r}; valid: {', '.join(FAMILIES)}")
+    if distractors not in DISTRACTORS:
+        raise ValueError(f"unknown distractor kind {distractors!r}; valid: {', '.join(DISTRACTORS)}")
+    recipe = {"family": family, "distractors": distractors, "seed": seed, "options": OPTIONS}
+    result = QuestionSet(recipe)
+    # an attribute's options are its vocabulary: category names, the same for every split (no patient's material)
+    vocabulary: dict[str, set[str]] = defaultdict(set)
+    for row in (r for split_rows in rows.values() for r in split_rows):
+        for item in row.get("vqa") or ():
+            if item["category"] in ATTRIBUTE_CATEGORIES:
+                vocabulary[item["question"]].add(item["answer"])
+    for split, split_rows in rows.items():
+        material = {}
+        for row in sorted(split_rows, key=lambda r: r["case_id"]):
+            boxes, present = tumour_boxes(row["boxes"], row["box_present"])
+            if not present[0]:
+                result.skipped[row["case_id"]] = f"no {TARGET_PHASE} tumour box"
+                continue
+            material[row["case_id"]] = {
+                "description": lesion_description(row.get("ct_report")),
+                "size": size_bucket(long_axis_mm(boxes[0], spacing_zyx_mm)),
+                "attributes": [v for v in row.get("vqa") or () if v["category"] in ATTRIBUTE_CATEGORIES],
+                "vocabulary": vocabulary,
+            }
+        ask = {"img2size": _size_question, "img2attrib": _attribute_question}.get(family, _description_question)
+        for case_id in material:
+            rng = _case_rng(seed, case_id, family)
+            question = ask(case_id, split, family, material, distractors, rng)
+            if isinstance(question, str):
+                result.skipped[case_id] = question
+            else:
+                result.questions[case_id] = question
+    return result
+
+
+def _shuffled(answer: str, others: list[str], rng: np.random.Generator) -> tuple[tuple[str, ...], int]:
+    options = [answer, *others]
+    order = rng.permutation(len(options))
+    return tuple(options[i] for i in order), int(np.flatnonzero(order == 0)[0])
+
+
+def _description_question(case_id, split, family, material, distractors, rng) -> Question | str:
+    own = material[case_id]
+    if not own["description"]:
+        return "no lesion description in the CT report"
+    pool = sorted(c for c, m in material.items() if c != case_id and m["description"] not in (None, own["description"]))
+    # one option per distinct text: two cases with the same description would make two right answers
+    unique = list({material[c]["description"]: c for c in pool}.values())
+    if len(unique) < OPTIONS - 1:
+        return f"fewer than {OPTIONS} distinct descriptions in the {split} split"
+    if distractors == "matched":  # same size bucket first, then the nearest buckets, ties broken at random
+        distance = np.array([abs(material[c]["size"] - own["size"]) for c in unique], dtype=float)
+        chosen = [unique[i] for i in np.lexsort((rng.random(len(unique)), distance))[: OPTIONS - 1]]
+    else:
+        chosen = [unique[i] for i in rng.choice(len(unique), OPTIONS - 1, replace=False)]
+    options, answer = _shuffled(own["description"], [material[c]["description"] for c in chosen], rng)
+    cases = {material[c]["description"]: c for c in [case_id, *chosen]}
+    return Question(case_id, split, family, options, answer, option_cases=tuple(cases[o] for o in options))
+
+
+def _size_question(case_id, split, family, material, distractors, rng) -> Question:
+    names = tuple(name for name, _, _ in SIZE_BUCKETS)  # the ontology's order: options never move
+    return Question(case_id, split, family, names, material[case_id]["size"], "How long is the lesion's long axis?")
+
+
+def _attribute_question(case_id, split, family, material, distractors, rng) -> Question | str:
+    items, values = material[case_id]["attributes"], material[case_id]["vocabulary"]
+    if not items:
+        return "no attribute answer (lesion, enhancement or localisation VQA item)"
+    askable = [item for item in items if len(values[item["question"]] - {item["answer"]}) >= OPTIONS - 1]
+    if not askable:
+        return f"none of its attributes takes {OPTIONS} values in the cohort"
+    item = askable[int(rng.integers(len(askable)))]
+    others = sorted(values[item["question"]] - {item["answer"]})
+    chosen = [others[i] for i in rng.choice(len(others), OPTIONS - 1, replace=False)]
+    options, answer = _shuffled(item["answer"], chosen, rng)
+    return Question(case_id, split, family, options, answer, item["question"])
+
+
+class LesionQAHead(nn.Module):
+    """A 2D MONAI ResNet over the view's RGB slices stacked as channels, projections of both sides into one space,
+    and the learnt temperature (as log 1/T)."""
+
+    def __init__(self, dim: int, slices: int, depth: int, embedding_dim: int, view_kwargs: dict[str, Any]):
+        super().__init__()
+        self.view = Endoscopy2d(depth, in_channels=3 * slices, **view_kwargs)
+        self.image = nn.Linear(self.view.dim, embedding_dim)
+        self.text = nn.Linear(dim, embedding_dim)
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+
+
+@dataclass
+class LesionQA(Task):
+    name = "lesion_qa"
+    primary_metric = "accuracy"
+    mode = "max"
+
+    family: str = "img2txt"
+    distractors: str = "random"
+    seed: int = 0
+    """Seeds the questions (not the training: that is the trial's seed)."""
+    view_depth: int = 18
+    view_kwargs: dict[str, Any] = field(default_factory=dict)
+    """MONAI ResNet arguments of the view encoder (``block_inplanes`` for a CPU-sized one)."""
+    embedding_dim: int = 128
+    questions: QuestionSet | None = field(default=None, init=False)
+    overlay: bool = field(default=False, init=False)
+    phase: str = field(default=TARGET_PHASE, init=False)
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown lesion QA family {self.family!r}; valid: {', '.join(FAMILIES)}")
+        if self.distractors not in DISTRACTORS:
+            raise ValueError(f"unknown distractor kind {self.distractors!r}; valid: {', '.join(DISTRACTORS)}")
+
+    def attach_splits(self, rows: Mapping[str, Sequence[Mapping[str, Any]]], manifest: Mapping[str, Any]) -> None:
+        check_format(dict(manifest), 2, "lesion QA's windowed views")
+        spacing = manifest["preprocess"]["spacing_zyx_mm"]
+        self.questions = build_questions(rows, self.family, self.distractors, spacing, self.seed)
+
+    def bind(self, schema: ModalitySchema) -> None:
+        # a tumour box cue in any form is, on a 2D view, its drawn outline
+        self.overlay = schema.boxes != "off" and "tumour" in schema.box_levels
+        self.phase = TARGET_PHASE if TARGET_PHASE in schema.phases else schema.phases[0]
+
+    def build_head(self, dim: int, tokenizer: Any = None, map_channels: Sequence[int] = ()) -> nn.Module:
+        return LesionQAHead(dim, FAMILIES[self.family], self.view_depth, self.embedding_dim, self.view_kwargs)
+
+    def _views(self, batch: Batch, asked: list[int], device: torch.device) -> torch.Tensor:
+        phase = PHASES.index(self.phase)
+        boxes, _ = tumour_boxes(batch["boxes"], batch["box_present"])
+        views = []
+        for i in asked:
+            hu = hounsfield(
+                batch["ct"][i, phase : phase + 1].float().cpu().numpy(),
+                batch["ct_hu_mean"][i, phase : phase + 1].numpy(),
+                batch["ct_hu_std"][i, phase : phase + 1].numpy(),
+            )[0]
+            view = lesion_view(hu, boxes[i].astype(int), FAMILIES[self.family], self.overlay)
+            views.append(torch.from_numpy(view.reshape(-1, *view.shape[2:])))
+        return torch.stack(views).to(device)
+
+    def forward(self, encoder: nn.Module, head: nn.Module, inputs: ModelInputs, batch: Batch) -> Outputs:
+        if self.questions is None:
+            raise RuntimeError("lesion QA has no questions: call attach_splits(rows, manifest) first")
+        asked = [i for i, c in enumerate(batch["case_id"]) if c in self.questions.questions]
+        device = next(head.parameters()).device
+        if not asked:
+            return {"logits": head.logit_scale.new_zeros(0, OPTIONS) + head.logit_scale * 0, "asked": []}
+        questions = [self.questions.questions[batch["case_id"][i]] for i in asked]
+        image = F.normalize(head.image(head.view(self._views(batch, asked, device))), dim=-1)  # (n, E)
+        texts = [f"{q.prompt} {option}".strip() for q in questions for option in q.options]
+        text = F.normalize(head.text(encoder.encode_text(texts)), dim=-1).view(len(asked), OPTIONS, -1)
+        logits = head.logit_scale.exp().clamp(max=100.0) * torch.einsum("ne,nke->nk", image, text)
+        return {"logits": logits, "asked": questions}
+
+    def loss(self, outputs: Outputs, batch: Batch) -> torch.Tensor:
+        logits = outputs["logits"]
+        if not len(logits):
+            return logits.sum() * 0.0
+        answers = torch.tensor([q.answer for q in outputs["asked"]], device=logits.device)
+        return F.cross_entropy(logits.float(), answers)
+
+    def predict(self, outputs: Outputs, batch: Batch) -> list[dict[str, Any]]:
+        chosen = outputs["logits"].argmax(1).tolist() if len(outputs["logits"]) else []
+        return [
+            {
+                "case_id": q.case_id,
+                "prediction": option_letter(c),
+                "target": option_letter(q.answer),
+                "correct": c == q.answer,
+                "prompt": q.prompt,
+                "options": list(q.options),
+            }
+            for q, c in zip(outputs["asked"], chosen, strict=True)
+        ]
+
+    def metric(self) -> TaskMetric:
+        return LesionQAMetric()
+
+    def chance_level(self, train_rows: Sequence[Mapping[str, Any]], test_rows: Sequence[Mapping[str, Any]]) -> float:
+        """A uniform guess among the four options: 25 % whenever the test split has a question."""
+        if self.questions is None or not any(r["case_id"] in self.questions.questions for r in test_rows):
+            return float("nan")
+        return 100.0 / OPTIONS
+
+
+class LesionQAMetric(TaskMetric):
+    """Accuracy with its Wilson interval over every question asked (:func:`gx_ray.metrics.mcq_metrics`)."""
+
+    def update(self, outputs: Outputs, batch: Batch) -> None:
+        if len(outputs["logits"]):
+            self.add(chosen=outputs["logits"].argmax(1).tolist(), answers=[q.answer for q in outputs["asked"]])
+
+    def summarise(self, state: dict[str, list[Any]]) -> dict[str, float]:
+        chosen = [c for part in state.get("chosen", []) for c in part]
+        answers = [a for part in state.get("answers", []) for a in part]
+        if not answers:
+            return dict.fromkeys((*MCQ_METRICS, "questions"), float("nan"))
+        return {**mcq_metrics(chosen, answers), "questions": float(len(answers))}
