@@ -1,0 +1,226 @@
+"""Lesion QA: question building (no answer leak, distractor kinds, determinism, the split rule, every case accounted
+for), its views under each schema, the shard-format guard and its metric."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from gx_ray.data.shards import BatchCollate, ShardFormatError, TensorLayout, read_manifest, split_files
+from gx_ray.modalities import PRESETS, LeakageError, resolve_schema
+from gx_ray.modalities.boxes import tumour_boxes
+from gx_ray.modalities.views import OVERLAY_COLOUR
+from gx_ray.models import ModelConfig, build_encoder
+from gx_ray.tasks import TaskModel, build_task
+from gx_ray.tasks.lesion_qa import (
+    SIZE_BUCKETS,
+    build_questions,
+    lesion_description,
+    long_axis_mm,
+    size_bucket,
+)
+from gx_ray.train.config import TrialConfig
+
+SPACING = (6.0, 4.5, 4.5)
+REPORT = (
+    "Plain CT of the upper abdomen. The wall of the gastric antrum is thickened, about 12 mm. The lesion measures "
+    "about 35 mm in its long axis. 3 enlarged perigastric lymph nodes are seen. The liver shows no focal lesion. "
+    "Impression: advanced gastric carcinoma."
+)
+
+
+def _box_row(case_id: str, split: str, size_voxels: int, report: str | None, vqa: list | None = None) -> dict:
+    boxes = np.zeros((4, 3, 6), np.int32)
+    present = np.zeros((4, 3), bool)
+    boxes[2, 0] = [10, 20, 20, 14, 20 + size_voxels, 22]  # venous tumour: in-plane long axis size_voxels * 4.5 mm
+    present[2, 0] = True
+    return {
+        "case_id": case_id,
+        "split": split,
+        "boxes": boxes.ravel().tolist(),
+        "box_present": present.ravel().tolist(),
+        "ct_report": report,
+        "vqa": vqa or [],
+    }
+
+
+def _cohort(rng: np.random.Generator, sizes: dict[str, int]) -> dict[str, list[dict]]:
+    """Random cases per split, each with its own description (a size and an attribute of its own)."""
+    rows: dict[str, list[dict]] = {}
+    for split, n in sizes.items():
+        rows[split] = []
+        for i in range(n):
+            voxels = int(rng.integers(2, 18))
+            gross = ["Borrmann I", "Borrmann II", "Borrmann III", "Borrmann IV", "0-IIc"][int(rng.integers(5))]
+            report = f"The lesion measures about {voxels * 4.5:.1f} mm in its long axis, {gross}. No ascites."
+            vqa = [{"question": "What is the gross type of the lesion?", "answer": gross, "category": "lesion"}]
+            rows[split].append(_box_row(f"{split}{i:03d}", split, voxels, report, vqa))
+    return rows
+
+
+def test_the_description_keeps_the_lesion_sentences_only():
+    assert lesion_description(REPORT) == (
+        "The wall of the gastric antrum is thickened, about 12 mm. The lesion measures about 35 mm in its long axis."
+    )
+    assert lesion_description("The liver shows no focal lesion. No ascites.") is None
+    assert lesion_description(None) is None
+
+
+def test_sizes_fall_in_exactly_one_bucket():
+    assert long_axis_mm([0, 0, 0, 3, 8, 2], SPACING) == 36.0
+    for mm in np.random.default_rng(0).uniform(0, 200, 500):
+        inside = [low <= mm < high for _, low, high in SIZE_BUCKETS]
+        assert sum(inside) == 1 and inside[size_bucket(mm)]
+
+
+@pytest.mark.parametrize("family", ["img2txt", "ct2txt", "img2size", "img2attrib"])
+@pytest.mark.parametrize("distractors", ["random", "matched"])
+def test_questions_keep_to_their_split_hide_the_answer_and_repeat_exactly(family, distractors):
+    rng = np.random.default_rng(1)
+    rows = _cohort(rng, {"train": 40, "val": 12, "test": 12})
+    questions = build_questions(rows, family, distractors, SPACING, seed=3)
+    everyone = {r["case_id"] for split in rows.values() for r in split}
+    assert set(questions.questions) | set(questions.skipped) == everyone  # nothing silently dropped
+    assert not set(questions.questions) & set(questions.skipped)
+    own = {r["case_id"]: r for split in rows.values() for r in split}
+    for case_id, q in questions.questions.items():
+        assert len(q.options) == 4 == len(set(q.options)) and 0 <= q.answer < 4
+        if family in ("img2txt", "ct2txt"):
+            assert q.options[q.answer] == lesion_description(own[case_id]["ct_report"])
+            # the split rule: every option is some case of the question's own split
+            assert all(own[c]["split"] == q.split for c in q.option_cases) and q.option_cases[q.answer] == case_id
+        if family == "img2size":
+            box, _ = tumour_boxes(own[case_id]["boxes"], own[case_id]["box_present"])
+            assert q.options[q.answer] == SIZE_BUCKETS[size_bucket(long_axis_mm(box[0], SPACING))][0]
+        if family == "img2attrib":
+            assert q.options[q.answer] == own[case_id]["vqa"][0]["answer"]
+    # the right option's position carries nothing: spread over the four places (sizes keep the ontology's order)
+    if family != "img2size":
+        places = Counter(q.answer for q in questions.questions.values())
+        assert len(places) == 4 and max(places.values()) < 0.5 * len(questions.questions)
+    # the same rows in another order, the same questions; another seed, other draws
+    shuffled = {split: list(reversed(r)) for split, r in rows.items()}
+    assert build_questions(shuffled, family, distractors, SPACING, seed=3).questions == questions.questions
+    if family in ("img2txt", "ct2txt"):
+        other = build_questions(rows, family, distractors, SPACING, seed=4).questions
+        assert any(other[c].options != q.options for c, q in questions.questions.items())
+
+
+def test_matched_distractors_share_the_answers_size_more_often_than_random_ones():
+    rows = _cohort(np.random.default_rng(2), {"train": 80})
+    own = {r["case_id"]: r for r in rows["train"]}
+
+    def same_bucket_share(kind: str) -> float:
+        questions = build_questions(rows, "img2txt", kind, SPACING).questions.values()
+        same = []
+        for q in questions:
+            buckets = [
+                size_bucket(long_axis_mm(tumour_boxes(own[c]["boxes"], own[c]["box_present"])[0][0], SPACING))
+                for c in q.option_cases
+            ]
+            same += [b == buckets[q.answer] for i, b in enumerate(buckets) if i != q.answer]
+        return float(np.mean(same))
+
+    matched, random = same_bucket_share("matched"), same_bucket_share("random")
+    assert matched > 0.9 and matched > random + 0.3, (matched, random)
+
+
+def test_every_case_without_a_question_says_why():
+    rows = {
+        "train": [
+            _box_row("a", "train", 5, REPORT),
+            _box_row("b", "train", 6, "No focal lesion is seen in the liver."),
+            {**_box_row("c", "train", 7, REPORT), "box_present": [False] * 12},
+        ],
+        "test": [_box_row("t", "test", 5, REPORT)],
+    }
+    skipped = build_questions(rows, "img2txt", "random", SPACING).skipped
+    assert skipped == {
+        "a": "fewer than 4 distinct descriptions in the train split",
+        "b": "no lesion description in the CT report",
+        "c": "no venous tumour box",
+        "t": "fewer than 4 distinct descriptions in the test split",
+    }
+    attrib = build_questions(rows, "img2attrib", "random", SPACING).skipped
+    assert attrib["a"] == "no attribute answer (lesion, enhancement or localisation VQA item)"
+    with pytest.raises(ValueError, match="valid: img2txt, ct2txt, img2size, img2attrib"):
+        build_questions(rows, "txt2bbox", "random", SPACING)
+
+
+def test_img2size_never_sees_the_tumour_box():
+    with pytest.raises(LeakageError, match="box_gives_the_answer"):
+        TrialConfig.from_flat(
+            {"task": "lesion_qa", "task_options.family": "img2size", "schema": "image_bbox", "data.shards": "x"}
+        )
+    TrialConfig.from_flat(
+        {"task": "lesion_qa", "task_options.family": "img2txt", "schema": "image_bbox", "data.shards": "x"}
+    )
+
+
+@pytest.fixture(scope="module")
+def demo_batch_and_rows(demo_prepared):
+    table = pq.read_table(split_files(demo_prepared.shard_dir, "train")[0])
+    files = split_files(demo_prepared.shard_dir, "train")
+    rows = pa.concat_tables([pq.read_table(f) for f in files]).drop(["ct", "endoscopy"]).to_pylist()
+    return BatchCollate(TensorLayout.from_schema(table.schema))(table), rows, read_manifest(demo_prepared.shard_dir)
+
+
+def _model(schema_name: str, rows, manifest, family: str = "img2txt"):
+    task = build_task("lesion_qa", family=family, view_depth=10, view_kwargs={"block_inplanes": [4, 8, 8, 8]})
+    task.attach_splits({"train": rows}, manifest)
+    encoder = build_encoder(
+        ModelConfig(vision="resnet10_3d", text="bert_tiny", hidden=16, vision_kwargs={"block_inplanes": [4, 8, 8, 8]}),
+        PRESETS[schema_name],
+    )
+    return task, TaskModel(task, encoder, PRESETS[schema_name])
+
+
+def test_the_box_is_drawn_in_the_views_exactly_under_a_tumour_box_schema(demo_batch_and_rows):
+    batch, rows, manifest = demo_batch_and_rows
+    red = torch.tensor(OVERLAY_COLOUR)[:, None, None]
+    for schema, drawn in (("image_only", False), ("image_table", False), ("image_bbox", True)):
+        task, _ = _model(schema, rows, manifest)
+        asked = [i for i, c in enumerate(batch["case_id"]) if c in task.questions.questions]
+        views = task._views(batch, asked, torch.device("cpu"))  # (n, 3, H, W): one RGB key slice each
+        assert views.shape[1] == 3 and 0 <= views.min() and views.max() <= 1
+        is_red = (views == red).all(dim=1)
+        assert bool(is_red.any(dim=(1, 2)).all()) == drawn and (drawn or not is_red.any()), schema
+    no_stomach_box = resolve_schema({"boxes": "overlay", "box_levels": ["stomach"]})
+    task = build_task("lesion_qa")
+    task.bind(no_stomach_box)
+    assert not task.overlay  # only the tumour's own box is the lesion's outline
+
+
+def test_a_step_scores_four_options_and_the_metric_reads_them(demo_batch_and_rows):
+    batch, rows, manifest = demo_batch_and_rows
+    task, model = _model("image_bbox", rows, manifest)
+    outputs = model(batch)
+    asked = len(outputs["asked"])
+    assert asked and outputs["logits"].shape == (asked, 4)
+    loss = task.loss(outputs, batch)
+    assert torch.isfinite(loss) and loss.requires_grad
+    metric = task.metric()
+    metric.update(outputs, batch)
+    result = metric.compute()
+    chosen = outputs["logits"].argmax(1).tolist()
+    correct = sum(c == q.answer for c, q in zip(chosen, outputs["asked"], strict=True))
+    assert result["accuracy"] == pytest.approx(100 * correct / asked) and result["questions"] == asked
+    assert result["accuracy_ci_low"] <= result["accuracy"] <= result["accuracy_ci_high"]
+    records = task.predict(outputs, batch)
+    assert [r["correct"] for r in records] == [c == q.answer for c, q in zip(chosen, outputs["asked"], strict=True)]
+    assert task.chance_level(rows, rows) == 25.0
+    assert all(math.isnan(v) for v in task.metric().compute().values())
+
+
+def test_shards_without_hu_statistics_are_refused(demo_batch_and_rows):
+    _, rows, manifest = demo_batch_and_rows
+    old = {**copy.deepcopy(manifest), "format_version": 1}
+    with pytest.raises(ShardFormatError, match="format 1; lesion QA's windowed views needs format 2.*prepare_data"):
+        build_task("lesion_qa").attach_splits({"train": rows}, old)
