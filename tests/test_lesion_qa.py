@@ -13,11 +13,15 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from gx_ray.analysis.runs import load_runs
+from gx_ray.data.demo.cohort import DemoConfig
+from gx_ray.data.prepare import prepare_data
 from gx_ray.data.shards import BatchCollate, ShardFormatError, TensorLayout, read_manifest, split_files
 from gx_ray.modalities import PRESETS, LeakageError, resolve_schema
 from gx_ray.modalities.boxes import tumour_boxes
 from gx_ray.modalities.views import OVERLAY_COLOUR
 from gx_ray.models import ModelConfig, build_encoder
+from gx_ray.sweep.driver import SweepOptions, run_sweep
 from gx_ray.tasks import TaskModel, build_task
 from gx_ray.tasks.lesion_qa import (
     SIZE_BUCKETS,
@@ -27,6 +31,8 @@ from gx_ray.tasks.lesion_qa import (
     size_bucket,
 )
 from gx_ray.train.config import TrialConfig
+
+from .conftest import tiny_prepare
 
 SPACING = (6.0, 4.5, 4.5)
 REPORT = (
@@ -189,7 +195,7 @@ def test_the_box_is_drawn_in_the_views_exactly_under_a_tumour_box_schema(demo_ba
         task, _ = _model(schema, rows, manifest)
         asked = [i for i, c in enumerate(batch["case_id"]) if c in task.questions.questions]
         views = task._views(batch, asked, torch.device("cpu"))  # (n, 3, H, W): one RGB key slice each
-        assert views.shape[1] == 3 and 0 <= views.min() and views.max() <= 1
+        assert views.shape[1] == 3 and views.min() >= 0 and views.max() <= 1
         is_red = (views == red).all(dim=1)
         assert bool(is_red.any(dim=(1, 2)).all()) == drawn and (drawn or not is_red.any()), schema
     no_stomach_box = resolve_schema({"boxes": "overlay", "box_levels": ["stomach"]})
@@ -224,3 +230,33 @@ def test_shards_without_hu_statistics_are_refused(demo_batch_and_rows):
     old = {**copy.deepcopy(manifest), "format_version": 1}
     with pytest.raises(ShardFormatError, match="format 1; lesion QA's windowed views needs format 2.*prepare_data"):
         build_task("lesion_qa").attach_splits({"train": rows}, old)
+
+
+@pytest.fixture(scope="module")
+def qa_cohort(ray_cluster, tmp_path_factory):
+    """32 demo cases: validation and test splits of about five, where four distinct descriptions can be asked (the
+    session's ten-case cohort leaves two a split, too few for any question drawn from its own split)."""
+    return prepare_data("demo", tmp_path_factory.mktemp("qa_cohort"), tiny_prepare(), DemoConfig(cases=32, seed=3))
+
+
+@pytest.mark.slow
+def test_the_ct_bench_smoke_sweep_runs_end_to_end(qa_cohort, tmp_path):
+    """``python jobs/sweep.py --space ct_bench --preset smoke`` on a small demo cohort: every cell finishes, families
+    stay apart in the summary and the report, and the test split is scored against 25 % chance with its interval."""
+    result = run_sweep(
+        SweepOptions(space="ct_bench", output=tmp_path, data=qa_cohort.shard_dir, presets=("demo", "smoke"))
+    )
+    assert (result.finished, result.failed) == (4, 0)
+    cells = {(b["task"], b["schema"]) for b in result.best}
+    families = ("lesion_qa.ct2txt.matched", "lesion_qa.img2attrib.matched")
+    assert cells == {(f, s) for f in families for s in ("image_only", "image_bbox")}
+    runs = load_runs(result.store_uri, result.sweep_id)
+    attrib = runs[(runs["task"] == families[1]) & (runs["split"] == "test")].set_index(["schema", "metric"])["value"]
+    for schema in ("image_only", "image_bbox"):
+        assert attrib[(schema, "chance")] == 25.0 and 0 <= attrib[(schema, "accuracy")] <= 100
+        assert (
+            attrib[(schema, "accuracy_ci_low")] <= attrib[(schema, "accuracy")] <= attrib[(schema, "accuracy_ci_high")]
+        )
+    summary = result.report.read_text(encoding="utf-8")
+    assert all(f"| {f} |" in summary for f in families)
+    assert (result.report.parent / "tables" / f"table_{families[1]}.md").is_file()

@@ -156,6 +156,9 @@ def case_scorer(task: str, records: Records, metric: str, language: str = "en") 
 
     ``records``: the trial's ``predictions/test.json``; ``language``: of the generated reports.
     """
+    from gx_ray.tasks import task_of
+
+    task = task_of(task)
     if task == "stage_classification":
         return _stage(records, metric)
     if task in ("vqa", "lesion_qa"):  # both: one chosen answer against the right one per question

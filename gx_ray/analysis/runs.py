@@ -53,9 +53,17 @@ def higher_is_better(metric: str) -> bool:
 
 def headline_metric(task: str) -> str:
     """The task's primary metric (the one sweeps optimise), e.g. ``auc`` for stage classification."""
-    from gx_ray.tasks import task_class
+    from gx_ray.tasks import task_class, task_of
 
-    return task_class(task).primary_metric
+    return task_class(task_of(task)).primary_metric
+
+
+def _task_label(task: str | None, params: dict[str, Any]) -> str | None:
+    """The run's task as its cells know it: with lesion QA's family and distractors (never pooled)."""
+    from gx_ray.tasks import task_label
+
+    options = {k.removeprefix("task_options."): v for k, v in params.items() if k.startswith("task_options.")}
+    return task_label(task, options) if task else task
 
 
 def _parse(value: str) -> Any:
@@ -107,7 +115,7 @@ def load_runs(tracking_uri: str, sweep_id: str) -> pd.DataFrame:
             "status": run.info.status,
             "stopped_early": tags.get("gx_ray.stopped_early") == "true",
             "start_time": run.info.start_time,
-            "task": tags.get("task"),
+            "task": _task_label(tags.get("task"), param),
             "schema": tags.get("schema"),
             "model": f"{vision}+{text}",
             "vision": vision,

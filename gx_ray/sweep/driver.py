@@ -563,7 +563,7 @@ def _result_rows(grid: Any, context: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append(
             {
                 "trial": metrics.get("trial_id") or (result.path and Path(result.path).name),
-                "task": flat.get("task"),
+                "task": _task_label(flat),
                 "schema": flat.get("schema", "image_only") if isinstance(flat.get("schema", ""), str) else "custom",
                 "seed": flat.get("seed", 0),
                 "chosen": {k: v for k, v in params.items() if k not in ("task", "schema", "seed")},
@@ -579,10 +579,18 @@ def _result_rows(grid: Any, context: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def _task_label(flat: dict[str, Any]) -> str | None:
+    """The trial's task, with the options that make it another question (lesion QA's family): its summary cell."""
+    from gx_ray.tasks import task_label
+
+    options = {k.removeprefix("task_options."): v for k, v in flat.items() if k.startswith("task_options.")}
+    return task_label(flat.get("task"), options)
+
+
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per task and schema: test primary metric over seeds (mean, sd, n) and the best trial by validation. A trial
     that never started (a time budget ended first) has no config, so no task: it is in no cell."""
-    from gx_ray.tasks import task_class
+    from gx_ray.tasks import task_class, task_of
 
     cells: dict[tuple[str, str], list[dict]] = {}
     for row in rows:
@@ -598,7 +606,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             {
                 "task": task,
                 "schema": schema,
-                "metric": task_class(task).primary_metric,
+                "metric": task_class(task_of(task)).primary_metric,
                 "trials": len(members),
                 "failed": len(members) - len(done),
                 "test_mean": float(tests.mean()) if len(tests) else None,
@@ -624,14 +632,16 @@ def format_summary(
         f"\n{finished} of {total} trials finished, {failed} failed"
         + (f", {stopped_early} stopped early by the scheduler" if stopped_early else "")
         + (f", {unfinished} unfinished (resume with --resume)" if unfinished else ""),
-        f"{'task':<22} {'schema':<18} {'metric':<26} {'test mean ± sd (n)':<24} best val → test",
     ]
+    width = max([22, *(len(cell["task"]) + 1 for cell in summary)])  # lesion QA's tasks carry their family
+    lines.append(f"{'task':<{width}} {'schema':<18} {'metric':<26} {'test mean ± sd (n)':<24} best val → test")
     for cell in summary:
         n = cell["trials"] - cell["failed"]
         mean = "—" if cell["test_mean"] is None else f"{cell['test_mean']:.1f}"
         sd = "" if cell["test_sd"] is None else f" ± {cell['test_sd']:.1f}"
         best = "—" if cell["best_val"] is None else f"{cell['best_val']:.1f} → {cell['best_test']:.1f}"
-        lines.append(f"{cell['task']:<22} {cell['schema']:<18} {cell['metric']:<26} {mean + sd + f' ({n})':<24} {best}")
+        test = mean + sd + f" ({n})"
+        lines.append(f"{cell['task']:<{width}} {cell['schema']:<18} {cell['metric']:<26} {test:<24} {best}")
     return "\n".join(lines)
 
 

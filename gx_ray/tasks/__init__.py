@@ -9,6 +9,7 @@ process that only computes another task's metric need not pay for.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
@@ -43,4 +44,30 @@ def build_task(name: str, **options: Any) -> Task:
     return cls(**options)
 
 
-__all__ = ["TASK_CLASSES", "Task", "TaskMetric", "TaskModel", "build_task", "gather_state", "task_class"]
+def task_label(name: str | None, options: Mapping[str, Any]) -> str | None:
+    """The name a trial's results go under: the task, followed by the options that make it a different question
+    (the task class's ``label_options``; lesion QA: ``lesion_qa.img2txt.matched``), so that no summary or report
+    pools them into one cell. Options not given take the class's defaults."""
+    if name is None:
+        return None
+    cls = task_class(name)
+    defaults = {f.name: f.default for f in fields(cls)}
+    return ".".join([name, *(str(options.get(key, defaults[key])) for key in cls.label_options)])
+
+
+def task_of(label: str) -> str:
+    """The task of a :func:`task_label`."""
+    return label.split(".")[0]
+
+
+__all__ = [
+    "TASK_CLASSES",
+    "Task",
+    "TaskMetric",
+    "TaskModel",
+    "build_task",
+    "gather_state",
+    "task_class",
+    "task_label",
+    "task_of",
+]

@@ -86,6 +86,9 @@ class Task:
     primary_metric: ClassVar[str]
     mode: ClassVar[str]
     """``"max"`` or ``"min"``: the direction in which :attr:`primary_metric` improves."""
+    label_options: ClassVar[tuple[str, ...]] = ()
+    """Options that make another question of the same task: results are never pooled across them
+    (:func:`gx_ray.tasks.task_label`)."""
 
     def prepare(self, train_rows: Iterable[Mapping[str, Any]]) -> None:
         """Fit what the task learns from data, from training rows (shard rows) only; nothing by default.

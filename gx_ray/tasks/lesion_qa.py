@@ -244,6 +244,7 @@ class LesionQA(Task):
     name = "lesion_qa"
     primary_metric = "accuracy"
     mode = "max"
+    label_options = ("family", "distractors")
 
     family: str = "img2txt"
     distractors: str = "random"
