@@ -208,7 +208,8 @@ def _summary(sweep_id: str, runs: pd.DataFrame, report: Report, cohort: str, bas
         "## Headline metric per cell (test split, over seeds)",
         "*Chance*: the same metric for a predictor that never looks at the patient and knows only the training "
         "split (its stage frequencies, a guess among each question's training answers, the median tumour box, "
-        "a random training report, a random ranking). A cell whose interval does not clear it has learnt nothing.",
+        "a random training report, a random ranking, a uniform guess among four options). A cell whose interval "
+        "does not clear it has learnt nothing.",
         _headline_markdown(report.cells),
         f"## Which inputs help: each schema against {baseline}",
         "Paired on seeds and test patients; p-values Holm-corrected across every comparison below.",
