@@ -29,7 +29,7 @@ from torch import nn
 
 from gx_ray.modalities.inputs import ModelInputs
 from gx_ray.modalities.schemas import ModalitySchema
-from gx_ray.models.registry import ModelConfig, build_encoder, param_groups
+from gx_ray.models.registry import ModelConfig, build_encoder, compile_in_place, param_groups
 from gx_ray.models.vision import VISION_ENCODERS, stack_slices
 from gx_ray.schema import BOX_LEVELS, PHASES
 
@@ -129,7 +129,7 @@ def run_model_benchmark(config: ModelBenchmarkConfig, device: str | torch.device
     def raw_step() -> Callable[[], torch.Tensor]:
         net = backbone["cls"](**backbone["arguments"])
         if config.compile:
-            net.compile()
+            compile_in_place(net)
         model = nn.ModuleDict({"net": net, "head": nn.Linear(backbone["width"], config.classes)}).to(device)
         x = stack_slices(ct, model_config.vision_kwargs.get("slices", 16)) if config.model == "multichannel2d" else ct
         optimizer = torch.optim.AdamW(model.parameters(), config.lr, weight_decay=config.weight_decay)

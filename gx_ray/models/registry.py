@@ -61,6 +61,23 @@ class ModelConfig:
         return cls(**values)
 
 
+def compile_in_place(module: nn.Module) -> None:
+    """``module.compile()``, also under an ASCII locale (``LC_ALL=C``, as CI and minimal containers run): torch's
+    inductor reads its kernel templates, which hold UTF-8, with the locale's encoding when first imported, and fails
+    there. It is imported once under C.UTF-8 (the locale restored at once); compiling needs nothing more of it."""
+    import locale
+
+    previous = locale.setlocale(locale.LC_CTYPE)
+    try:
+        locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
+        import torch._inductor.compile_fx  # noqa: F401
+    except locale.Error:  # no C.UTF-8 here: the import below may still succeed under a UTF-8 locale
+        pass
+    finally:
+        locale.setlocale(locale.LC_CTYPE, previous)
+    module.compile()
+
+
 class MultimodalEncoder(nn.Module):
     """CT encoder (+ endoscopy encoder, + lab-table MLP) and text encoder, fused into one :class:`Encoded`."""
 
@@ -74,7 +91,7 @@ class MultimodalEncoder(nn.Module):
             config.vision, self.in_channels, config.gradient_checkpointing, **config.vision_kwargs
         )
         if config.compile:
-            self.vision.compile()
+            compile_in_place(self.vision)
         # Always built: a task may send a query (VQA) or encode reports (retrieval) under a text-free schema.
         self.text = build_text_encoder(config.text, **config.text_kwargs)
         if config.lora is not None:

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from gx_ray.models.registry import compile_in_place
+
 CONTEXT_BYTES = 768 * 2**20
 """What a CUDA process holds outside PyTorch's allocator (context, cuBLAS/cuDNN handles and workspaces), added to
 each packed trial's measured peak."""
@@ -98,7 +100,7 @@ def compiled_copy(model: nn.Module) -> nn.Module:
     trial = copy.deepcopy(model)
     for name, module in trial.named_modules():
         if name in compiled:
-            module.compile()
+            compile_in_place(module)
     return trial
 
 
