@@ -4,14 +4,17 @@ for), its views under each schema, the shard-format guard and its metric."""
 from __future__ import annotations
 
 import copy
+import json
 import math
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from mlflow.tracking import MlflowClient
 
 from gx_ray.analysis.runs import load_runs
 from gx_ray.data.demo.cohort import DemoConfig
@@ -257,6 +260,12 @@ def test_the_ct_bench_smoke_sweep_runs_end_to_end(qa_cohort, tmp_path):
         assert (
             attrib[(schema, "accuracy_ci_low")] <= attrib[(schema, "accuracy")] <= attrib[(schema, "accuracy_ci_high")]
         )
+    # the questions asked travel with each trial, with their recipe and every skipped case's reason
+    run_id = runs[runs["task"] == families[1]]["run_id"].iloc[0]
+    path = MlflowClient(result.store_uri).download_artifacts(run_id, "questions/questions.json", str(tmp_path))
+    asked = json.loads(Path(path).read_text(encoding="utf-8"))
+    assert asked["recipe"] == {"family": "img2attrib", "distractors": "matched", "seed": 0, "options": 4}
+    assert len(asked["questions"]) + len(asked["skipped"]) == 32 and asked["format"] == 1
     summary = result.report.read_text(encoding="utf-8")
     assert all(f"| {f} |" in summary for f in families)
     assert (result.report.parent / "tables" / f"table_{families[1]}.md").is_file()

@@ -329,6 +329,10 @@ class LesionQA(Task):
     def metric(self) -> TaskMetric:
         return LesionQAMetric()
 
+    def documents(self) -> dict[str, Any]:
+        """The questions asked, with their recipe and every skipped case's reason: logged with the trial."""
+        return {"questions/questions.json": self.questions.to_dict()} if self.questions else {}
+
     def chance_level(self, train_rows: Sequence[Mapping[str, Any]], test_rows: Sequence[Mapping[str, Any]]) -> float:
         """A uniform guess among the four options: 25 % whenever the test split has a question."""
         if self.questions is None or not any(r["case_id"] in self.questions.questions for r in test_rows):

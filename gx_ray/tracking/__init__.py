@@ -89,13 +89,16 @@ class TrialTracker:
 
     def log_predictions(self, records: list[dict[str, Any]], task: Any) -> None:
         """Every test prediction (what the analysis's paired bootstrap rescoring reads), a readable sample of
-        them (reports, answers, boxes ..., without embeddings) and the task's figures, as artifacts."""
+        them (reports, answers, boxes ..., without embeddings), the task's figures and its documents (a task's
+        ``documents()``: artifact path → JSON-able data), as artifacts."""
         self.client.log_dict(self.run_id, records, "predictions/test.json")
         sample = [{k: v for k, v in r.items() if not k.endswith("_embedding")} for r in records[:PREDICTION_SAMPLE]]
         self.client.log_dict(self.run_id, sample, "predictions/test_sample.json")
         for name, figure in getattr(task, "figures", lambda r: {})(records).items():
             self.client.log_figure(self.run_id, figure, f"figures/{name}.png")
             figure.clf()
+        for path, document in getattr(task, "documents", dict)().items():  # e.g. the questions a task asked
+            self.client.log_dict(self.run_id, document, path)
 
 
 def _experiment_id(client: MlflowClient, name: str) -> str:
