@@ -32,7 +32,7 @@ from gx_ray import storage
 from gx_ray.data.demo.cohort import DemoConfig
 from gx_ray.data.prepare import SHARD_DIR, PrepareConfig, prepare_data
 from gx_ray.data.preprocess import PreprocessConfig
-from gx_ray.data.shards import MANIFEST_FILE, check_shards, read_manifest
+from gx_ray.data.shards import FORMAT_VERSION, MANIFEST_FILE, check_shards, read_manifest
 from gx_ray.runtime import init_ray, mlflow_retries, nodes_without
 from gx_ray.sweep.resume import check_resumable, record_inputs, sweep_inputs
 from gx_ray.sweep.spaces import SearchSpace, available_presets, load_space
@@ -137,7 +137,8 @@ def _prepare_demo(options: SweepOptions) -> None:
     config = PrepareConfig(preprocess=PreprocessConfig.preset("demo"), endoscopy_size=64)
     demo = DemoConfig(cases=options.demo_cases)
     stamp = Path(options.demo_dir) / "prepared.json"
-    wanted = json.dumps([asdict(demo), asdict(config)], default=str, sort_keys=True)
+    # the shard format too: shards of an older format are remade, not refused by a task that needs the new one
+    wanted = json.dumps([asdict(demo), asdict(config), FORMAT_VERSION], default=str, sort_keys=True)
     if (
         stamp.is_file()
         and stamp.read_text(encoding="utf-8") == wanted
