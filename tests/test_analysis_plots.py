@@ -1,4 +1,5 @@
-"""Radar (the paper's Figure 4) and CI dot chart: files, one polygon per schema, outward is better."""
+"""Radar (the paper's Figure 4) and CI dot chart: files, one polygon per schema, outward is better; CT-Bench's box
+effect heatmap."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from PIL import Image
 
 from gx_ray.analysis.plots import (
     SCHEMA_COLOURS,
+    box_effect,
+    box_effect_figure,
+    box_effect_plot,
     interval_figure,
     interval_plot,
     normalise_axis,
@@ -103,3 +107,42 @@ def test_an_axis_where_every_setting_scores_the_same_is_drawn_and_labelled_as_a_
         assert "tie" in " ".join(t.get_text() for t in fig.texts)  # the caption says what a tie looks like
     finally:
         plt.close(fig)
+
+
+def test_the_box_effect_is_with_box_minus_without_per_model_and_family(tmp_path):
+    """CT-Bench's Figure 2 from random cells: each heatmap value is the image_bbox mean minus the image_only mean of
+    its model and family; families without both conditions and the paper's tasks stay out."""
+    rng = np.random.default_rng(0)
+    rows, expected = [], {}
+    for model in ("a+bert", "b+bert"):
+        for family in ("img2txt", "ct2txt", "img2attrib"):
+            task = f"lesion_qa.{family}.matched"
+            means = {schema: rng.uniform(0, 100) for schema in ("image_only", "image_bbox")}
+            expected[(model, family)] = means["image_bbox"] - means["image_only"]
+            rows += [
+                {"task": task, "model": model, "schema": s, "metric": "accuracy", "mean": m} for s, m in means.items()
+            ]
+    rows.append(
+        {
+            "task": "lesion_qa.img2size.matched",
+            "model": "a+bert",
+            "schema": "image_only",
+            "metric": "accuracy",
+            "mean": 40.0,
+        }
+    )
+    rows.append({"task": "vqa", "model": "a+bert", "schema": "image_bbox", "metric": "accuracy", "mean": 40.0})
+    cells = pd.DataFrame(rows)
+    effect = box_effect(cells)
+    # columns: family and distractor kind; img2size has no with-box cell
+    assert set(effect.columns) == {"img2txt.matched", "ct2txt.matched", "img2attrib.matched"}
+    for (model, family), value in expected.items():
+        assert effect.at[model, f"{family}.matched"] == pytest.approx(value)
+    fig = box_effect_figure(cells)
+    shown = fig.axes[0].images[0].get_array()
+    np.testing.assert_allclose(np.asarray(shown), effect.to_numpy())
+    low, high = fig.axes[0].images[0].get_clim()
+    assert low == -high and high >= np.abs(effect.to_numpy()).max()  # zero is the neutral colour
+    plt.close(fig)
+    assert [p.suffix for p in box_effect_plot(cells, tmp_path / "box_effect")] == [".png", ".svg"]
+    assert box_effect_plot(cells[~cells["task"].str.startswith("lesion_qa")], tmp_path / "none") == []

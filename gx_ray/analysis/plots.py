@@ -1,4 +1,5 @@
-"""The paper's Figure 4 (a radar of input settings over the tasks' headline metrics) and a CI dot chart.
+"""The paper's Figure 4 (a radar of input settings over the tasks' headline metrics), a CI dot chart, and CT-Bench's
+Figure 2 (what drawing the lesion's box in changes, per model and lesion QA family).
 
 Both read a *cells* table (see :mod:`gx_ray.analysis.tables`) and draw one colour per schema
 (:data:`SCHEMA_COLOURS`, the same in every figure). Like Figure 4, which reports X2-VLM-Med only, each task is drawn
@@ -179,8 +180,55 @@ def interval_plot(
     return _save(interval_figure(cells, metric_per_task, model), path_stem)
 
 
+BOX_SCHEMAS = ("image_only", "image_bbox")
+"""CT-Bench's two conditions: without and with the lesion's box drawn in."""
+
+
+def box_effect(cells: pd.DataFrame, metric: str = "accuracy") -> pd.DataFrame:
+    """Model x lesion QA family: the test mean with the box drawn in minus without it (points), for the families
+    that have both conditions; empty when the cells hold none."""
+    qa = cells[cells["task"].astype(str).str.startswith("lesion_qa.") & (cells["metric"] == metric)]
+    means = qa[qa["schema"].isin(BOX_SCHEMAS)].pivot_table(
+        index="model", columns=["task", "schema"], values="mean", aggfunc="first"
+    )
+    families = [t for t in task_order(qa["task"]) if all((t, s) in means.columns for s in BOX_SCHEMAS)]
+    return pd.DataFrame(
+        {t.removeprefix("lesion_qa."): means[(t, BOX_SCHEMAS[1])] - means[(t, BOX_SCHEMAS[0])] for t in families},
+        index=means.index,
+    )
+
+
+def box_effect_figure(cells: pd.DataFrame, metric: str = "accuracy"):
+    """CT-Bench's Figure 2: a heatmap of :func:`box_effect` (blue: the box helps, red: it hurts), each cell's
+    value written in; None when no lesion QA family has both conditions."""
+    effect = box_effect(cells, metric)
+    if effect.empty or not effect.shape[1]:
+        return None
+    values = effect.to_numpy(dtype=float)
+    limit = max(1.0, float(np.nanmax(np.abs(values)))) if np.isfinite(values).any() else 1.0
+    fig, ax = plt.subplots(figsize=(2.5 + 1.3 * values.shape[1], 1.5 + 0.45 * values.shape[0]))
+    image = ax.imshow(values, cmap="RdBu", vmin=-limit, vmax=limit, aspect="auto")
+    for (row, column), value in np.ndenumerate(values):
+        ax.text(column, row, "—" if np.isnan(value) else f"{value:+.1f}", ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(values.shape[1]), list(effect.columns), rotation=30, ha="right", fontsize=8)
+    ax.set_yticks(range(values.shape[0]), list(effect.index), fontsize=8)
+    fig.colorbar(image, ax=ax, label=f"{metric_label(metric)}: with box − without (points)")
+    ax.set_title("Drawing the lesion's box in (CT-Bench Fig. 2)", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def box_effect_plot(cells: pd.DataFrame, path_stem: str | Path, metric: str = "accuracy") -> list[Path]:
+    """Write :func:`box_effect_figure` as ``<path_stem>.png`` and ``.svg``; nothing when it has no cell."""
+    fig = box_effect_figure(cells, metric)
+    return _save(fig, path_stem) if fig is not None else []
+
+
 __all__ = [
     "SCHEMA_COLOURS",
+    "box_effect",
+    "box_effect_figure",
+    "box_effect_plot",
     "interval_figure",
     "interval_plot",
     "normalise_axis",
