@@ -33,6 +33,7 @@ from gx_ray.tasks.lesion_qa import (
     long_axis_mm,
     size_bucket,
 )
+from gx_ray.tracking.server import LocalMlflowServer
 from gx_ray.train.config import TrialConfig
 
 from .conftest import tiny_prepare
@@ -246,9 +247,20 @@ def qa_cohort(ray_cluster, tmp_path_factory):
 def test_the_ct_bench_smoke_sweep_runs_end_to_end(qa_cohort, tmp_path):
     """``python jobs/sweep.py --space ct_bench --preset smoke`` on a small demo cohort: every cell finishes, families
     stay apart in the summary and the report, and the test split is scored against 25 % chance with its interval."""
-    result = run_sweep(
-        SweepOptions(space="ct_bench", output=tmp_path, data=qa_cohort.shard_dir, presets=("demo", "smoke"))
-    )
+    with LocalMlflowServer(tmp_path / "mlflow") as server:  # alive after the sweep: its artifacts are read below
+        result = run_sweep(
+            SweepOptions(
+                space="ct_bench",
+                output=tmp_path,
+                data=qa_cohort.shard_dir,
+                mlflow_uri=server.uri,
+                presets=("demo", "smoke"),
+            )
+        )
+        _check_ct_bench_smoke(result, tmp_path)
+
+
+def _check_ct_bench_smoke(result, tmp_path: Path) -> None:
     assert (result.finished, result.failed) == (4, 0)
     cells = {(b["task"], b["schema"]) for b in result.best}
     families = ("lesion_qa.ct2txt.matched", "lesion_qa.img2attrib.matched")
@@ -257,9 +269,8 @@ def test_the_ct_bench_smoke_sweep_runs_end_to_end(qa_cohort, tmp_path):
     attrib = runs[(runs["task"] == families[1]) & (runs["split"] == "test")].set_index(["schema", "metric"])["value"]
     for schema in ("image_only", "image_bbox"):
         assert attrib[(schema, "chance")] == 25.0 and 0 <= attrib[(schema, "accuracy")] <= 100
-        assert (
-            attrib[(schema, "accuracy_ci_low")] <= attrib[(schema, "accuracy")] <= attrib[(schema, "accuracy_ci_high")]
-        )
+        low, high = attrib[(schema, "accuracy_ci_low")], attrib[(schema, "accuracy_ci_high")]
+        assert low <= attrib[(schema, "accuracy")] <= high and attrib[(schema, "questions")] >= 4
     # the questions asked travel with each trial, with their recipe and every skipped case's reason
     run_id = runs[runs["task"] == families[1]]["run_id"].iloc[0]
     path = MlflowClient(result.store_uri).download_artifacts(run_id, "questions/questions.json", str(tmp_path))
@@ -269,3 +280,4 @@ def test_the_ct_bench_smoke_sweep_runs_end_to_end(qa_cohort, tmp_path):
     summary = result.report.read_text(encoding="utf-8")
     assert all(f"| {f} |" in summary for f in families)
     assert (result.report.parent / "tables" / f"table_{families[1]}.md").is_file()
+    assert "![box_effect](figures/box_effect.png)" in summary  # CT-Bench's Figure 2: both conditions ran
