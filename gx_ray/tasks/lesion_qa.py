@@ -48,6 +48,7 @@ import zlib
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -170,9 +171,10 @@ def build_questions(
                 "description": lesion_description(row.get("ct_report")),
                 "size": size_bucket(long_axis_mm(boxes[0], spacing_zyx_mm)),
                 "attributes": [v for v in row.get("vqa") or () if v["category"] in ATTRIBUTE_CATEGORIES],
-                "vocabulary": vocabulary,
             }
-        ask = {"img2size": _size_question, "img2attrib": _attribute_question}.get(family, _description_question)
+        ask = {"img2size": _size_question, "img2attrib": partial(_attribute_question, vocabulary=vocabulary)}.get(
+            family, _description_question
+        )
         for case_id in material:
             rng = _case_rng(seed, case_id, family)
             question = ask(case_id, split, family, material, distractors, rng)
@@ -213,8 +215,8 @@ def _size_question(case_id, split, family, material, distractors, rng) -> Questi
     return Question(case_id, split, family, names, material[case_id]["size"], "How long is the lesion's long axis?")
 
 
-def _attribute_question(case_id, split, family, material, distractors, rng) -> Question | str:
-    items, values = material[case_id]["attributes"], material[case_id]["vocabulary"]
+def _attribute_question(case_id, split, family, material, distractors, rng, vocabulary) -> Question | str:
+    items, values = material[case_id]["attributes"], vocabulary
     if not items:
         return "no attribute answer (lesion, enhancement or localisation VQA item)"
     askable = [item for item in items if len(values[item["question"]] - {item["answer"]}) >= OPTIONS - 1]
