@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
+from gx_ray.analysis.reference import beside_related_markdown, load_related
 from gx_ray.analysis.report import schema_comparisons, write_report
 from gx_ray.analysis.runs import load_runs
 from gx_ray.schema import STAGE_GROUPS
@@ -173,3 +174,27 @@ def _frame_showing(page, selector: str, timeout_s: float = 60.0):
                     return frame
         time.sleep(0.5)
     raise AssertionError(f"MLflow's UI showed no {selector} within {timeout_s:.0f} s")
+
+
+def test_lesion_qa_sits_beside_ct_bench_labelled_as_another_dataset():
+    related = load_related()
+    # every number the CSV holds is one the related papers print (spot checks against their text)
+    ct_bench = related[related["paper"] == "CT-Bench"].set_index(["model", "schema"])["value"]
+    assert ct_bench[("BiomedCLIP fine-tuned", "image_bbox")] == 62.0 and ct_bench[("Random", "image_only")] == 25.0
+    gi = related[related["paper"] != "CT-Bench"].set_index(["task", "model", "split"])["value"]
+    assert gi[("endoscopy_cls", "this paper's model", "test (unseen)")] == 88.63
+    cells = pd.DataFrame(
+        [
+            {"task": "lesion_qa.img2txt.matched", "schema": "image_only", "metric": "accuracy", "mean": 30.0},
+            {"task": "lesion_qa.img2txt.matched", "schema": "image_bbox", "metric": "accuracy", "mean": 50.0},
+            {"task": "lesion_qa.ct2txt.matched", "schema": "image_only", "metric": "accuracy", "mean": 40.0},
+            {"task": "lesion_qa.ct2txt.matched", "schema": "image_bbox", "metric": "accuracy", "mean": 20.0},
+            {"task": "vqa", "schema": "image_only", "metric": "accuracy", "mean": 99.0},
+        ]
+    )
+    markdown = beside_related_markdown(cells, related)
+    assert "never comparable with ours" in markdown.splitlines()[0]
+    assert "| ours (mean over img2txt.matched, ct2txt.matched) | 35.0 | 35.0 |  |" in markdown  # 99 (VQA) stays out
+    assert "| Gemini (CT-Bench) | 31.2 | 36.1 |  |" in markdown
+    assert "the text says 41.00" in markdown  # the paper's own inconsistency travels with its number
+    assert beside_related_markdown(cells[cells["task"] == "vqa"], related) is None

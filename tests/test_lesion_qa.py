@@ -281,3 +281,4 @@ def _check_ct_bench_smoke(result, tmp_path: Path) -> None:
     assert all(f"| {f} |" in summary for f in families)
     assert (result.report.parent / "tables" / f"table_{families[1]}.md").is_file()
     assert "![box_effect](figures/box_effect.png)" in summary  # CT-Bench's Figure 2: both conditions ran
+    assert "### lesion_qa beside CT-Bench" in summary and "never comparable with ours" in summary

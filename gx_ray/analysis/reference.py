@@ -92,8 +92,8 @@ def beside_paper(cells: pd.DataFrame, reference: pd.DataFrame, cohort: str) -> p
     return frame.drop(columns=list(keys)).reset_index(drop=True)
 
 
-def _number(value: float) -> str:
-    return "—" if pd.isna(value) else f"{value:.1f}"
+def _number(value: float | None) -> str:
+    return "—" if value is None or pd.isna(value) else f"{value:.1f}"
 
 
 def beside_paper_markdown(frame: pd.DataFrame) -> str:
@@ -112,4 +112,55 @@ def beside_paper_markdown(frame: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["beside_paper", "beside_paper_markdown", "cohort_note", "default_reference_path", "load_reference"]
+RELATED_FILE = "related_papers_results.csv"
+OTHER_DATASET = "another dataset, never comparable with ours: shown for scale only"
+CONDITIONS = {"image_only": "without box", "image_bbox": "with box"}
+
+
+def load_related(path: str | Path | None = None) -> pd.DataFrame:
+    """The related papers' numbers (``analysis/related_papers_results.csv``: CT-Bench's QA averages and readers,
+    the upper-GI endoscopy paper's CLS/REC/REG), one row per printed number, with the paper's inconsistencies in
+    ``note``."""
+    path = Path(path) if path is not None else default_reference_path().with_name(RELATED_FILE)
+    return pd.read_csv(path)
+
+
+def beside_related_markdown(cells: pd.DataFrame, related: pd.DataFrame) -> str | None:
+    """Lesion QA beside CT-Bench: our test accuracy per condition, averaged over the families the sweep asked,
+    above CT-Bench's averages over its QA tasks, under a heading that names the other dataset; None when the
+    sweep has no lesion QA cell with a condition CT-Bench reports."""
+    ours = cells[cells["task"].astype(str).str.startswith("lesion_qa.") & (cells["metric"] == "accuracy")]
+    ours = ours[ours["schema"].isin(CONDITIONS)]
+    if ours.empty:
+        return None
+    theirs = related[(related["task"] == "lesion_qa") & (related["metric"] == "accuracy")]
+    dataset = theirs["dataset"].iloc[0] if len(theirs) else "CT-Bench"
+    families = ", ".join(t.removeprefix("lesion_qa.") for t in ours["task"].drop_duplicates())
+    header = ["", *CONDITIONS.values(), "note"]
+    lines = [
+        f"### lesion_qa beside CT-Bench ({dataset}): {OTHER_DATASET}",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    means = ours.groupby("schema")["mean"].mean()
+    row = [f"ours (mean over {families})", *(_number(means.get(s, float("nan"))) for s in CONDITIONS), ""]
+    lines.append("| " + " | ".join(row) + " |")
+    for model, group in theirs.groupby("model", sort=False):
+        values = group.set_index("schema")["value"]
+        notes = "; ".join(dict.fromkeys(n for n in group["note"].dropna() if n))
+        lines.append(
+            "| " + " | ".join([f"{model} (CT-Bench)", *(_number(values.get(s)) for s in CONDITIONS), notes]) + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+__all__ = [
+    "beside_paper",
+    "beside_paper_markdown",
+    "beside_related_markdown",
+    "cohort_note",
+    "default_reference_path",
+    "load_reference",
+    "load_related",
+]

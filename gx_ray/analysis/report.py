@@ -86,7 +86,11 @@ def write_report(
         paper.to_csv(path, index=False)
         report.files.append(path)
         printed = paper[paper.filter(like="paper: ").notna().any(axis=1)]  # the CSV keeps every metric
-        summary = _summary(sweep_id, runs, report, cohort, baseline, reference.beside_paper_markdown(printed))
+        beside = reference.beside_paper_markdown(printed)
+        related = reference.beside_related_markdown(report.cells, reference.load_related())
+        if related:  # lesion QA: CT-Bench's numbers, on another dataset, for scale
+            beside += "\n" + related
+        summary = _summary(sweep_id, runs, report, cohort, baseline, beside)
         report.files += _write_summary(folder, summary)
     if parent_run_id:
         client = MlflowClient(tracking_uri)
