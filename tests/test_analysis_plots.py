@@ -21,6 +21,9 @@ from gx_ray.analysis.plots import (
     normalise_axis,
     radar_figure,
     radar_plot,
+    slice_context,
+    slice_context_figure,
+    slice_context_plot,
 )
 from gx_ray.analysis.stats import cell_statistics
 from tests.analysis_fixture import SCHEMAS, make_runs
@@ -146,3 +149,41 @@ def test_the_box_effect_is_with_box_minus_without_per_model_and_family(tmp_path)
     plt.close(fig)
     assert [p.suffix for p in box_effect_plot(cells, tmp_path / "box_effect")] == [".png", ".svg"]
     assert box_effect_plot(cells[~cells["task"].str.startswith("lesion_qa")], tmp_path / "none") == []
+
+
+def test_one_slice_or_nine_pairs_img2txt_with_ct2txt_per_schema(tmp_path):
+    """CT-Bench's Figure 3 from random cells: each pair's two bars are exactly the two families' means; a family
+    without its partner, or another task, draws nothing."""
+    rng = np.random.default_rng(1)
+    rows, expected = [], {}
+    for schema in ("image_only", "image_bbox"):
+        for family in ("img2txt", "ct2txt"):
+            mean = rng.uniform(20, 80)
+            expected[(schema, family)] = mean
+            rows.append(
+                {
+                    "task": f"lesion_qa.{family}.random",
+                    "model": "m",
+                    "schema": schema,
+                    "metric": "accuracy",
+                    "mean": mean,
+                    "ci_low": mean - 5,
+                    "ci_high": mean + 5,
+                }  # fmt: skip
+            )
+    rows.append({"task": "lesion_qa.img2attrib.random", "model": "m", "schema": "image_only", "metric": "accuracy",
+                 "mean": 50.0, "ci_low": 45.0, "ci_high": 55.0})  # fmt: skip
+    cells = pd.DataFrame(rows)
+    table = slice_context(cells)
+    assert len(table) == 2
+    for (schema, distractors, model), row in table.iterrows():
+        assert distractors == "random" and model == "m"
+        for family in ("img2txt", "ct2txt"):
+            assert row[("mean", family)] == pytest.approx(expected[(schema, family)])
+    fig = slice_context_figure(cells)
+    heights = sorted(p.get_height() for p in fig.axes[0].patches)
+    assert heights == pytest.approx(sorted(expected.values()))
+    plt.close(fig)
+    assert [p.suffix for p in slice_context_plot(cells, tmp_path / "slices")] == [".png", ".svg"]
+    only_one = cells[cells["task"] != "lesion_qa.ct2txt.random"]
+    assert slice_context(only_one).empty and slice_context_plot(only_one, tmp_path / "none") == []

@@ -1,5 +1,5 @@
 """The paper's Figure 4 (a radar of input settings over the tasks' headline metrics), a CI dot chart, and CT-Bench's
-Figure 2 (what drawing the lesion's box in changes, per model and lesion QA family).
+Figure 2 (what drawing the lesion's box in changes, per model and lesion QA family) and Figure 3 (one slice or nine).
 
 Both read a *cells* table (see :mod:`gx_ray.analysis.tables`) and draw one colour per schema
 (:data:`SCHEMA_COLOURS`, the same in every figure). Like Figure 4, which reports X2-VLM-Med only, each task is drawn
@@ -224,6 +224,61 @@ def box_effect_plot(cells: pd.DataFrame, path_stem: str | Path, metric: str = "a
     return _save(fig, path_stem) if fig is not None else []
 
 
+SLICE_CONTEXT = {"img2txt": "one key slice", "ct2txt": "nine slices"}
+"""CT-Bench's Figure 3: the same question (which description) asked on one slice or on nine."""
+
+
+def slice_context(cells: pd.DataFrame, metric: str = "accuracy") -> pd.DataFrame:
+    """Rows (schema, distractor kind, model) with the mean and 95 % CI of Img2txt and CT2txt side by side: the
+    pairs that have both; empty when none."""
+    qa = cells[cells["task"].astype(str).str.startswith("lesion_qa.") & (cells["metric"] == metric)].copy()
+    if qa.empty:
+        return pd.DataFrame()
+    parts = qa["task"].str.split(".", expand=True)
+    qa["family"], qa["distractors"] = parts[1], parts[2]
+    qa = qa[qa["family"].isin(SLICE_CONTEXT)]
+    means = qa.pivot_table(index=["schema", "distractors", "model"], columns="family", values="mean", aggfunc="first")
+    if not set(SLICE_CONTEXT) <= set(means.columns):
+        return pd.DataFrame()
+    both = means[list(SLICE_CONTEXT)].notna().all(axis=1)
+    wide = qa.pivot_table(
+        index=["schema", "distractors", "model"],
+        columns="family",
+        values=["mean", "ci_low", "ci_high"],
+        aggfunc="first",
+    )
+    return wide.loc[both[both].index]
+
+
+def slice_context_figure(cells: pd.DataFrame, metric: str = "accuracy"):
+    """CT-Bench's Figure 3: per schema (and distractor kind, model), Img2txt on one slice beside CT2txt on nine,
+    means with their 95 % CIs; None when no pair has both."""
+    table = slice_context(cells, metric)
+    if table.empty:
+        return None
+    fig, ax = plt.subplots(figsize=(2.5 + 1.4 * len(table), 3.2))
+    x = np.arange(len(table))
+    for offset, (family, label) in zip((-0.18, 0.18), SLICE_CONTEXT.items(), strict=True):
+        mean = table[("mean", family)].to_numpy(float)
+        low = table[("ci_low", family)].to_numpy(float) if ("ci_low", family) in table else mean
+        high = table[("ci_high", family)].to_numpy(float) if ("ci_high", family) in table else mean
+        err = np.nan_to_num(np.vstack([mean - low, high - mean]), nan=0.0)
+        ax.bar(x + offset, mean, width=0.34, yerr=err, capsize=3, label=f"{family} ({label})")
+    ax.set_xticks(x, [f"{schema_label(s)}\n{d}; {m}" for s, d, m in table.index], fontsize=7)
+    ax.set_ylabel(f"{metric_label(metric)} (test)", fontsize=8)
+    ax.axhline(25.0, color="grey", linestyle=":", linewidth=1, label="chance (25 %)")
+    ax.legend(fontsize=7)
+    ax.set_title("One slice or nine (CT-Bench Fig. 3)", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def slice_context_plot(cells: pd.DataFrame, path_stem: str | Path, metric: str = "accuracy") -> list[Path]:
+    """Write :func:`slice_context_figure` as ``<path_stem>.png`` and ``.svg``; nothing when it has no pair."""
+    fig = slice_context_figure(cells, metric)
+    return _save(fig, path_stem) if fig is not None else []
+
+
 __all__ = [
     "SCHEMA_COLOURS",
     "box_effect",
@@ -235,4 +290,7 @@ __all__ = [
     "radar_figure",
     "radar_plot",
     "schema_colour",
+    "slice_context",
+    "slice_context_figure",
+    "slice_context_plot",
 ]

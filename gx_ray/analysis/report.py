@@ -74,6 +74,7 @@ def write_report(
         report.files += plots.radar_plot(report.cells, folder / "figures" / "radar")
         report.files += plots.interval_plot(report.cells, folder / "figures" / "intervals")
         report.files += plots.box_effect_plot(report.cells, folder / "figures" / "box_effect")  # lesion QA only
+        report.files += plots.slice_context_plot(report.cells, folder / "figures" / "slice_context")  # likewise
         report.files += search_views.write_search_views(runs, folder / "search")  # stopped trials count there
         comparisons = schema_comparisons(finished, tracking_uri, baseline, n_resamples)
         report.significance = stats.significance_table(comparisons) if comparisons else None
