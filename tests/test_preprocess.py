@@ -108,7 +108,9 @@ def result(real_case):
 
 
 def _stomach_corners() -> np.ndarray:
-    ct, voxels = _ct(), np.argwhere(sitk.GetArrayViewFromImage(_seg()) == STOMACH)
+    # a view of a temporary image reads freed memory once the image is collected: keep the image alive while read
+    ct, seg = _ct(), _seg()
+    voxels = np.argwhere(sitk.GetArrayViewFromImage(seg) == STOMACH)
     corners = itertools.product(*zip(voxels.min(axis=0), voxels.max(axis=0), strict=True))
     return np.array([ct.TransformContinuousIndexToPhysicalPoint([float(v) for v in c[::-1]]) for c in corners])
 

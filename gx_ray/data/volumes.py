@@ -305,8 +305,3 @@ def write_dicom_series(image: sitk.Image, folder: Path, series_uid: str, descrip
             slice_image.SetMetaData(tag, value)
         writer.SetFileName(str(folder / f"slice_{z:04d}.dcm"))
         writer.Execute(slice_image)
-
-
-def array_of(image: sitk.Image, dtype: type = np.float32) -> np.ndarray:
-    """The voxels as a ``(z, y, x)`` array; NaN checks and statistics read this."""
-    return sitk.GetArrayViewFromImage(image).astype(dtype, copy=False)
