@@ -93,7 +93,9 @@ class RayNodes:
             done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
         except subprocess.TimeoutExpired:
             return {}
-        return json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {}
+        # Ray may print its own lines after ours ("raylet has lagging heartbeats ..." on a loaded machine)
+        printed = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        return json.loads(printed[-1]) if done.returncode == 0 and printed else {}
 
     def wait_for(self, condition: Callable[[dict[str, str]], bool], what: str, timeout: float = 120) -> dict[str, str]:
         deadline = time.monotonic() + timeout
