@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from gx_ray.analysis.runs import headline_metric, higher_is_better
+from gx_ray.analysis.runs import headline_metric, higher_is_better, lesion_qa_cells
 from gx_ray.analysis.tables import metric_label, schema_label, schema_order, task_order
 
 SCHEMA_COLOURS = {  # colour-blind-safe (Okabe–Ito)
@@ -84,6 +84,9 @@ def _footnote(picked: dict[str, pd.DataFrame]) -> str:
 
 
 def _save(fig, path_stem: str | Path) -> list[Path]:
+    """The figure as ``<path_stem>.png`` (dpi 150) and ``.svg``; nothing for no figure (a plot with no cell)."""
+    if fig is None:
+        return []
     stem = Path(path_stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
     paths = [stem.with_name(stem.name + ".png"), stem.with_name(stem.name + ".svg")]
@@ -187,14 +190,13 @@ BOX_SCHEMAS = ("image_only", "image_bbox")
 def box_effect(cells: pd.DataFrame, metric: str = "accuracy") -> pd.DataFrame:
     """Model x lesion QA family: the test mean with the box drawn in minus without it (points), for the families
     that have both conditions; empty when the cells hold none."""
-    qa = cells[cells["task"].astype(str).str.startswith("lesion_qa.") & (cells["metric"] == metric)]
+    qa = lesion_qa_cells(cells, metric)
     means = qa[qa["schema"].isin(BOX_SCHEMAS)].pivot_table(
-        index="model", columns=["task", "schema"], values="mean", aggfunc="first"
+        index="model", columns=["question", "schema"], values="mean", aggfunc="first"
     )
-    families = [t for t in task_order(qa["task"]) if all((t, s) in means.columns for s in BOX_SCHEMAS)]
+    questions = [q for q in sorted(set(qa["question"])) if all((q, s) in means.columns for s in BOX_SCHEMAS)]
     return pd.DataFrame(
-        {t.removeprefix("lesion_qa."): means[(t, BOX_SCHEMAS[1])] - means[(t, BOX_SCHEMAS[0])] for t in families},
-        index=means.index,
+        {q: means[(q, BOX_SCHEMAS[1])] - means[(q, BOX_SCHEMAS[0])] for q in questions}, index=means.index
     )
 
 
@@ -220,8 +222,7 @@ def box_effect_figure(cells: pd.DataFrame, metric: str = "accuracy"):
 
 def box_effect_plot(cells: pd.DataFrame, path_stem: str | Path, metric: str = "accuracy") -> list[Path]:
     """Write :func:`box_effect_figure` as ``<path_stem>.png`` and ``.svg``; nothing when it has no cell."""
-    fig = box_effect_figure(cells, metric)
-    return _save(fig, path_stem) if fig is not None else []
+    return _save(box_effect_figure(cells, metric), path_stem)
 
 
 SLICE_CONTEXT = {"img2txt": "one key slice", "ct2txt": "nine slices"}
@@ -231,11 +232,7 @@ SLICE_CONTEXT = {"img2txt": "one key slice", "ct2txt": "nine slices"}
 def slice_context(cells: pd.DataFrame, metric: str = "accuracy") -> pd.DataFrame:
     """Rows (schema, distractor kind, model) with the mean and 95 % CI of Img2txt and CT2txt side by side: the
     pairs that have both; empty when none."""
-    qa = cells[cells["task"].astype(str).str.startswith("lesion_qa.") & (cells["metric"] == metric)].copy()
-    if qa.empty:
-        return pd.DataFrame()
-    parts = qa["task"].str.split(".", expand=True)
-    qa["family"], qa["distractors"] = parts[1], parts[2]
+    qa = lesion_qa_cells(cells, metric)
     qa = qa[qa["family"].isin(SLICE_CONTEXT)]
     means = qa.pivot_table(index=["schema", "distractors", "model"], columns="family", values="mean", aggfunc="first")
     if not set(SLICE_CONTEXT) <= set(means.columns):
@@ -275,8 +272,7 @@ def slice_context_figure(cells: pd.DataFrame, metric: str = "accuracy"):
 
 def slice_context_plot(cells: pd.DataFrame, path_stem: str | Path, metric: str = "accuracy") -> list[Path]:
     """Write :func:`slice_context_figure` as ``<path_stem>.png`` and ``.svg``; nothing when it has no pair."""
-    fig = slice_context_figure(cells, metric)
-    return _save(fig, path_stem) if fig is not None else []
+    return _save(slice_context_figure(cells, metric), path_stem)
 
 
 __all__ = [

@@ -15,6 +15,7 @@ from pathlib import Path
 import pandas as pd
 
 import gx_ray
+from gx_ray.analysis.runs import lesion_qa_cells
 from gx_ray.analysis.tables import format_cell, metric_label, metric_order, schema_label, schema_order, task_order
 
 REFERENCE_FILE = "gastric_x_paper_results.csv"
@@ -129,13 +130,13 @@ def beside_related_markdown(cells: pd.DataFrame, related: pd.DataFrame) -> str |
     """Lesion QA beside CT-Bench: our test accuracy per condition, averaged over the families the sweep asked,
     above CT-Bench's averages over its QA tasks, under a heading that names the other dataset; None when the
     sweep has no lesion QA cell with a condition CT-Bench reports."""
-    ours = cells[cells["task"].astype(str).str.startswith("lesion_qa.") & (cells["metric"] == "accuracy")]
+    ours = lesion_qa_cells(cells, "accuracy")
     ours = ours[ours["schema"].isin(CONDITIONS)]
     if ours.empty:
         return None
     theirs = related[(related["task"] == "lesion_qa") & (related["metric"] == "accuracy")]
     dataset = theirs["dataset"].iloc[0] if len(theirs) else "CT-Bench"
-    families = ", ".join(t.removeprefix("lesion_qa.") for t in ours["task"].drop_duplicates())
+    families = ", ".join(ours["question"].drop_duplicates())
     header = ["", *CONDITIONS.values(), "note"]
     lines = [
         f"### lesion_qa beside CT-Bench ({dataset}): {OTHER_DATASET}",

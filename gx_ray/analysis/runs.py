@@ -66,6 +66,17 @@ def _task_label(task: str | None, params: dict[str, Any]) -> str | None:
     return task_label(task, options) if task else task
 
 
+def lesion_qa_cells(cells: pd.DataFrame, metric: str = "accuracy") -> pd.DataFrame:
+    """The lesion QA rows of a cells table for ``metric``, with the options their task label holds as columns
+    (``family``, ``distractors``) and ``question``: the label without the task (``img2txt.matched``)."""
+    from gx_ray.tasks import label_options, task_of
+
+    qa = cells[(cells["task"].astype(str).map(task_of) == "lesion_qa") & (cells["metric"] == metric)].copy()
+    options = pd.DataFrame([label_options(t) for t in qa["task"]], index=qa.index, columns=["family", "distractors"])
+    qa["question"] = qa["task"].astype(str).str.removeprefix("lesion_qa.")
+    return qa.join(options)
+
+
 def _parse(value: str) -> Any:
     """An MLflow param (always a string) back to the number or None it was; anything else stays a string."""
     if value == "None":

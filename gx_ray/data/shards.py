@@ -35,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -225,7 +225,7 @@ def require_format(shard_dir: Path | str, version: int, needed_by: str) -> None:
     check_format(_load_manifest(shard_dir), version, needed_by, str(shard_dir))
 
 
-def check_format(manifest: dict[str, Any], version: int, needed_by: str, where: str = "the shards") -> None:
+def check_format(manifest: Mapping[str, Any], version: int, needed_by: str, where: str = "the shards") -> None:
     """:func:`require_format` on a manifest already read."""
     found = int(manifest.get("format_version", 1))
     if found < version:

@@ -55,12 +55,17 @@ def box_centre_slice(box: np.ndarray | list[int]) -> int:
     return int((int(box[0]) + int(box[3]) - 1) // 2)
 
 
+def grey_rgb(slices: np.ndarray) -> np.ndarray:
+    """Grey ``(k, H, W)`` slices as RGB ``(k, 3, H, W)`` float32."""
+    return np.repeat(np.asarray(slices, np.float32)[:, None], 3, axis=1)
+
+
 def draw_box(slices: np.ndarray, box: np.ndarray | list[int], z_indices: np.ndarray | None = None) -> np.ndarray:
     """RGB ``(k, 3, H, W)`` float32 copies of the grey ``(k, H, W)`` slices in [0, 1], the box's rectangle drawn in
     :data:`OVERLAY_COLOUR` on each slice whose volume index (``z_indices``, default ``0 .. k-1``) the box spans."""
     k, h, w = slices.shape
     z_indices = np.arange(k) if z_indices is None else np.asarray(z_indices)
-    rgb = np.repeat(np.asarray(slices, np.float32)[:, None], 3, axis=1)
+    rgb = grey_rgb(slices)
     z0, y0, x0, z1, y1, x1 = (int(v) for v in box)
     rectangle = box_outlines(torch.tensor([0, y0, x0, 1, y1, x1]), (1, h, w))[0].numpy()  # (H, W)
     for i in np.flatnonzero((z_indices >= z0) & (z_indices < z1)):
@@ -81,6 +86,4 @@ def lesion_view(
     centred on the box's key slice, as RGB ``(slices, 3, H, W)`` float32, the box drawn in when ``overlay``."""
     indices = stack_indices(hu.shape[0], box_centre_slice(box), slices)
     stack = window(hu[indices], centre, width)
-    if overlay:
-        return draw_box(stack, box, indices)
-    return np.repeat(stack[:, None], 3, axis=1)
+    return draw_box(stack, box, indices) if overlay else grey_rgb(stack)

@@ -60,6 +60,12 @@ def task_of(label: str) -> str:
     return label.split(".")[0]
 
 
+def label_options(label: str) -> dict[str, str]:
+    """The options a :func:`task_label` holds, by name (``{"family": "img2txt", "distractors": "matched"}``)."""
+    name, *values = label.split(".")
+    return dict(zip(task_class(name).label_options, values, strict=True))
+
+
 __all__ = [
     "TASK_CLASSES",
     "Task",
@@ -67,6 +73,7 @@ __all__ = [
     "TaskModel",
     "build_task",
     "gather_state",
+    "label_options",
     "task_class",
     "task_label",
     "task_of",

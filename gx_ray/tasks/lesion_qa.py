@@ -267,7 +267,7 @@ class LesionQA(Task):
             raise ValueError(f"unknown distractor kind {self.distractors!r}; valid: {', '.join(DISTRACTORS)}")
 
     def attach_splits(self, rows: Mapping[str, Sequence[Mapping[str, Any]]], manifest: Mapping[str, Any]) -> None:
-        check_format(dict(manifest), 2, "lesion QA's windowed views")
+        check_format(manifest, 2, "lesion QA's windowed views")
         spacing = manifest["preprocess"]["spacing_zyx_mm"]
         self.questions = build_questions(rows, self.family, self.distractors, spacing, self.seed)
 
@@ -282,14 +282,13 @@ class LesionQA(Task):
     def _views(self, batch: Batch, asked: list[int], device: torch.device) -> torch.Tensor:
         phase = PHASES.index(self.phase)
         boxes, _ = tumour_boxes(batch["boxes"], batch["box_present"])
+        # the asked cases' one phase leaves the device in one copy (one wait for the GPU a batch, not one a case)
+        ct = batch["ct"][asked, phase].float().cpu().numpy()
+        # (cases, D, H, W) with each case's statistics: hounsfield's per-channel rule, one case per channel
+        hu = hounsfield(ct, batch["ct_hu_mean"][asked, phase].numpy(), batch["ct_hu_std"][asked, phase].numpy())
         views = []
-        for i in asked:
-            hu = hounsfield(
-                batch["ct"][i, phase : phase + 1].float().cpu().numpy(),
-                batch["ct_hu_mean"][i, phase : phase + 1].numpy(),
-                batch["ct_hu_std"][i, phase : phase + 1].numpy(),
-            )[0]
-            view = lesion_view(hu, boxes[i].astype(int), FAMILIES[self.family], self.overlay)
+        for volume, i in zip(hu, asked, strict=True):
+            view = lesion_view(volume, boxes[i].astype(int), FAMILIES[self.family], self.overlay)
             views.append(torch.from_numpy(view.reshape(-1, *view.shape[2:])))
         return torch.stack(views).to(device)
 
