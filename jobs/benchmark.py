@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     cluster.add_argument("--compile", action="store_true", help="measure compiled models (model.compile)")
     cluster.add_argument("--tasks", help="comma-separated tasks of the slice (default: all five)")
     cluster.add_argument("--address", help="an existing Ray cluster, e.g. jobs/cluster/two_nodes_one_host.sh's")
+    cluster.add_argument(
+        "--ddp-sizes", default="1,2,4", help="GPUs per DDP trial for weak scaling (default 1,2,4; 1 skips DDP)"
+    )
     args = parser.parse_args(argv)
 
     if args.command == "cluster":
@@ -80,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             gpus_per_trial=share,
             address=args.address,
             compile=args.compile,
+            ddp_sizes=tuple(int(n) for n in args.ddp_sizes.split(",")),
             **({"tasks": tuple(args.tasks.split(","))} if args.tasks else {}),
         )
         print(format_cluster_result(run_cluster_benchmark(args.output, config)))
@@ -120,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             fusion=args.fusion,
             gradient_checkpointing=args.gradient_checkpointing,
             compile=args.compile,
+            ddp_sizes=tuple(int(n) for n in args.ddp_sizes.split(",")),
         )
         print(format_model_result(run_model_benchmark(config, args.device)))
     return 0

@@ -3,7 +3,7 @@
 1. A bench-shape cohort (4 x 64 x 128 x 128): demo cases preprocessed at the ``bench`` preset, their rows replicated
    to Gastric-X's size (about 1.2 K training rows). Replicated rows are for rates only, never for metrics.
 2. Raw step rates: each task's registry model at the slice's micro-batch on one GPU, inputs already on the GPU, text
-   at the loop's bucket lengths (one Ray task per GPU at a time).
+   at the loop's bucket lengths (one process per GPU, its cells in turn).
 3. The slice: every task under the lightest and the heaviest schema (``image_only``, ``image_table_bbox``), one seed,
    a few capped epochs, the paper's model (3D Swin + MiniLM + cross-attention), ``gpus_per_worker: auto``: the sweep
    itself, through :func:`~gx_ray.sweep.driver.run_sweep`, with its GPU busy fraction per GPU, start-up share,
@@ -211,14 +211,20 @@ def _raw_rates(shards: Path, space: Path, cells: list[tuple[str, str]]) -> dict[
     from gx_ray.sweep.spaces import load_space
 
     loaded = load_space(str(space))
-    measure = ray.remote(num_gpus=1, num_cpus=1)(raw_step_rate)
     flats = [
         {**loaded.resource_keys(), **loaded.resolve({"task": t, "schema": s, "seed": 0}), "data.shards": str(shards)}
         for t, s in cells
     ]
     compiled = [flat.get("model.compile", False) for flat in flats]
     eager = [{**flat, "model.compile": False} for flat, on in zip(flats, compiled, strict=True) if on]
-    rates = ray.get([measure.remote(flat) for flat in flats + eager])  # the eager step beside the compiled one
+    # one process per GPU measuring its cells in turn: imports, CUDA start, cuDNN's kernel choice and compilation
+    # once a GPU, not once a cell (every cell compiles the same 3D encoder, and compiled code is reused across
+    # instances of a module within a process)
+    gpus = max(1, min(len(flats) + len(eager), int(ray.cluster_resources().get("GPU", 1))))
+    steppers = [RawStepper.remote() for _ in range(gpus)]
+    rates = ray.get([steppers[i % gpus].measure.remote(flat) for i, flat in enumerate(flats + eager)])
+    for stepper in steppers:
+        ray.kill(stepper)
     eager_rates = iter(rates[len(flats) :])
     return {
         f"{t}/{s}": {**rate, **({"eager": next(eager_rates)} if on else {})}
@@ -226,15 +232,28 @@ def _raw_rates(shards: Path, space: Path, cells: list[tuple[str, str]]) -> dict[
     }
 
 
+@ray.remote(num_gpus=1, num_cpus=1)
+class RawStepper:
+    """Measures cells' raw steps on one GPU, one after another in one process."""
+
+    def measure(self, flat: dict[str, Any]) -> dict[str, float]:
+        return raw_step_rate(flat)
+
+
 def raw_step_rate(flat: dict[str, Any], steps: int = 10, warmup: int = 3) -> dict[str, float]:
     """Training samples/s of the trial's own model (built as the loop builds it) on one fixed batch already on the
-    GPU: forward, backward, clipping and AdamW, as the loop's step, with no data path at all."""
+    GPU: forward, backward, clipping and AdamW, as the loop's step, with no data path at all. ``warmup_seconds``:
+    the first steps in this process pay kernel selection and compilation, a later cell on the same GPU little."""
+    import gc
+
     import torch
 
     from gx_ray.train import probe
     from gx_ray.train.config import TrialConfig
     from gx_ray.train.loop import build_trial, first_rows, loss_function, on_device
 
+    gc.collect()  # the previous cell's model and optimiser state, before this one's peak is measured
+    torch.cuda.empty_cache()
     config = TrialConfig.from_flat(flat)
     device = torch.device("cuda")
     task, model, layout = build_trial(config, device)
@@ -417,7 +436,7 @@ def format_cluster_result(result: dict[str, Any]) -> str:
         )
     raw = result.get("raw", {})
     if any("eager" in r for r in raw.values()):
-        lines.append("raw step, compiled vs eager (samples/s; peak GiB; warm-up s):")
+        lines.append("raw step, compiled vs eager (samples/s; peak GiB; warm-up s, the first cell on a GPU pays all):")
         for key, r in sorted(raw.items()):
             e = r["eager"]
             lines.append(

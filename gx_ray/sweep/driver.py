@@ -34,6 +34,7 @@ from gx_ray.data.prepare import SHARD_DIR, PrepareConfig, prepare_data
 from gx_ray.data.preprocess import PreprocessConfig
 from gx_ray.data.shards import FORMAT_VERSION, MANIFEST_FILE, check_shards, read_manifest
 from gx_ray.runtime import init_ray, mlflow_retries, nodes_without
+from gx_ray.sweep.plan_cache import measured_plan
 from gx_ray.sweep.resume import check_resumable, record_inputs, sweep_inputs
 from gx_ray.sweep.spaces import SearchSpace, available_presets, load_space
 from gx_ray.sweep.trial import Prober, gpu_plan_key, resolve, run_trial, trial_resources
@@ -182,8 +183,9 @@ def _concurrency(space: SearchSpace, options: SweepOptions, context: dict[str, A
 
 def gpu_plan(space: SearchSpace, context: dict[str, Any], output: Path) -> dict[str, dict[str, Any]]:
     """Each distinct model setting's micro-batch and GPU share, from one measured training step of it on a GPU (Ray
-    tasks, one setting per task, all GPUs at once), where the space asks for ``auto``. Written to
-    ``OUTPUT/gpu_plan.json`` and read back on resume; empty for CPU sweeps and fixed settings."""
+    tasks, one setting per task, all GPUs at once), where the space asks for ``auto``; a setting an earlier sweep
+    measured on the same kind of card, code and cohort is taken from the plan cache (:mod:`~gx_ray.sweep.plan_cache`).
+    Written to ``OUTPUT/gpu_plan.json`` and read back on resume; empty for CPU sweeps and fixed settings."""
     if space.gpus_per_worker == 0:
         return {}
     path = output / "gpu_plan.json"
@@ -196,20 +198,27 @@ def gpu_plan(space: SearchSpace, context: dict[str, Any], output: Path) -> dict[
             settings.setdefault(gpu_plan_key(flat), flat)
     if not settings:
         return {}
-    print(f"measuring a training step of {len(settings)} model settings on the GPUs ...", file=sys.stderr)
-    # one prober per GPU, each measuring its share of the settings in turn: the imports and CUDA start once a GPU
-    gpus = max(1, min(len(settings), int(ray.cluster_resources().get("GPU", 1))))
-    probers = [Prober.remote() for _ in range(gpus)]
-    measured = ray.get([probers[i % gpus].probe.remote(flat) for i, flat in enumerate(settings.values())])
-    for prober in probers:
-        ray.kill(prober)
+    cards = sorted(k for k in ray.cluster_resources() if k.startswith("accelerator_type:"))
+    measured = measured_plan(settings, _measure_steps, {"cards": cards, **context["provenance"]})
     plan = {}
-    for (key, flat), m in zip(settings.items(), measured, strict=True):
+    for (key, flat), m in zip(settings.items(), measured.values(), strict=True):
         gpus = flat.get("resources.gpus_per_worker")
         share = gpu_share(m["peak_bytes"] + CONTEXT_BYTES, m["card_bytes"]) if gpus == AUTO else float(gpus)
         plan[key] = {**m, "share": share, "trials_per_gpu": trials_per_gpu(share)}
     path.write_text(json.dumps(plan, indent=1) + "\n", encoding="utf-8")
     return plan
+
+
+def _measure_steps(settings: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    print(f"measuring a training step of {len(settings)} model settings on the GPUs ...", file=sys.stderr)
+    # one prober per GPU, each measuring its share of the settings in turn: the imports, CUDA start and compilation
+    # once a GPU
+    gpus = max(1, min(len(settings), int(ray.cluster_resources().get("GPU", 1))))
+    probers = [Prober.remote() for _ in range(gpus)]
+    measured = ray.get([probers[i % gpus].probe.remote(flat) for i, flat in enumerate(settings.values())])
+    for prober in probers:
+        ray.kill(prober)
+    return dict(zip(settings, measured, strict=True))
 
 
 def _param_space(space: SearchSpace) -> dict[str, Any]:
