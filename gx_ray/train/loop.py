@@ -478,8 +478,9 @@ def linear_warmup_decay(
 
 
 def probe_trial(flat: dict[str, Any]) -> dict[str, Any]:
-    """One measured training step of a trial's model on a whole GPU, before the sweep places its trials: the
-    micro-batch it will use (``auto``: the largest that fits the card) and the step's peak memory at it."""
+    """One measured training step and one evaluation forward of a trial's model on a whole GPU, before the sweep
+    places its trials: the micro-batch it will use (``auto``: the largest that fits the card) and the peak memory of
+    the step at it or of the evaluation at ``data.eval_batch_size``, whichever is higher."""
     config = TrialConfig.from_flat(flat)
     device = torch.device("cuda")
     task, model, layout = build_trial(config, device)
@@ -487,10 +488,28 @@ def probe_trial(flat: dict[str, Any]) -> dict[str, Any]:
     if peak is None:
         rows = first_rows(config.data.shards, "train", micro, layout)
         peak = probe.step_peak_bytes(model, loss_function(task, config, device), on_device(rows, device), device)
+    eval_size = config.data.eval_batch_size or micro
+    batch = on_device(first_rows(config.data.shards, "val", eval_size, layout), device)
+
+    def forward() -> None:
+        model.eval()
+        with torch.no_grad(), autocast(config, device):
+            model(batch)
+        model.train()
+
+    eval_peak = probe.eval_peak_bytes(forward, device)
     properties = torch.cuda.get_device_properties(device)
+    if eval_peak is None:
+        raise MemoryError(
+            f"{config.task} x {config.schema}: an evaluation batch of {eval_size} does not fit a whole "
+            f"{properties.name}: give data.eval_batch_size a smaller value"
+        )
     return {
         "micro_batch": micro,
-        "peak_bytes": peak,
+        "peak_bytes": max(peak, eval_peak),  # what the trial needs at its peak, training or evaluating
+        "train_peak_bytes": peak,
+        "eval_peak_bytes": eval_peak,
+        "eval_batch": eval_size,
         "card_bytes": properties.total_memory,
         "gpu": properties.name,
         "gradient_checkpointing": probe.checkpointing(model),
