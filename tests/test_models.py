@@ -416,3 +416,22 @@ def test_the_encoder_marks_the_query_tokens_for_the_fusion():
     assert query_mask.shape == text_mask.shape
     assert (query_mask & text_mask).sum(1).tolist() == query_lengths  # exactly the query's real tokens
     assert not query_mask[:, : text_mask.shape[1] - query_mask.sum(1).max()].any()  # context first, then the query
+
+
+def test_swin3d_evaluates_through_fused_attention_with_the_same_outputs():
+    """Where no gradient is taken, 3D Swin's window attention runs as MONAI's fused path (PyTorch's
+    scaled_dot_product_attention, shifted-window masks included): the same maps as the explicit softmax, and
+    training keeps the explicit path."""
+    from gx_ray.models.vision import Swin3d
+
+    torch.manual_seed(0)
+    fused = Swin3d(2, **SMALL_VISION["swin3d"]).eval()
+    explicit = Swin3d(2, use_flash_attention=False, **SMALL_VISION["swin3d"]).eval()
+    explicit.load_state_dict(fused.state_dict())
+    attentions = [m for m in fused.modules() if hasattr(m, "use_flash_attention")]
+    assert attentions and all(m.use_flash_attention for m in attentions)
+    ct = torch.randn(2, 2, 32, 32, 32)
+    with torch.no_grad():
+        for a, b in zip(fused(ct), explicit(ct), strict=True):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert all(torch.equal(a, b) for a, b in zip(fused.train()(ct), explicit.train()(ct), strict=True))

@@ -69,3 +69,14 @@ def test_the_cache_lives_under_xdg_cache_home(tmp_path, monkeypatch):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert default_cache_dir() == tmp_path / "home" / ".cache" / "gx-ray" / "gpu_plans"
+
+
+def test_the_plan_tells_settings_apart_by_what_decides_their_memory():
+    """The evaluation batch decides a trial's peak as much as its micro-batch (a 3D Swin evaluated 32 at a time
+    needed more than its training step at 8); a seed or a learning rate decides nothing."""
+    from gx_ray.sweep.trial import gpu_plan_key
+
+    base = {"task": "vqa", "schema": "image_only", "model.vision": "swin3d", "data.micro_batch": 8, "seed": 0}
+    assert gpu_plan_key({**base, "data.eval_batch_size": 32}) != gpu_plan_key({**base, "data.eval_batch_size": 8})
+    assert gpu_plan_key({**base, "seed": 1, "optimiser.lr": 1e-3}) == gpu_plan_key(base)
+    assert gpu_plan_key({**base, "model.compile": True}) != gpu_plan_key(base)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -106,6 +107,9 @@ def _run(
     out: Path, config: ClusterBenchmarkConfig, gpus: int, nodes: int, mlflow_uri: str | None, started: float
 ) -> dict[str, Any]:
     shards = _bench_cohort(out, config)
+    # the last run's sweeps: scratch (its figures are in cluster_benchmark.json), ~10 GB of checkpoints, and a slice
+    # of the same space and cohort would otherwise be refused as an existing sweep
+    shutil.rmtree(out / "sweeps", ignore_errors=True)
     prepared_at = time.perf_counter()
     result: dict[str, Any] = {"config": asdict(config), "gpus": gpus, "gpu": _gpu_name(), "seconds": {}}
     result["nodes"] = nodes
