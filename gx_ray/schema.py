@@ -46,8 +46,9 @@ BOX_LEVEL_ALIASES = {
 
 PAPER_TASKS: tuple[str, ...] = ("vqa", "report_generation", "retrieval", "stage_classification", "lesion_detection")
 """The Gastric-X paper's five tasks: its ablation (``modality_ablation``) and Tables 2a-6."""
-TASKS: tuple[str, ...] = (*PAPER_TASKS, "lesion_qa")
-"""Every task: the paper's, then the related papers' (``lesion_qa``: CT-Bench's lesion-level multiple choice)."""
+TASKS: tuple[str, ...] = (*PAPER_TASKS, "lesion_qa", "endoscopy")
+"""Every task: the paper's, then the related papers' (``lesion_qa``: CT-Bench's lesion-level multiple choice;
+``endoscopy``: the upper-GI endoscopy paper's GastroINST tasks on the endoscopy frame)."""
 REPORT_KINDS: tuple[str, ...] = ("ct_report", "endoscopy_report", "diagnosis_report")
 LANGUAGES: tuple[str, ...] = ("en", "zh")
 VQA_CATEGORIES: tuple[str, ...] = ("lesion", "enhancement", "staging", "localization", "yes_no")

@@ -51,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", type=_triple(int), help="crop shape D,H,W (overrides the preset)")
     parser.add_argument("--spacing", type=_triple(float), help="voxel spacing z,y,x in mm (overrides the preset)")
     parser.add_argument("--endoscopy-size", type=int, default=64, help="endoscopy image side in the shards")
+    parser.add_argument(
+        "--endoscopy-annotations",
+        help="endoscopy frame annotations (site, boxes, region classes, caption; README: Endoscopy tasks); "
+        "default: the cohort's own endoscopy_annotations.json where there is one",
+    )
     parser.add_argument("--split-seed", type=int, default=0)
     parser.add_argument("--strict", action="store_true", help="stop at the first bad case instead of skipping it")
     parser.add_argument("--address", help="an existing Ray cluster ('auto' or host:port); default: a local one")
@@ -72,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {k: v for k, v in (("shape_zyx", args.shape), ("spacing_zyx_mm", args.spacing)) if v}
     preprocess = PreprocessConfig(**{**preprocess.__dict__, **overrides})
     config = PrepareConfig(
-        preprocess=preprocess, endoscopy_size=args.endoscopy_size, split_seed=args.split_seed, strict=args.strict
+        preprocess=preprocess,
+        endoscopy_size=args.endoscopy_size,
+        split_seed=args.split_seed,
+        strict=args.strict,
+        endoscopy_annotations=args.endoscopy_annotations,
     )
     demo_config = DemoConfig(
         cases=args.cases,

@@ -94,6 +94,8 @@ class CaseContent:
     reports: dict[str, dict[str, str]] = field(default_factory=dict)
     vqa: dict[str, list[VQAItem]] = field(default_factory=dict)
     endoscopy: np.ndarray | None = None
+    endoscopy_annotation: dict[str, Any] | None = None
+    """The frame's entry of the cohort's ``endoscopy_annotations.json`` (:mod:`gx_ray.data.endoscopy_annotations`)."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Demographics, ground truth of a generated case and anything else worth keeping."""
 

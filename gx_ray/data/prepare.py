@@ -24,6 +24,7 @@ from PIL import Image
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from gx_ray import storage
+from gx_ray.data import endoscopy_annotations
 from gx_ray.data.catalogue import describe_abnormal, load_catalogue
 from gx_ray.data.demo.cohort import COHORT_FILE, DemoConfig, generate_cohort
 from gx_ray.data.layouts import FLOAT32_MAX, read_cohort
@@ -47,6 +48,9 @@ class PrepareConfig:
     rows_per_shard: int = 64
     row_group_rows: int = 8
     strict: bool = False
+    endoscopy_annotations: str | None = None
+    """The endoscopy annotation file (:mod:`gx_ray.data.endoscopy_annotations`); default: the cohort's own
+    ``endoscopy_annotations.json`` where there is one."""
 
 
 @dataclass
@@ -242,6 +246,14 @@ def prepare_shards(
         "endoscopy_size": config.endoscopy_size,
         "split_file": SPLIT_FILE,
     }
+    frames = _endoscopy_frames(source, config, qc_cases)
+    if frames:
+        endoscopy_annotations.write_prepared(shard_dir, frames)
+        manifest_extra["endoscopy_annotations"] = {
+            "file": endoscopy_annotations.FILE,
+            "format": endoscopy_annotations.FORMAT,
+            "frames": len(frames),
+        }
     write_manifest(shard_dir, files, layout_info, manifest_extra)
     rows = {s: sum(f["rows"] for f in files if f["split"] == s) for s in SPLITS}
     qc_path = write_qc_report(
@@ -253,6 +265,29 @@ def prepare_shards(
         qc_cases,
     )
     return PrepareResult(shard_dir, rows, excluded, qc_path, time.time() - start)
+
+
+def _endoscopy_frames(
+    source: Path, config: PrepareConfig, qc_cases: dict[str, dict[str, Any]]
+) -> dict[str, endoscopy_annotations.FrameAnnotation]:
+    """The included cases' valid frame annotations; a frame left out is a warning of its case (the case keeps every
+    other modality), and an unusable file a warning on the console (the cohort is prepared without it)."""
+    path = Path(config.endoscopy_annotations or source / endoscopy_annotations.FILE)
+    if not path.is_file():
+        if config.endoscopy_annotations:
+            raise FileNotFoundError(f"endoscopy annotations {path}: no such file")
+        return {}
+    try:
+        frames, problems = endoscopy_annotations.read_annotations(path)
+    except endoscopy_annotations.AnnotationError as err:
+        print(f"endoscopy annotations not used: {err}", file=sys.stderr)
+        return {}
+    for problem in problems:
+        if problem.case_id in qc_cases:
+            qc_cases[problem.case_id]["warnings"].append(f"endoscopy annotation left out: {problem}")
+        else:
+            print(f"endoscopy annotation left out: {problem}", file=sys.stderr)
+    return {cid: frame for cid, frame in frames.items() if cid in qc_cases}
 
 
 def write_qc_report(

@@ -156,6 +156,12 @@ LEAKAGE_RULES: tuple[LeakageRule, ...] = (
         "lesion QA's descriptions and attributes are taken from the reports, so no report is a lesion QA input",
         ("lesion_qa",),
     ),
+    LeakageRule(
+        "reports_in_endoscopy",
+        "the endoscopy report names the site and the lesion the endoscopy tasks ask about, and the captions are "
+        "written like it, so no report is an endoscopy task's input",
+        ("endoscopy",),
+    ),
 )
 DECLARED_CUES: dict[str, str] = {
     "lesion_qa": "its views are centred on the lesion's own box (its key slice) under every schema, as CT-Bench's; "
@@ -195,6 +201,10 @@ def check_leakage(schema: ModalitySchema, task: str, options: dict[str, Any] | N
     if task == "lesion_qa" and schema.reports:
         raise LeakageError(
             "reports_in_lesion_qa", f"schema {schema.name!r} gives reports ({', '.join(schema.reports)})"
+        )
+    if task == "endoscopy" and schema.reports:
+        raise LeakageError(
+            "reports_in_endoscopy", f"schema {schema.name!r} gives reports ({', '.join(schema.reports)})"
         )
     family = options.get("family")
     if task == "lesion_qa" and family in BOX_ANSWERS and schema.boxes != "off" and "tumour" in schema.box_levels:

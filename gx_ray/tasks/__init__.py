@@ -23,6 +23,7 @@ TASK_CLASSES: dict[str, str] = {
     "stage_classification": "gx_ray.tasks.stage_classification:StageClassification",
     "lesion_detection": "gx_ray.tasks.lesion_detection:LesionDetection",
     "lesion_qa": "gx_ray.tasks.lesion_qa:LesionQA",
+    "endoscopy": "gx_ray.tasks.endoscopy:Endoscopy",
 }
 """Task name → ``module:class``, for every task of :data:`gx_ray.schema.TASKS`."""
 

@@ -97,10 +97,13 @@ class Task:
         fitted here. Rows may come from pyarrow (``to_pylist``) or Ray Data; a row of another split is refused.
         """
 
-    def attach_splits(self, rows: Mapping[str, Sequence[Mapping[str, Any]]], manifest: Mapping[str, Any]) -> None:
-        """Build what the task asks its questions with, per split, from each split's own rows (no image columns)
-        and the shards' manifest (grid spacing, format); nothing by default. Lesion QA builds its multiple-choice
-        questions here, each from its own split's material. Nothing learnt may come from here: that is
+    def attach_splits(
+        self, rows: Mapping[str, Sequence[Mapping[str, Any]]], manifest: Mapping[str, Any], shards: str | None = None
+    ) -> None:
+        """Build what the task asks its questions with, per split, from each split's own rows (no image columns),
+        the shards' manifest (grid spacing, format) and files beside the shards (``shards``: their location);
+        nothing by default. Lesion QA builds its multiple-choice questions here, each from its own split's
+        material; the endoscopy tasks read the frame annotations. Nothing learnt may come from here: that is
         :meth:`prepare`'s, from training rows only."""
 
     def bind(self, schema: ModalitySchema) -> None:

@@ -266,7 +266,9 @@ class LesionQA(Task):
         if self.distractors not in DISTRACTORS:
             raise ValueError(f"unknown distractor kind {self.distractors!r}; valid: {', '.join(DISTRACTORS)}")
 
-    def attach_splits(self, rows: Mapping[str, Sequence[Mapping[str, Any]]], manifest: Mapping[str, Any]) -> None:
+    def attach_splits(
+        self, rows: Mapping[str, Sequence[Mapping[str, Any]]], manifest: Mapping[str, Any], shards: str | None = None
+    ) -> None:
         check_format(manifest, 2, "lesion QA's windowed views")
         spacing = manifest["preprocess"]["spacing_zyx_mm"]
         self.questions = build_questions(rows, self.family, self.distractors, spacing, self.seed)

@@ -186,7 +186,7 @@ def build_trial(
     task.prepare(train_rows)  # training split only
     if type(task).attach_splits is not Task.attach_splits:  # only a task that asks reads the other splits
         splits = {"train": train_rows, **{s: split_rows(config.data.shards, s) for s in ("val", "test")}}
-        task.attach_splits(splits, manifest)
+        task.attach_splits(splits, manifest, str(config.data.shards))
     model = TaskModel(task, build_encoder(config.model, config.schema), config.schema).to(device)
     return task, model, layout
 

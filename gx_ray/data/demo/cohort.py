@@ -16,10 +16,13 @@ import ray
 import SimpleITK as sitk
 
 from gx_ray.data.demo.clinical import sample_clinical
-from gx_ray.data.demo.endoscopy import render_endoscopy
-from gx_ray.data.demo.findings import SignalStrength, sample_findings, sample_staging
+from gx_ray.data.demo.endoscopy import endoscopic_lesion, render_endoscopy_with_mask
+from gx_ray.data.demo.findings import Findings, SignalStrength, sample_findings, sample_staging
 from gx_ray.data.demo.phantom import PhantomConfig, make_from_template, make_phantom
-from gx_ray.data.demo.text import make_reports, make_vqa
+from gx_ray.data.demo.text import CURVATURE_EN, ENDO_LESION, LOCATION_EN, make_reports, make_vqa
+from gx_ray.data.endoscopy_annotations import FILE as ANNOTATION_FILE
+from gx_ray.data.endoscopy_annotations import FORMAT as ANNOTATION_FORMAT
+from gx_ray.data.endoscopy_annotations import annotation_entry, write_annotations
 from gx_ray.data.layouts import LAYOUTS, WRITERS, CaseContent
 from gx_ray.data.parallel import ordered_results
 from gx_ray.data.volumes import load_volume
@@ -70,6 +73,7 @@ def generate_case(config: DemoConfig, index: int) -> CaseContent:
     else:
         imaging = make_phantom(rng["imaging"], findings, config.phantom)
     labs = sample_clinical(rng["clinical"], findings, config.missing_rate)
+    frame, mask = render_endoscopy_with_mask(rng["endoscopy"], findings, config.endoscopy_size)
     meta = {
         "patient_id": case_id,
         "sex": findings.sex,
@@ -90,29 +94,44 @@ def generate_case(config: DemoConfig, index: int) -> CaseContent:
         labs=labs,
         reports=make_reports(rng["text"], findings),
         vqa=make_vqa(rng["vqa"], findings, config.vqa_per_case),
-        endoscopy=render_endoscopy(rng["endoscopy"], findings, config.endoscopy_size),
+        endoscopy=frame,
+        endoscopy_annotation=frame_annotation(case_id, findings, mask),
         meta=meta,
     )
 
 
+def frame_annotation(case_id: str, findings: Findings, mask: np.ndarray) -> dict:
+    """The frame's annotation (:mod:`gx_ray.data.endoscopy_annotations`): the lesion's site, its box (the painted
+    lesion's extent inside the field of view) and region class (early or advanced cancer, by the endoscopy T), and a
+    caption in the endoscopy report's words, all from the record the frame was drawn from."""
+    lesion = endoscopic_lesion(findings)
+    ys, xs = np.nonzero(mask)
+    boxes = [[xs.min(), ys.min(), xs.max() + 1, ys.max() + 1]] if len(ys) else []
+    region = "early gastric cancer" if lesion.early else "advanced gastric cancer"
+    where = f"On the {CURVATURE_EN[lesion.curvature]} of the {LOCATION_EN[lesion.location]} there is"
+    caption = f"{where} {ENDO_LESION[lesion.gross_type][0].format(size=lesion.size_mm, short=lesion.short_mm)}"
+    return annotation_entry(case_id, mask.shape[::-1], lesion.location, boxes, [region] * len(boxes), caption)
+
+
 @ray.remote(num_cpus=1)
-def _write_case_task(root: Path, config: DemoConfig, index: int) -> str:
+def _write_case_task(root: Path, config: DemoConfig, index: int) -> dict:
     sitk.ProcessObject.SetGlobalDefaultNumberOfThreads(1)  # one core per task; Ray runs the others
     content = generate_case(config, index)
     WRITERS[config.layout](root, content, dicom=config.dicom)
-    return content.case_id
+    return content.endoscopy_annotation
 
 
 def generate_cohort(root: Path, config: DemoConfig = DemoConfig()) -> list[str]:
     """Write the demo cohort under ``root``; reuses a complete cohort written earlier with the same config."""
     root = Path(root)
     stamp = root / COHORT_FILE
-    wanted = json.dumps(asdict(config), default=str, sort_keys=True)
+    wanted = json.dumps({**asdict(config), "endoscopy_annotations": ANNOTATION_FORMAT}, default=str, sort_keys=True)
     if stamp.is_file() and stamp.read_text() == wanted:
         return [case_id_of(i) for i in range(config.cases)]
     root.mkdir(parents=True, exist_ok=True)
     stamp.unlink(missing_ok=True)
     submit = partial(_write_case_task.remote, root, config)
-    ids = list(ordered_results(submit, range(config.cases), config.cases, "demo cohort"))
+    frames = list(ordered_results(submit, range(config.cases), config.cases, "demo cohort"))
+    write_annotations(root / ANNOTATION_FILE, frames)
     stamp.write_text(wanted)  # written last: its presence means the cohort is complete
-    return ids
+    return [frame["case_id"] for frame in frames]
