@@ -165,6 +165,7 @@ LEAKING = [
     ("target_report", {"reports": ["ct_report"]}, "retrieval"),
     ("report_answers", {"reports": ["endoscopy_report"]}, "vqa"),
     ("reports_in_lesion_qa", {"reports": ["endoscopy_report"]}, "lesion_qa"),
+    ("reports_in_endoscopy", {"reports": ["endoscopy_report"]}, "endoscopy"),
     ("box_gives_the_answer", {"boxes": "overlay"}, "lesion_qa", {"family": "img2size"}),
     ("box_gives_the_answer", {"boxes": "channels", "box_levels": ["tumour"]}, "lesion_qa", {"family": "img2size"}),
 ]

@@ -33,12 +33,14 @@ STEPS_AND_RATES = {
     "stage_classification": (6, 3e-4),
     "lesion_detection": (8, 1e-3),
     "lesion_qa": (8, 1e-3),
+    "endoscopy": (8, 1e-3),
 }
 """Optimiser steps and base learning rate per task (the text encoder gets twice the rate, as in the paper)."""
 TASK_OPTIONS = {
     "report_generation": {"max_report_tokens": 32},  # teacher forcing on the reports' first 32 tokens
     "lesion_detection": {"feature_level": 0, "head_channels": 16},  # the stride-8 map of the small ResNet
     "lesion_qa": {"view_depth": 10, "view_kwargs": {"block_inplanes": [8, 16, 32, 64]}},
+    "endoscopy": {"view_depth": 10, "view_kwargs": {"block_inplanes": [8, 16, 32, 64]}},
 }
 DETECTION_BOX_LEVELS = ["lymph_nodes", "stomach"]
 """Box cues a detection schema may give: the tumour box is the target (leakage rule box_cues_in_detection)."""
@@ -62,7 +64,7 @@ def train_rows(demo_prepared) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def manifest(demo_prepared) -> dict:
-    return read_manifest(demo_prepared.shard_dir)
+    return {**read_manifest(demo_prepared.shard_dir), "shards": str(demo_prepared.shard_dir)}
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +85,8 @@ def train(task_name: str, preset: str, batch: dict, train_rows: list[dict], mani
     torch.manual_seed(0)
     task = build_task(task_name, **TASK_OPTIONS.get(task_name, {}))
     task.prepare(train_rows)
-    task.attach_splits({"train": train_rows}, manifest)  # lesion QA's questions; nothing for the others
+    # lesion QA's questions, the endoscopy tasks' annotations; nothing for the others
+    task.attach_splits({"train": train_rows}, manifest, manifest["shards"])
     schema = schema_for(task_name, preset)
     model = TaskModel(task, build_encoder(SMALL_MODEL, schema), schema).train()
     steps, rate = STEPS_AND_RATES[task_name]
