@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -55,6 +57,18 @@ def demo_prepared(demo_raw, tmp_path_factory):
     from gx_ray.data.prepare import prepare_shards
 
     return prepare_shards(demo_raw, tmp_path_factory.mktemp("demo_prepared"), tiny_prepare())
+
+
+@contextmanager
+def smoke_sweep(space: str, data: Path | str, output: Path) -> Iterator:
+    """``python jobs/sweep.py --space SPACE --preset smoke`` on prepared ``data`` (demo-sized models), logging to its
+    own MLflow server, which stays up inside the block so that the test can read the runs' artifacts."""
+    from gx_ray.sweep.driver import SweepOptions, run_sweep
+    from gx_ray.tracking.server import LocalMlflowServer
+
+    with LocalMlflowServer(output / "mlflow") as server:
+        options = SweepOptions(space=space, output=output, data=data, mlflow_uri=server.uri, presets=("demo", "smoke"))
+        yield run_sweep(options)
 
 
 def find_real_ct_dir() -> Path:

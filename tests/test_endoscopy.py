@@ -18,11 +18,11 @@ from gx_ray.data.demo.cohort import DemoConfig, frame_annotation, generate_case
 from gx_ray.data.demo.endoscopy import endoscopic_lesion
 from gx_ray.data.demo.findings import sample_findings, sample_staging
 from gx_ray.modalities import PRESETS, LeakageError, ModalitySchema, check_leakage
-from gx_ray.sweep.driver import SweepOptions, run_sweep
 from gx_ray.tasks import build_task
 from gx_ray.tasks.endoscopy import rec_metrics
-from gx_ray.tracking.server import LocalMlflowServer
 from gx_ray.train.loop import split_rows
+
+from .conftest import smoke_sweep, tiny_prepare
 
 
 def _frame(case_id="A", **changes):
@@ -106,8 +106,6 @@ def test_a_demo_case_annotates_its_own_frame():
 
 def test_preparation_keeps_the_valid_frames_beside_the_shards_and_warns_the_case_of_a_bad_one(demo_raw, tmp_path):
     from gx_ray.data.prepare import prepare_shards
-
-    from .conftest import tiny_prepare
 
     document = json.loads((demo_raw / ea.FILE).read_text(encoding="utf-8"))
     bad = document["frames"][0]["case_id"]
@@ -245,16 +243,7 @@ def test_the_endoscopy_smoke_sweep_runs_end_to_end(demo_prepared, tmp_path):
 
     from gx_ray.analysis.runs import load_runs
 
-    with LocalMlflowServer(tmp_path / "mlflow") as server:
-        result = run_sweep(
-            SweepOptions(
-                space="endoscopy",
-                output=tmp_path,
-                data=demo_prepared.shard_dir,
-                mlflow_uri=server.uri,
-                presets=("demo", "smoke"),
-            )
-        )
+    with smoke_sweep("endoscopy", demo_prepared.shard_dir, tmp_path) as result:
         assert (result.finished, result.failed) == (3, 0)
         assert {b["task"] for b in result.best} == {"endoscopy.cls", "endoscopy.reg", "endoscopy.rec"}
         runs = load_runs(result.store_uri, result.sweep_id)
@@ -267,3 +256,24 @@ def test_the_endoscopy_smoke_sweep_runs_end_to_end(demo_prepared, tmp_path):
         path = MlflowClient(result.store_uri).download_artifacts(run_id, "endoscopy/samples.json", str(tmp_path))
         logged = json.loads(Path(path).read_text(encoding="utf-8"))
         assert logged["family"] == "reg" and logged["asked"]
+
+
+def test_reg_outlines_the_asked_region_and_nothing_else(demo_prepared, endo_rows):
+    from gx_ray.data.shards import TensorLayout, read_manifest
+    from gx_ray.train.loop import first_rows
+
+    manifest = read_manifest(demo_prepared.shard_dir)
+    layout = TensorLayout(tuple(manifest["ct_shape"]), tuple(manifest["endoscopy_shape"]), tuple(manifest["lab_names"]))
+    batch = first_rows(demo_prepared.shard_dir, "train", 4, layout)
+    views = {}
+    for family in ("cls", "reg"):
+        task = build_task("endoscopy", family=family)
+        task.attach_splits(endo_rows, manifest, str(demo_prepared.shard_dir))
+        views[family] = task._frames(batch, [0, 1, 2, 3], torch.device("cpu"))
+    size = views["cls"].shape[-1]
+    for i, case in enumerate(batch["case_id"]):
+        ys, xs = np.nonzero((views["cls"][i] != views["reg"][i]).any(0).numpy())
+        x0, y0, x1, y1 = (round(v * size) for v in task.frames[case].boxes[0])
+        assert (xs.min(), ys.min(), xs.max() + 1, ys.max() + 1) == (x0, y0, x1, y1)
+        inner = (xs > x0) & (xs < x1 - 1) & (ys > y0) & (ys < y1 - 1)
+        assert not inner.any()  # an outline, not a filled box

@@ -24,7 +24,6 @@ from gx_ray.modalities import PRESETS, LeakageError, resolve_schema
 from gx_ray.modalities.boxes import tumour_boxes
 from gx_ray.modalities.views import OVERLAY_COLOUR
 from gx_ray.models import ModelConfig, build_encoder
-from gx_ray.sweep.driver import SweepOptions, run_sweep
 from gx_ray.tasks import TaskModel, build_task
 from gx_ray.tasks.lesion_qa import (
     SIZE_BUCKETS,
@@ -33,10 +32,9 @@ from gx_ray.tasks.lesion_qa import (
     long_axis_mm,
     size_bucket,
 )
-from gx_ray.tracking.server import LocalMlflowServer
 from gx_ray.train.config import TrialConfig
 
-from .conftest import tiny_prepare
+from .conftest import smoke_sweep, tiny_prepare
 
 SPACING = (6.0, 4.5, 4.5)
 REPORT = (
@@ -247,16 +245,7 @@ def qa_cohort(ray_cluster, tmp_path_factory):
 def test_the_ct_bench_smoke_sweep_runs_end_to_end(qa_cohort, tmp_path):
     """``python jobs/sweep.py --space ct_bench --preset smoke`` on a small demo cohort: every cell finishes, families
     stay apart in the summary and the report, and the test split is scored against 25 % chance with its interval."""
-    with LocalMlflowServer(tmp_path / "mlflow") as server:  # alive after the sweep: its artifacts are read below
-        result = run_sweep(
-            SweepOptions(
-                space="ct_bench",
-                output=tmp_path,
-                data=qa_cohort.shard_dir,
-                mlflow_uri=server.uri,
-                presets=("demo", "smoke"),
-            )
-        )
+    with smoke_sweep("ct_bench", qa_cohort.shard_dir, tmp_path) as result:
         _check_ct_bench_smoke(result, tmp_path)
 
 

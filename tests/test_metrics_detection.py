@@ -123,7 +123,7 @@ def test_monai_coco_metric_agrees_when_recalls_are_exact_in_float32():
     from monai.apps.detection.metrics.coco import COCOMetric
     from monai.apps.detection.metrics.matching import matching_batch
 
-    from gx_ray.metrics.detection import COCO_IOU_THRESHOLDS, _box_iou
+    from gx_ray.metrics.detection import COCO_IOU_THRESHOLDS, box_iou
 
     predictions, targets = _cohort(4, images=8, targets_per_image=2)
     ours = detection_metrics(predictions, targets)
@@ -132,7 +132,7 @@ def test_monai_coco_metric_agrees_when_recalls_are_exact_in_float32():
     )
     xyz = [2, 1, 0, 5, 4, 3]
     matched = matching_batch(
-        iou_fn=_box_iou,
+        iou_fn=box_iou,
         iou_thresholds=COCO_IOU_THRESHOLDS,
         pred_boxes=[p["boxes"][:, xyz].astype(float) for p in predictions],
         pred_classes=[np.zeros(len(p["boxes"]), int) for p in predictions],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -39,3 +40,22 @@ def test_read_workers_outlive_the_gap_between_epochs(ray_cluster):
     finally:
         ray.cancel(holder, force=True)
     assert seen[0] & seen[2], f"every epoch read with new workers: {seen}"
+
+
+def test_one_process_per_gpu_keeps_the_order_and_one_process_a_gpu():
+    """Ray counts GPU resources, not cards: a separate local cluster declaring two GPUs shows the placement."""
+    import subprocess
+    import sys
+
+    code = (
+        "import json, os, ray\n"
+        "from gx_ray.runtime import one_process_per_gpu\n"
+        "ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)\n"
+        "out = one_process_per_gpu(lambda i: (i * i, os.getpid()), list(range(7)))\n"
+        "print(json.dumps(out))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [square for square, _ in out] == [i * i for i in range(7)]
+    pids = [pid for _, pid in out]
+    assert len(set(pids)) == 2 and pids[0::2] == [pids[0]] * 4 and pids[1::2] == [pids[1]] * 3

@@ -60,9 +60,6 @@ class AnnotationError(ValueError):
         super().__init__(f"{path}: case {case_id}, field {field!r}: {problem}")
         self.case_id, self.path, self.field, self.problem = case_id, str(path), field, problem
 
-    def to_dict(self) -> dict[str, str]:
-        return {"case_id": self.case_id, "file": self.path, "field": self.field, "message": self.problem}
-
 
 def read_annotations(path: Path | str) -> tuple[dict[str, FrameAnnotation], list[AnnotationError]]:
     """The valid frames of an annotation file by case id, and a reason for each frame left out. A file that is not

@@ -75,7 +75,7 @@ def match_detections(
     pred_boxes, pred_scores, target_boxes = _validated(predictions, targets)
     to_xyz = [2, 1, 0, 5, 4, 3]  # MONAI's boxes are (x0, y0, z0, x1, y1, z1)
     matched = matching_batch(
-        iou_fn=_box_iou,
+        iou_fn=box_iou,
         iou_thresholds=COCO_IOU_THRESHOLDS,
         pred_boxes=[b[:, to_xyz] for b in pred_boxes],
         pred_classes=[np.zeros(len(b), dtype=int) for b in pred_boxes],
@@ -279,7 +279,7 @@ def _score_threshold(value: object) -> float | None:
     return float(value)
 
 
-def _box_iou(boxes1: np.ndarray, boxes2: np.ndarray) -> np.ndarray:
+def box_iou(boxes1: np.ndarray, boxes2: np.ndarray) -> np.ndarray:
     """Pairwise IoU of corner boxes ``(N, 2d)`` × ``(M, 2d)``, in float64.
 
     Replaces MONAI's ``box_iou``, which computes in float32 and adds an epsilon to the union: an IoU that

@@ -65,12 +65,16 @@ def _text(batch: dict[str, Any], schema: ModalitySchema) -> list[str]:
     return texts
 
 
+def imagenet_normalised(rgb: torch.Tensor) -> torch.Tensor:
+    """``(B, 3, H, W)`` RGB in [0, 1], normalised as the ImageNet-pretrained 2D encoders expect."""
+    mean = torch.tensor(IMAGENET_MEAN, device=rgb.device)[:, None, None]
+    return (rgb - mean) / torch.tensor(IMAGENET_STD, device=rgb.device)[:, None, None]
+
+
 def _endoscopy(batch: dict[str, Any], device: torch.device) -> torch.Tensor:
     rgb = batch["endoscopy"].to(device, non_blocking=True).float() / 255.0
-    mean = torch.tensor(IMAGENET_MEAN, device=device)[:, None, None]
-    std = torch.tensor(IMAGENET_STD, device=device)[:, None, None]
     present = batch["endoscopy_present"].to(device)[:, None, None, None]
-    return ((rgb - mean) / std).masked_fill(~present, 0.0)
+    return imagenet_normalised(rgb).masked_fill(~present, 0.0)
 
 
 def build_inputs(batch: dict[str, Any], schema: ModalitySchema, device: torch.device | str = "cpu") -> ModelInputs:

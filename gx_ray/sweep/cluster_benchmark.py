@@ -39,7 +39,7 @@ from gx_ray.data.demo.cohort import DemoConfig
 from gx_ray.data.ingest_benchmark import replicate_splits
 from gx_ray.data.prepare import PrepareConfig, prepare_data
 from gx_ray.data.preprocess import PreprocessConfig
-from gx_ray.runtime import init_ray
+from gx_ray.runtime import init_ray, one_process_per_gpu
 from gx_ray.schema import PAPER_TASKS
 from gx_ray.sweep.driver import SweepOptions, SweepResult, run_sweep
 from gx_ray.sweep.spaces import space_path
@@ -221,27 +221,12 @@ def _raw_rates(shards: Path, space: Path, cells: list[tuple[str, str]]) -> dict[
     ]
     compiled = [flat.get("model.compile", False) for flat in flats]
     eager = [{**flat, "model.compile": False} for flat, on in zip(flats, compiled, strict=True) if on]
-    # one process per GPU measuring its cells in turn: imports, CUDA start, cuDNN's kernel choice and compilation
-    # once a GPU, not once a cell (every cell compiles the same 3D encoder, and compiled code is reused across
-    # instances of a module within a process)
-    gpus = max(1, min(len(flats) + len(eager), int(ray.cluster_resources().get("GPU", 1))))
-    steppers = [RawStepper.remote() for _ in range(gpus)]
-    rates = ray.get([steppers[i % gpus].measure.remote(flat) for i, flat in enumerate(flats + eager)])
-    for stepper in steppers:
-        ray.kill(stepper)
+    rates = one_process_per_gpu(raw_step_rate, flats + eager)  # every cell compiles the same 3D encoder
     eager_rates = iter(rates[len(flats) :])
     return {
         f"{t}/{s}": {**rate, **({"eager": next(eager_rates)} if on else {})}
         for (t, s), rate, on in zip(cells, rates[: len(flats)], compiled, strict=True)
     }
-
-
-@ray.remote(num_gpus=1, num_cpus=1)
-class RawStepper:
-    """Measures cells' raw steps on one GPU, one after another in one process."""
-
-    def measure(self, flat: dict[str, Any]) -> dict[str, float]:
-        return raw_step_rate(flat)
 
 
 def raw_step_rate(flat: dict[str, Any], steps: int = 10, warmup: int = 3) -> dict[str, float]:

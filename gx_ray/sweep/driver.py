@@ -33,11 +33,11 @@ from gx_ray.data.demo.cohort import DemoConfig
 from gx_ray.data.prepare import SHARD_DIR, PrepareConfig, prepare_data
 from gx_ray.data.preprocess import PreprocessConfig
 from gx_ray.data.shards import FORMAT_VERSION, MANIFEST_FILE, check_shards, read_manifest
-from gx_ray.runtime import init_ray, mlflow_retries, nodes_without
+from gx_ray.runtime import init_ray, mlflow_retries, nodes_without, one_process_per_gpu
 from gx_ray.sweep.plan_cache import measured_plan
 from gx_ray.sweep.resume import check_resumable, record_inputs, sweep_inputs
 from gx_ray.sweep.spaces import SearchSpace, available_presets, load_space
-from gx_ray.sweep.trial import Prober, gpu_plan_key, resolve, run_trial, trial_resources
+from gx_ray.sweep.trial import gpu_plan_key, resolve, run_trial, trial_resources
 from gx_ray.tracking import (
     check_reachable_from,
     child_runs,
@@ -50,6 +50,7 @@ from gx_ray.tracking import (
 )
 from gx_ray.tracking.server import LocalMlflowServer, free_port
 from gx_ray.train.config import AUTO
+from gx_ray.train.loop import probe_trial
 from gx_ray.train.probe import CONTEXT_BYTES, gpu_share, trials_per_gpu
 from gx_ray.train.telemetry import GpuSampler, busy_fraction, sample_metrics
 
@@ -201,8 +202,8 @@ def gpu_plan(space: SearchSpace, context: dict[str, Any], output: Path) -> dict[
     cards = sorted(k for k in ray.cluster_resources() if k.startswith("accelerator_type:"))
     measured = measured_plan(settings, _measure_steps, {"cards": cards, **context["provenance"]})
     plan = {}
-    for (key, flat), m in zip(settings.items(), measured.values(), strict=True):
-        gpus = flat.get("resources.gpus_per_worker")
+    for key, flat in settings.items():
+        m, gpus = measured[key], flat.get("resources.gpus_per_worker")
         share = gpu_share(m["peak_bytes"] + CONTEXT_BYTES, m["card_bytes"]) if gpus == AUTO else float(gpus)
         plan[key] = {**m, "share": share, "trials_per_gpu": trials_per_gpu(share)}
     path.write_text(json.dumps(plan, indent=1) + "\n", encoding="utf-8")
@@ -211,14 +212,7 @@ def gpu_plan(space: SearchSpace, context: dict[str, Any], output: Path) -> dict[
 
 def _measure_steps(settings: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     print(f"measuring a training step of {len(settings)} model settings on the GPUs ...", file=sys.stderr)
-    # one prober per GPU, each measuring its share of the settings in turn: the imports, CUDA start and compilation
-    # once a GPU
-    gpus = max(1, min(len(settings), int(ray.cluster_resources().get("GPU", 1))))
-    probers = [Prober.remote() for _ in range(gpus)]
-    measured = ray.get([probers[i % gpus].probe.remote(flat) for i, flat in enumerate(settings.values())])
-    for prober in probers:
-        ray.kill(prober)
-    return dict(zip(settings, measured, strict=True))
+    return dict(zip(settings, one_process_per_gpu(probe_trial, list(settings.values())), strict=True))
 
 
 def _param_space(space: SearchSpace) -> dict[str, Any]:

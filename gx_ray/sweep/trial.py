@@ -23,7 +23,7 @@ from gx_ray.runtime import quiet_data_context
 from gx_ray.tasks import task_class
 from gx_ray.tracking import ChildRun, TrialTracker, child_run, log_series, set_tags
 from gx_ray.train.config import AUTO, TrialConfig
-from gx_ray.train.loop import WorkerContext, probe_trial, run_loop, train_loop_per_worker
+from gx_ray.train.loop import WorkerContext, run_loop, train_loop_per_worker
 from gx_ray.train.telemetry import GpuSampler, sample_metrics, visible_gpu_uuids
 
 
@@ -184,11 +184,3 @@ def resolve(context: dict, chosen: dict[str, Any]) -> dict[str, Any]:
 
 
 # --- the sweep -------------------------------------------------------------------------------------------
-
-
-@ray.remote(num_gpus=1, num_cpus=1)
-class Prober:
-    """Measures trial settings' training steps on one GPU (:func:`~gx_ray.train.loop.probe_trial`)."""
-
-    def probe(self, flat: dict[str, Any]) -> dict[str, Any]:
-        return probe_trial(flat)

@@ -38,25 +38,18 @@ from torch import nn
 
 from gx_ray.data.endoscopy_annotations import REGION_CLASSES, SITES, FrameAnnotation, load_prepared
 from gx_ray.metrics import MCQ_METRICS, mcq_metrics
-from gx_ray.metrics.detection import detection_metrics_axial
+from gx_ray.metrics.detection import box_iou, detection_metrics_axial
 from gx_ray.modalities import ModelInputs
+from gx_ray.modalities.boxes import box_outlines
+from gx_ray.modalities.build import imagenet_normalised
 from gx_ray.modalities.views import OVERLAY_COLOUR
 from gx_ray.models.vision import Endoscopy2d
 from gx_ray.tasks.base import Batch, Outputs, Task, TaskMetric
 
 FAMILIES: dict[str, tuple[str, ...]] = {"cls": SITES, "reg": REGION_CLASSES, "rec": ()}
 """Family → the classes it chooses among (``rec`` finds a box)."""
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 COCO_SCALE = 1000.0
 """Boxes are fractions of the frame; pycocotools gets them in a 1000 x 1000 frame (its area ranges are in pixels)."""
-
-
-def box_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """IoU of paired ``(n, 4)`` boxes ``(x0, y0, x1, y1)``."""
-    low, high = np.maximum(a[:, :2], b[:, :2]), np.minimum(a[:, 2:], b[:, 2:])
-    inter = np.prod(np.clip(high - low, 0, None), axis=1)
-    area = lambda x: np.prod(x[:, 2:] - x[:, :2], axis=1)  # noqa: E731
-    return inter / (area(a) + area(b) - inter)
 
 
 def rec_metrics(predicted: np.ndarray, target: np.ndarray) -> dict[str, float]:
@@ -75,7 +68,7 @@ def rec_metrics(predicted: np.ndarray, target: np.ndarray) -> dict[str, float]:
     return {
         "accuracy": coco["loc_acc_50"],
         "map_50_95": coco["map_50_95"],
-        "mean_iou": 100 * box_iou(predicted, target).mean(),
+        "mean_iou": 100 * float(np.diag(box_iou(predicted, target)).mean()),
     }
 
 
@@ -138,16 +131,14 @@ class Endoscopy(Task):
 
     def _frames(self, batch: Batch, asked: list[int], device: torch.device) -> torch.Tensor:
         rgb = batch["endoscopy"][asked].to(device).float() / 255.0
-        if self.family == "reg":  # the region asked about, outlined in the overlay colour
+        if self.family == "reg":  # the region asked about, outlined in the overlay colour (one slice deep)
             size = rgb.shape[-1]
-            for n, i in enumerate(asked):
-                x0, y0, x1, y1 = (round(v * size) for v in self.frames[batch["case_id"][i]].boxes[0])
-                x1, y1 = max(x1, x0 + 1), max(y1, y0 + 1)
-                colour = torch.tensor(OVERLAY_COLOUR, device=device)[:, None]
-                rgb[n, :, y0, x0:x1] = rgb[n, :, y1 - 1, x0:x1] = colour
-                rgb[n, :, y0:y1, x0] = rgb[n, :, y0:y1, x1 - 1] = colour
-        mean = torch.tensor(IMAGENET_MEAN, device=device)[:, None, None]
-        return (rgb - mean) / torch.tensor(IMAGENET_STD, device=device)[:, None, None]
+            corners = [[round(v * size) for v in self.frames[batch["case_id"][i]].boxes[0]] for i in asked]
+            boxes = torch.tensor([[0, y0, x0, 1, max(y1, y0 + 1), max(x1, x0 + 1)] for x0, y0, x1, y1 in corners])
+            outline = box_outlines(boxes.to(device), (1, size, size))[:, 0, None]  # (n, 1, S, S)
+            colour = torch.tensor(OVERLAY_COLOUR, device=device)[None, :, None, None]
+            rgb = torch.where(outline, colour, rgb)
+        return imagenet_normalised(rgb)
 
     def forward(self, encoder: nn.Module, head: nn.Module, inputs: ModelInputs, batch: Batch) -> Outputs:
         present = batch["endoscopy_present"].tolist()
@@ -183,7 +174,7 @@ class Endoscopy(Task):
         for case, out in zip(outputs["asked"], outputs["out"].detach().float().cpu().numpy(), strict=True):
             target = self.target(self.frames[case])
             if self.family == "rec":
-                iou = float(box_iou(out[None], np.asarray([target]))[0])
+                iou = float(box_iou(out[None], np.asarray([target]))[0, 0])
                 records.append(
                     {"case_id": case, "prediction": out.round(4).tolist(), "target": list(target), "iou": iou}
                 )
