@@ -35,6 +35,7 @@ from gx_ray.models.text import offline_tokenizer
 from gx_ray.schema import BOX_LEVELS, PHASES, STAGE_GROUPS, TASKS, VQA_CATEGORIES
 from gx_ray.tasks import TASK_CLASSES, TaskModel, build_task, task_class
 from gx_ray.tasks.lesion_detection import flatten_maps
+from gx_ray.tasks.report_generation import IGNORE
 from gx_ray.tasks.retrieval import info_nce
 from gx_ray.tasks.vqa import UNKNOWN_ANSWER
 
@@ -433,6 +434,49 @@ def test_report_decoding_returns_strings_greedy_equals_argmax(report_model, demo
     metric.update(outputs, demo_batch)
     expected = text_generation_metrics(outputs["generated"], targets, metrics=FAST_TEXT_METRICS)
     assert metric.compute() == pytest.approx(expected)
+
+
+def test_a_training_vocabulary_decoder_reads_and_writes_only_the_training_reports_tokens(train_rows, demo_batch):
+    options = {"decoder_width": 32, "decoder_layers": 1, "max_report_tokens": 24, "max_new_tokens": 6}
+    model = task_model("report_generation", train_rows, vocabulary="training", **options)
+    head, tokenizer = model.head, model.encoder.tokenizer
+    taught = tokenizer([r["ct_report"] for r in train_rows if r["ct_report"]], truncation=True, max_length=24)
+    specials = {tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    kept = sorted(specials | {i for ids in taught["input_ids"] for i in ids})
+    assert head.kept_tokens.tolist() == kept and len(kept) < len(tokenizer) // 50
+    model.train()
+    outputs = model(demo_batch)
+    assert outputs["logits"].shape[2] == len(kept)  # one logit per kept token
+    # the labels are the decoder's own ids of the same tokens; a token training never showed is [UNK]
+    taught_ids = tokenizer(demo_batch["ct_report"], truncation=True, max_length=24, padding=True).input_ids
+    labels = outputs["labels"]
+    real = labels != IGNORE
+    assert torch.equal(
+        head.kept_tokens[labels[real]],
+        torch.tensor([i if i in kept else tokenizer.unk_token_id for row in taught_ids for i in row])[real.flatten()],
+    )
+    unseen = next(i for i in range(len(tokenizer)) if i not in kept)
+    assert head.to_own(torch.tensor([unseen, IGNORE])).tolist() == [kept.index(tokenizer.unk_token_id), IGNORE]
+    # greedy decoding by hand, in the decoder's own ids mapped back to the tokenizer's
+    model.eval()
+    with torch.no_grad():
+        generated = model(demo_batch)["generated"]
+        encoded = model.encoder(build_inputs(demo_batch, model.schema))
+        tokens = torch.full((len(demo_batch["case_id"]), 1), tokenizer.cls_token_id)
+        for _ in range(6):
+            logits = head(tokens, torch.ones_like(tokens), encoded.tokens, encoded.token_mask)
+            tokens = torch.cat([tokens, head.kept_tokens[logits[:, -1].argmax(-1, keepdim=True)]], 1)
+    assert generated == [tokenizer.decode(until_end(t.tolist(), tokenizer.sep_token_id)) for t in tokens]
+    assert set(tokens.flatten().tolist()) <= set(kept)
+
+
+def test_a_training_vocabulary_needs_the_small_decoder_and_training_reports():
+    with pytest.raises(ValueError, match="vocabulary 'training' is for the small random decoder"):
+        build_task("report_generation", vocabulary="training", decoder="minilm")
+    with pytest.raises(ValueError, match="unknown report vocabulary 'words'"):
+        build_task("report_generation", vocabulary="words")
+    with pytest.raises(RuntimeError, match="call prepare"):
+        build_task("report_generation", vocabulary="training").build_head(8, offline_tokenizer())
 
 
 def test_report_full_metrics_option_asks_for_all_four():

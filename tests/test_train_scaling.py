@@ -12,11 +12,11 @@ import torch
 import yaml
 from mlflow.tracking import MlflowClient
 
-from gx_ray.data.shards import rank_pieces, row_groups
+from gx_ray.data.shards import TensorLayout, rank_pieces, read_manifest, row_groups
 from gx_ray.sweep.driver import EXPERIMENT, SweepOptions, run_sweep
 from gx_ray.tracking import PARENT_TAG
 from gx_ray.tracking.server import LocalMlflowServer
-from gx_ray.train import probe
+from gx_ray.train import loop, probe
 from gx_ray.train.config import TrialConfig
 from gx_ray.train.loop import build_trial, first_rows, loss_function, optimiser_steps
 
@@ -125,6 +125,44 @@ def test_ranks_read_disjoint_parts_that_cover_the_split_in_a_seeded_order_per_ep
             assert parts == [rank_pieces(pieces, r, world, seed) for r in range(world)]  # reproducible
     orders = {tuple((p["path"], p["row_group"]) for p in rank_pieces(pieces, 0, 1, s)) for s in range(6)}
     assert len(orders) > 1 or len(pieces) < 3  # a new order per epoch
+
+
+def _stream(shards, in_memory: bool, rank: int = 0, world: int = 1, seed: int = 3) -> loop.SplitStream:
+    config = TrialConfig.from_flat(
+        {"task": "stage_classification", "data.shards": str(shards), "data.in_memory": in_memory, "seed": seed}
+    )
+    manifest = read_manifest(shards)
+    layout = TensorLayout(tuple(manifest["ct_shape"]), tuple(manifest["endoscopy_shape"]), tuple(manifest["lab_names"]))
+    ctx = loop.WorkerContext(rank, world, torch.device("cpu"), lambda *args, **kwargs: None, None)
+    return loop.SplitStream(config, "train", layout, ctx, batch_size=3)
+
+
+def _epoch(stream: loop.SplitStream, epoch: int) -> dict[str, torch.Tensor]:
+    return {case: ct for batch in stream.batches(epoch) for case, ct in zip(batch["case_id"], batch["ct"], strict=True)}
+
+
+def test_an_in_memory_split_gives_every_epoch_the_streamed_rows_in_a_seeded_order_reading_each_row_group_once(
+    ray_cluster, demo_prepared, monkeypatch
+):
+    reads = []
+    real_read = loop.read_shard
+    monkeypatch.setattr(loop, "read_shard", lambda path, **kw: reads.append((path, kw)) or real_read(path, **kw))
+    kept, again = _stream(demo_prepared.shard_dir, True), _stream(demo_prepared.shard_dir, True)
+    streamed = _stream(demo_prepared.shard_dir, False)
+    orders = []
+    for epoch in range(3):
+        rows, same_seed, reference = _epoch(kept, epoch), _epoch(again, epoch), _epoch(streamed, epoch)
+        assert rows.keys() == reference.keys()  # the same rows as the stream, nothing dropped or doubled
+        assert all(torch.equal(rows[case], reference[case]) for case in rows)  # with the same volumes
+        assert list(rows) == list(same_seed)  # reproducible
+        orders.append(list(rows))
+    assert len({tuple(order) for order in orders}) == 3  # a new order every epoch
+    assert len(reads) == 2 * len(row_groups(demo_prepared.shard_dir, "train"))  # each stream read each group once
+    # two ranks: disjoint shares that cover the split, epoch by epoch
+    ranks = [_stream(demo_prepared.shard_dir, True, rank, 2) for rank in range(2)]
+    for epoch in range(2):
+        shares = [set(_epoch(stream, epoch)) for stream in ranks]
+        assert not shares[0] & shares[1] and shares[0] | shares[1] == set(orders[0])
 
 
 # --- accumulation ---------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,9 +27,10 @@ from transformers import BertConfig, BertLMHeadModel, DynamicCache, EncoderDecod
 from gx_ray.metrics import FAST_TEXT_METRICS, TEXT_METRICS, text_generation_metrics
 from gx_ray.modalities import ModelInputs
 from gx_ray.modalities.schemas import REPORT_TARGETS
-from gx_ray.tasks.base import Batch, Outputs, Task, TaskMetric, report_column
+from gx_ray.tasks.base import Batch, Outputs, Task, TaskMetric, check_train_rows, report_column
 
 DECODERS: tuple[str, ...] = ("small", "minilm")
+VOCABULARIES: tuple[str, ...] = ("tokenizer", "training")
 IGNORE = -100
 
 
@@ -39,19 +40,32 @@ class ReportDecoder(nn.Module):
     Reports are ``[CLS] tokens [SEP]``: ``[CLS]`` starts decoding and ``[SEP]`` ends it.
     """
 
-    def __init__(self, decoder: BertLMHeadModel, memory_dim: int, tokenizer: Any):
+    def __init__(
+        self, decoder: BertLMHeadModel, memory_dim: int, tokenizer: Any, kept_tokens: Sequence[int] | None = None
+    ):
         super().__init__()
         width = decoder.config.hidden_size
         self.memory_projection = nn.Linear(memory_dim, width) if memory_dim != width else nn.Identity()
         self.decoder = decoder
         self.tokenizer = tokenizer
+        # with kept_tokens the decoder reads and writes only those tokenizer ids, as its own ids 0..K-1
+        kept = torch.tensor(sorted(kept_tokens) if kept_tokens is not None else range(len(tokenizer)))
+        own = torch.full((len(tokenizer),), int(torch.searchsorted(kept, tokenizer.unk_token_id)))
+        own[kept] = torch.arange(len(kept))
+        self.register_buffer("kept_tokens", kept, persistent=False)
+        self.register_buffer("own_ids", own, persistent=False)
+        """Tokenizer id → the decoder's id; an id outside ``kept_tokens`` becomes [UNK]'s."""
+
+    def to_own(self, ids: torch.Tensor) -> torch.Tensor:
+        """Tokenizer ids (and :data:`IGNORE`) as the decoder's ids."""
+        return torch.where(ids == IGNORE, IGNORE, self.own_ids[ids.clamp(min=0)])
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, memory: torch.Tensor, memory_mask: torch.Tensor
     ) -> torch.Tensor:
         """(B, L, vocabulary) next-token logits."""
         return self.decoder(
-            input_ids=input_ids,
+            input_ids=self.to_own(input_ids),
             attention_mask=attention_mask,
             encoder_hidden_states=self.memory_projection(memory),
             encoder_attention_mask=memory_mask.long(),
@@ -68,7 +82,8 @@ class ReportDecoder(nn.Module):
     def generate(
         self, memory: torch.Tensor, memory_mask: torch.Tensor, num_beams: int = 1, max_new_tokens: int = 128
     ) -> list[str]:
-        start = torch.full((memory.shape[0], 1), self.tokenizer.cls_token_id, device=memory.device)
+        own = {name: int(self.own_ids[getattr(self.tokenizer, f"{name}_token_id")]) for name in ("cls", "sep", "pad")}
+        start = torch.full((memory.shape[0], 1), own["cls"], device=memory.device)
         tokens = self.decoder.generate(
             input_ids=start,
             attention_mask=torch.ones_like(start),
@@ -80,10 +95,10 @@ class ReportDecoder(nn.Module):
             num_beams=num_beams,
             max_new_tokens=max_new_tokens,
             do_sample=False,
-            eos_token_id=self.tokenizer.sep_token_id,
-            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=own["sep"],
+            pad_token_id=own["pad"],
         )
-        return self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
+        return self.tokenizer.batch_decode(self.kept_tokens[tokens], skip_special_tokens=True)
 
 
 @dataclass
@@ -105,15 +120,41 @@ class ReportGeneration(Task):
     max_new_tokens: int = 256
     full_metrics: bool = False
     """All four metrics (METEOR needs WordNet, BERTScore runs MiniLM); otherwise ROUGE-L and BLEU-4."""
+    vocabulary: str = "tokenizer"
+    """The tokens the ``small`` decoder reads and writes: ``tokenizer`` (all of its ~30k) or ``training`` (those of
+    the training reports' taught parts, and the special tokens: a few hundred on templated reports). A random decoder
+    can learn no token that training never shows it; with ``training`` its output layer and softmax shrink a
+    hundredfold, most of a CPU step's time."""
 
     def __post_init__(self) -> None:
         self.column = report_column(REPORT_TARGETS[self.name], self.language)
         if self.decoder not in DECODERS:
             raise ValueError(f"unknown report decoder {self.decoder!r}; valid: {', '.join(DECODERS)}")
+        if self.vocabulary not in VOCABULARIES:
+            raise ValueError(f"unknown report vocabulary {self.vocabulary!r}; valid: {', '.join(VOCABULARIES)}")
+        if self.vocabulary == "training" and self.decoder != "small":
+            raise ValueError(f"vocabulary 'training' is for the small random decoder; {self.decoder!r} keeps its own")
+        self.training_reports: list[str] = []
         if self.num_beams < 1 or self.max_new_tokens < 1 or self.max_report_tokens < 2:
             raise ValueError("num_beams and max_new_tokens must be at least 1, max_report_tokens at least 2")
 
+    def prepare(self, train_rows: Iterable[Mapping[str, Any]]) -> None:
+        """With ``vocabulary="training"``, keep the training reports: the decoder's tokens are theirs."""
+        if self.vocabulary == "training":
+            rows = check_train_rows(train_rows, self.name)
+            self.training_reports = [row[self.column] for row in rows if row[self.column]]
+            if not self.training_reports:
+                raise ValueError(f"no reports ({self.column}) in the {len(rows)} training rows")
+
     def build_head(self, dim: int, tokenizer: Any, map_channels: Sequence[int] = ()) -> nn.Module:
+        self.tokenizer = tokenizer  # the targets are cut with it (target_texts), and the chance level's too
+        kept = None
+        if self.vocabulary == "training":
+            if not self.training_reports:
+                raise RuntimeError("the training reports' vocabulary is not fitted: call prepare(train_rows) first")
+            taught = tokenizer(self.training_reports, truncation=True, max_length=self.max_report_tokens)["input_ids"]
+            special = (tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id)
+            kept = sorted({*special, *(i for ids in taught for i in ids)})
         if self.decoder == "minilm":
             from gx_ray.models.text import minilm_path  # the models package imports MONAI: only when asked
 
@@ -127,7 +168,7 @@ class ReportGeneration(Task):
                 )
         else:
             config = BertConfig(
-                vocab_size=len(tokenizer),
+                vocab_size=len(kept) if kept is not None else len(tokenizer),
                 hidden_size=self.decoder_width,
                 num_hidden_layers=self.decoder_layers,
                 num_attention_heads=self.decoder_heads,
@@ -137,8 +178,7 @@ class ReportGeneration(Task):
                 add_cross_attention=True,
             )
             decoder = BertLMHeadModel(config)
-        self.tokenizer = tokenizer  # the targets are cut with it (target_texts), and the chance level's too
-        return ReportDecoder(decoder, dim, tokenizer)
+        return ReportDecoder(decoder, dim, tokenizer, kept)
 
     def target_texts(self, reports: Sequence[str | None]) -> list[str | None]:
         """Each report as the model is taught to write it: its first ``max_report_tokens`` tokens ([CLS] and [SEP]
@@ -174,7 +214,7 @@ class ReportGeneration(Task):
         references = batch[self.column]
         tokens = tokenize_bucketed(head.tokenizer, references, self.max_report_tokens, encoded.tokens.device)
         has_report = torch.tensor([bool(r) for r in references], device=encoded.tokens.device)
-        labels = tokens.input_ids.masked_fill(~tokens.attention_mask.bool() | ~has_report[:, None], IGNORE)
+        labels = head.to_own(tokens.input_ids.masked_fill(~tokens.attention_mask.bool() | ~has_report[:, None], IGNORE))
         outputs = {
             "logits": head(tokens.input_ids, tokens.attention_mask, encoded.tokens, encoded.token_mask),
             "labels": labels,

@@ -101,6 +101,8 @@ class SplitStream:
         self.shuffle = config.data.shuffle_buffer if split == "train" else 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"prefetch-{split}")
         self._next: tuple[int, Iterator, Future] | None = None
+        self._kept: dict[tuple[str, int], pa.Table] = {}
+        """Row groups already read, with ``data.in_memory``."""
 
     def order_seed(self, epoch: int) -> int | None:
         return self.config.seed * 1000 + epoch if self.split == "train" else None
@@ -115,6 +117,8 @@ class SplitStream:
 
     def _iterator(self, epoch: int) -> Iterator[dict]:
         data = self.config.data
+        if data.in_memory:
+            return self._kept_batches(epoch)
         dataset = read_split(
             data.shards, self.split, num_cpus=data.read_cpus, concurrency=data.read_concurrency,
             pieces=self.my_pieces(epoch),
@@ -128,6 +132,22 @@ class SplitStream:
             local_shuffle_seed=seed if self.shuffle else None,
         )
         return iter(batches)
+
+    def _kept_batches(self, epoch: int) -> Iterator[dict]:
+        """``data.in_memory``: the epoch's row groups (each read once, pages verified) in its order, their rows
+        permuted with the epoch's seed when training shuffles (a whole-share shuffle, not a buffer's)."""
+        pieces = self.my_pieces(epoch)
+        for piece in pieces:
+            key = (piece["path"], piece["row_group"])
+            if key not in self._kept:
+                self._kept[key] = read_shard(piece["path"], row_group=piece["row_group"])
+        table = pa.concat_tables([self._kept[(p["path"], p["row_group"])] for p in pieces])
+        order = np.arange(len(table))
+        if self.shuffle:
+            order = np.random.default_rng(self.order_seed(epoch)).permutation(len(table))
+        collate = BatchCollate(self.layout, pin_memory=self.ctx.device.type == "cuda")
+        for start in range(0, len(table), self.batch_size):
+            yield collate(table.take(order[start : start + self.batch_size]))
 
     def prefetch(self, epoch: int) -> None:
         """Start the stream of ``epoch`` now: its first batch is fetched in the background."""
