@@ -30,6 +30,7 @@ from gx_ray.train.config import TrialConfig
         ("data.effective_batch", 0),
         ("data.shuffle_buffer", -1),
         ("data.eval_batch_size", 0),
+        ("data.in_memory", "yes"),
         ("resources.workers", 0),
         ("resources.cpus_per_worker", 0.0),
     ],

@@ -75,7 +75,7 @@ class SweepOptions:
     presets: tuple[str, ...] = ()
     resume: bool = False
     max_concurrent: int | None = None
-    demo_cases: int = 96
+    demo_cases: int = 160
     demo_dir: Path = Path("outputs/demo")
     time_budget_s: float | None = None
     """Stop starting trials after this many seconds (default: the space's ``budget.time_s``)."""
