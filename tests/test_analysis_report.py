@@ -14,7 +14,7 @@ from mlflow.tracking import MlflowClient
 
 from gx_ray.analysis.reference import beside_related_markdown, load_related
 from gx_ray.analysis.report import schema_comparisons, write_report
-from gx_ray.analysis.runs import load_runs
+from gx_ray.analysis.runs import inputs_of, load_runs
 from gx_ray.schema import STAGE_GROUPS
 from gx_ray.sweep.validate import demo_checks
 from gx_ray.tracking import child_run, log_metrics, parent_run
@@ -198,3 +198,20 @@ def test_lesion_qa_sits_beside_ct_bench_labelled_as_another_dataset():
     assert "| Gemini (CT-Bench) | 31.2 | 36.1 |  |" in markdown
     assert "the text says 41.00" in markdown  # the paper's own inconsistency travels with its number
     assert beside_related_markdown(cells[cells["task"] == "vqa"], related) is None
+
+
+def test_a_runs_inputs_are_said_in_words_from_its_params_as_mlflow_keeps_them():
+    from gx_ray.modalities.schemas import PRESETS
+    from gx_ray.train.config import TrialConfig
+
+    def logged(schema) -> dict:  # the params a trial logs, as MLflow returns them: every value a string
+        config = TrialConfig.from_flat({"task": "stage_classification", "schema": schema})
+        return {k: str(v) for k, v in config.to_flat().items()}
+
+    assert inputs_of(logged("image_only")) == "CT (4 phases)"
+    assert inputs_of(logged("image_table_bbox")) == (
+        "CT (4 phases), lab table as text, boxes as outlines drawn into the CT (tumour, lymph nodes, stomach)"
+    )
+    custom = {**PRESETS["image_only"].describe(), "phases": ["venous"], "endoscopy": True}
+    custom["reports"] = ["endoscopy_report"]
+    assert inputs_of(logged(custom)) == "CT (1 phase), endoscopy image, reports: endoscopy_report"

@@ -152,6 +152,11 @@ def test_every_sweep_ends_with_its_report_on_disk_and_on_the_parent_run(smoke_sw
     assert smoke_sweep.report == folder / "summary.md"
     summary = smoke_sweep.report.read_text(encoding="utf-8")
     assert "synthetic demo cohort" in summary and "not comparable" in summary
+    # each schema's inputs in the form the demo preset gives them, read back from the runs' params
+    assert "- **image_only**: CT (4 phases)\n" in summary
+    assert "- **image_table**: CT (4 phases), lab table as numbers\n" in summary
+    box_cues = "boxes as mask channels (lymph nodes, stomach)"  # detection's: never the tumour box it predicts
+    assert f"- **image_table_bbox** (lesion_detection): CT (4 phases), lab table as numbers, {box_cues}" in summary
     for task in TASKS:
         assert all((folder / "tables" / f"table_{task}.{ext}").is_file() for ext in ("md", "tex", "csv"))
         assert f"| {task} |" in summary  # its headline metric, per schema

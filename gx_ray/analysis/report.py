@@ -196,6 +196,20 @@ def _significance_markdown(table: pd.DataFrame | None, baseline: str) -> str:
     return "\n".join(lines) + caution
 
 
+def _inputs_markdown(runs: pd.DataFrame) -> str:
+    """What each schema gave the model, once per schema (per task where the tasks differ, e.g. detection's cues)."""
+    if "inputs" not in runs or runs.empty:
+        return ""
+    lines = ["What each schema gave the model:"]
+    trials = runs.drop_duplicates("run_id").dropna(subset=["inputs"])
+    for schema, group in trials.groupby("schema", sort=False):
+        forms = group.groupby("inputs", sort=False)["task"].unique()
+        for inputs, tasks in forms.items():
+            which = f" ({', '.join(sorted(tasks))})" if len(forms) > 1 else ""
+            lines.append(f"- **{schema}**{which}: {inputs}")
+    return "\n".join(lines) if len(lines) > 1 else ""
+
+
 def _summary(sweep_id: str, runs: pd.DataFrame, report: Report, cohort: str, baseline: str, paper: str) -> str:
     trials = runs.drop_duplicates("run_id")
     counts = trials["status"].value_counts().to_dict()
@@ -217,6 +231,7 @@ def _summary(sweep_id: str, runs: pd.DataFrame, report: Report, cohort: str, bas
         "a random training report, a random ranking, a uniform guess among four options). A cell whose interval "
         "does not clear it has learnt nothing.",
         _headline_markdown(report.cells),
+        _inputs_markdown(runs),
         f"## Which inputs help: each schema against {baseline}",
         "Paired on seeds and test patients; p-values Holm-corrected across every comparison below.",
         _significance_markdown(report.significance, baseline),

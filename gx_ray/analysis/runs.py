@@ -3,7 +3,8 @@
 Columns (:data:`RUN_COLUMNS`): ``sweep_id``, ``run_id``, ``trial`` (the trial's name), ``status`` (MLflow's run
 status), ``stopped_early`` (the scheduler ended the trial before its last epoch: it has validation values, no
 test values), ``start_time`` (ms since the epoch; the order trials began), ``task``, ``schema``, ``model`` (a label
-such as ``swin3d+minilm``), ``vision``, ``text``, ``fusion``, ``seed``, ``split`` (``val``: the best epoch's
+such as ``swin3d+minilm``), ``vision``, ``text``, ``fusion``, ``seed``, ``inputs`` (what the schema gave the model, in
+words: :func:`inputs_of`), ``split`` (``val``: the best epoch's
 validation value; ``test``: the best checkpoint on the test split), ``metric`` (the task's metric name, e.g.
 ``auc`` or ``image_to_text_recall_at_5``) and ``value`` (NaN where the metric is undefined on the split), then
 one column per searched parameter, named by its flat config key (``optimiser.lr``) and listed in
@@ -39,11 +40,40 @@ RUN_COLUMNS = (
     "text",
     "fusion",
     "seed",
+    "inputs",
     "split",
     "metric",
     "value",
 )
 LOWER_IS_BETTER_SUFFIXES = ("median_rank", "mean_rank")
+
+
+def inputs_of(params: dict[str, Any]) -> str:
+    """A run's model inputs in words, from its ``schema.*`` params: a schema's name says which inputs, this says in
+    what form (the demo gives the table as numbers where the paper gives text, say)."""
+    phases = _listed(params.get("schema.phases"))
+    parts = [f"CT ({len(phases)} phase{'' if len(phases) == 1 else 's'})"]
+    if str(params.get("schema.endoscopy")) == "True":
+        parts.append("endoscopy image")
+    if params.get("schema.table") in ("numeric", "text"):
+        parts.append(f"lab table as {'numbers' if params['schema.table'] == 'numeric' else 'text'}")
+    if params.get("schema.boxes") in ("channels", "overlay"):
+        form = "mask channels" if params["schema.boxes"] == "channels" else "outlines drawn into the CT"
+        levels = ", ".join(level.replace("_", " ") for level in _listed(params.get("schema.box_levels")))
+        parts.append(f"boxes as {form} ({levels})")
+    if reports := _listed(params.get("schema.reports")):
+        parts.append("reports: " + ", ".join(reports))
+    return ", ".join(parts)
+
+
+def _listed(value: Any) -> list:
+    """A list-valued param as MLflow keeps it (JSON text) or as given."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return [value]
+    return list(value or [])
 
 
 def higher_is_better(metric: str) -> bool:
@@ -133,6 +163,7 @@ def load_runs(tracking_uri: str, sweep_id: str) -> pd.DataFrame:
             "text": text,
             "fusion": param.get("model.fusion"),
             "seed": int(tags.get("seed", param.get("seed", 0))),
+            "inputs": inputs_of(param),
             **{key: param.get(key) for key in searched},
         }
         for name, value in metrics.items():

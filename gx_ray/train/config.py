@@ -69,7 +69,7 @@ class DataConfig:
     in_memory: bool = False
     """Read this rank's row groups once and keep them in the trial's memory; each epoch then takes them in its seeded
     order with its rows permuted, instead of streaming the split through Ray Data again. For cohorts that fit in
-    memory (the 96-case demo's training split is 140 MB): a stream's start-up costs 0.1-3 s per epoch and split,
+    memory (the demo cohort holds about 1 MB a case): a stream's start-up costs 0.1-3 s per epoch and split,
     most of a short trial's time on two cores."""
 
     def per_rank_batch(self, workers: int) -> int:
