@@ -99,10 +99,14 @@ class SplitStream:
         self.config, self.split, self.layout, self.ctx, self.batch_size = config, split, layout, ctx, batch_size
         self.pieces = row_groups(config.data.shards, split)
         self.shuffle = config.data.shuffle_buffer if split == "train" else 0
+        self.collate = BatchCollate(layout, pin_memory=ctx.device.type == "cuda")
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"prefetch-{split}")
         self._next: tuple[int, Iterator, Future] | None = None
         self._kept: dict[tuple[str, int], pa.Table] = {}
         """Row groups already read, with ``data.in_memory``."""
+        self._collator = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"collate-{split}")
+        """With ``data.in_memory``: collates (and pins) the next batch while the loop trains on this one, as Ray's
+        prefetch threads do for a stream."""
 
     def order_seed(self, epoch: int) -> int | None:
         return self.config.seed * 1000 + epoch if self.split == "train" else None
@@ -126,7 +130,7 @@ class SplitStream:
         seed = self.order_seed(epoch)
         batches = dataset.iter_torch_batches(
             batch_size=self.batch_size,
-            collate_fn=BatchCollate(self.layout, pin_memory=self.ctx.device.type == "cuda"),
+            collate_fn=self.collate,
             prefetch_batches=2,
             local_shuffle_buffer_size=max(self.shuffle, self.batch_size) if self.shuffle else None,
             local_shuffle_seed=seed if self.shuffle else None,
@@ -136,18 +140,20 @@ class SplitStream:
     def _kept_batches(self, epoch: int) -> Iterator[dict]:
         """``data.in_memory``: the epoch's row groups (each read once, pages verified) in its order, their rows
         permuted with the epoch's seed when training shuffles (a whole-share shuffle, not a buffer's)."""
-        pieces = self.my_pieces(epoch)
-        for piece in pieces:
-            key = (piece["path"], piece["row_group"])
-            if key not in self._kept:
-                self._kept[key] = read_shard(piece["path"], row_group=piece["row_group"])
-        table = pa.concat_tables([self._kept[(p["path"], p["row_group"])] for p in pieces])
+        keys = [(piece["path"], piece["row_group"]) for piece in self.my_pieces(epoch)]
+        for path, row_group in keys:
+            if (path, row_group) not in self._kept:
+                self._kept[path, row_group] = read_shard(path, row_group=row_group)
+        table = pa.concat_tables([self._kept[key] for key in keys])
         order = np.arange(len(table))
         if self.shuffle:
             order = np.random.default_rng(self.order_seed(epoch)).permutation(len(table))
-        collate = BatchCollate(self.layout, pin_memory=self.ctx.device.type == "cuda")
-        for start in range(0, len(table), self.batch_size):
-            yield collate(table.take(order[start : start + self.batch_size]))
+        chunks = [order[start : start + self.batch_size] for start in range(0, len(table), self.batch_size)]
+        ahead = [self._collator.submit(self.collate, table.take(chunk)) for chunk in chunks[:1]]
+        for chunk in chunks[1:]:  # one batch collated ahead, in its own thread
+            ahead.append(self._collator.submit(self.collate, table.take(chunk)))
+            yield ahead.pop(0).result()
+        yield from (batch.result() for batch in ahead)
 
     def prefetch(self, epoch: int) -> None:
         """Start the stream of ``epoch`` now: its first batch is fetched in the background."""

@@ -77,20 +77,15 @@ def step_peak_bytes(
     trials that follow."""
     trial = compiled_copy(model)
     optimiser = torch.optim.AdamW(trial.parameters())
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    try:
+
+    def step() -> None:
         accumulate(trial, loss_of, [batch], 1)
         optimiser.step()
-        torch.cuda.synchronize(device)
-        # what the caching allocator held at the peak, not only what tensors used: packed trials fit by the former
-        # (seen on H200: 32 GiB allocated, 42-54 GiB held by each of three packed 3D Swin trials, which then OOMed)
-        return torch.cuda.max_memory_reserved(device)
-    except torch.OutOfMemoryError:
-        return None
+
+    try:
+        return reserved_peak(step, device)
     finally:
-        del trial, optimiser
+        trial = optimiser = None  # the copy's memory goes back before the next measurement
         torch.cuda.empty_cache()
 
 
@@ -100,11 +95,18 @@ def eval_peak_bytes(forward: Callable[[], Any], device: torch.device) -> int | N
     the training micro-batch can need more than the training step: a compiled 3D Swin's window attention at
     evaluation batch 32 allocated one 21 GiB buffer, and trials packed by their training step alone ran out of memory
     in their first validation (4 x H200)."""
+    return reserved_peak(forward, device)
+
+
+def reserved_peak(run: Callable[[], Any], device: torch.device) -> int | None:
+    """What the caching allocator held at the peak of ``run()`` on ``device``, from an emptied cache; None when it
+    runs out of memory. Held, not only what tensors used: packed trials fit by the former (seen on H200: 32 GiB
+    allocated, 42-54 GiB held by each of three packed 3D Swin trials, which then ran out of memory)."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     try:
-        forward()
+        run()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_reserved(device)
     except torch.OutOfMemoryError:
