@@ -175,7 +175,7 @@ def endo_rows(demo_prepared):
     return {s: split_rows(demo_prepared.shard_dir, s) for s in ("train", "val", "test")}
 
 
-@pytest.mark.parametrize("family", ["cls", "reg", "rec"])
+@pytest.mark.parametrize("family", ["cls", "reg", "rec", "cap"])
 def test_each_family_asks_every_annotated_frame_and_trains_on_it(demo_prepared, endo_rows, family):
     from gx_ray.data.shards import TensorLayout, read_manifest
     from gx_ray.models.registry import ModelConfig, build_encoder
@@ -203,11 +203,15 @@ def test_each_family_asks_every_annotated_frame_and_trains_on_it(demo_prepared, 
     loss.backward()
     assert torch.isfinite(loss) and len(outputs["asked"]) == 4
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.head.view.parameters())
+    if family == "cap":  # captions are written (and so scored) in evaluation only
+        model.eval()
+        with torch.no_grad():
+            outputs = model(batch)
     records = task.predict(outputs, batch)
     assert [r["case_id"] for r in records] == outputs["asked"]
     metric = task.metric()
     metric.update(outputs, batch)
-    assert 0 <= metric.compute()["accuracy"] <= 100
+    assert 0 <= metric.compute()[task.primary_metric] <= 100
     chance = task.chance_level(endo_rows["train"], endo_rows["test"])
     assert 0 <= chance <= 100
 
@@ -231,8 +235,8 @@ def test_no_report_is_an_endoscopy_input_and_families_are_checked():
     with pytest.raises(LeakageError, match="reports_in_endoscopy"):
         check_leakage(ModalitySchema("with_report", reports=("endoscopy_report",)), "endoscopy")
     check_leakage(PRESETS["image_only"], "endoscopy")
-    with pytest.raises(ValueError, match="valid: cls, reg, rec"):
-        build_task("endoscopy", family="cap")
+    with pytest.raises(ValueError, match="valid: cls, reg, rec, cap"):
+        build_task("endoscopy", family="caption")
 
 
 @pytest.mark.slow
@@ -244,14 +248,16 @@ def test_the_endoscopy_smoke_sweep_runs_end_to_end(demo_prepared, tmp_path):
     from gx_ray.analysis.runs import load_runs
 
     with smoke_sweep("endoscopy", demo_prepared.shard_dir, tmp_path) as result:
-        assert (result.finished, result.failed) == (3, 0)
-        assert {b["task"] for b in result.best} == {"endoscopy.cls", "endoscopy.reg", "endoscopy.rec"}
+        assert (result.finished, result.failed) == (4, 0)
+        assert {b["task"] for b in result.best} == {f"endoscopy.{f}" for f in ("cls", "reg", "rec", "cap")}
+        assert {b["task"]: b["metric"] for b in result.best}["endoscopy.cap"] == "rouge_l"
         runs = load_runs(result.store_uri, result.sweep_id)
         test = runs[runs["split"] == "test"].set_index(["task", "metric"])["value"]
         for family in ("cls", "reg", "rec"):
             assert 0 <= test[(f"endoscopy.{family}", "accuracy")] <= 100
             assert 0 <= test[(f"endoscopy.{family}", "chance")] <= 100
         assert 0 <= test[("endoscopy.rec", "map_50_95")] <= 100
+        assert 0 <= test[("endoscopy.cap", "rouge_l")] <= 100 and 0 < test[("endoscopy.cap", "chance")] <= 100
         run_id = runs[runs["task"] == "endoscopy.reg"]["run_id"].iloc[0]
         path = MlflowClient(result.store_uri).download_artifacts(run_id, "endoscopy/samples.json", str(tmp_path))
         logged = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -277,3 +283,71 @@ def test_reg_outlines_the_asked_region_and_nothing_else(demo_prepared, endo_rows
         assert (xs.min(), ys.min(), xs.max() + 1, ys.max() + 1) == (x0, y0, x1, y1)
         inner = (xs > x0) & (xs < x1 - 1) & (ys > y0) & (ys < y1 - 1)
         assert not inner.any()  # an outline, not a filled box
+
+
+def test_captions_are_scored_by_rouge_l_and_their_decoder_writes_only_training_caption_tokens(demo_prepared, endo_rows):
+    from gx_ray.tasks import primary_metric
+
+    assert primary_metric("endoscopy.cap") == "rouge_l" and primary_metric("endoscopy.reg") == "accuracy"
+    task = build_task("endoscopy", family="cap", caption_tokens=24, view_depth=10)
+    assert task.primary_metric == "rouge_l" and build_task("endoscopy").primary_metric == "accuracy"
+    task.attach_splits(endo_rows, {}, str(demo_prepared.shard_dir))
+    train_cases = {r["case_id"] for r in endo_rows["train"]}
+    assert sorted(task.training_captions) == sorted(task.frames[c].caption for c in train_cases)
+    from transformers import AutoTokenizer
+
+    from gx_ray.models.text import minilm_path
+
+    tokenizer = AutoTokenizer.from_pretrained(str(minilm_path()))
+    head = task.build_head(16, tokenizer)
+    taught = tokenizer(task.training_captions, truncation=True, max_length=24)["input_ids"]
+    assert set(head.caption.kept_tokens.tolist()) == {
+        *(i for ids in taught for i in ids),
+        tokenizer.unk_token_id,
+        tokenizer.pad_token_id,
+    }
+    # the chance level: random training captions, cut as the targets are, scored against the test captions
+    chance = task.chance_level(endo_rows["train"], endo_rows["test"])
+    assert 0 < chance < 100
+
+
+def test_a_caption_decoder_conditioned_on_the_frame_learns_to_write_each_frames_caption(demo_prepared, endo_rows):
+    """Overfit four frames with different captions: greedy decoding must then give each frame its own caption, which
+    it can only do by reading the frame (the decoder's one memory token)."""
+    from gx_ray.data.shards import TensorLayout, read_manifest
+    from gx_ray.models.registry import ModelConfig, build_encoder
+    from gx_ray.tasks.base import TaskModel
+    from gx_ray.train.loop import first_rows
+
+    torch.manual_seed(0)
+    manifest = read_manifest(demo_prepared.shard_dir)
+    task = build_task(
+        "endoscopy", family="cap", caption_tokens=12, max_new_tokens=12, view_depth=10,
+        view_kwargs={"block_inplanes": [8, 8, 16, 16]}, decoder_width=32, decoder_layers=1,
+    )  # fmt: skip
+    task.attach_splits(endo_rows, manifest, str(demo_prepared.shard_dir))
+    layout = TensorLayout(tuple(manifest["ct_shape"]), tuple(manifest["endoscopy_shape"]), tuple(manifest["lab_names"]))
+    batch = first_rows(demo_prepared.shard_dir, "train", 4, layout)
+    encoder = build_encoder(
+        ModelConfig(vision="resnet10_3d", text="bert_tiny", hidden=16, vision_kwargs={"block_inplanes": [4, 4, 4, 4]}),
+        PRESETS["image_only"],
+    )
+    model = TaskModel(task, encoder, PRESETS["image_only"])
+    wanted = task.predict(model.eval()(batch), batch)
+    assert len({r["target"] for r in wanted}) > 1, "the four frames need different captions"
+    optimiser = torch.optim.AdamW(model.head.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(150):
+        loss = task.loss(model(batch), batch)
+        loss.backward()
+        optimiser.step()
+        optimiser.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        outputs = model(batch)
+    records = task.predict(outputs, batch)
+    # the tokenizer is uncased: the captions come back in lower case
+    assert [r["prediction"] for r in records] == [r["target"].lower() for r in records], records
+    metric = task.metric()
+    metric.update(outputs, batch)
+    assert metric.compute()["rouge_l"] == pytest.approx(100.0)

@@ -83,9 +83,9 @@ def higher_is_better(metric: str) -> bool:
 
 def headline_metric(task: str) -> str:
     """The task's primary metric (the one sweeps optimise), e.g. ``auc`` for stage classification."""
-    from gx_ray.tasks import task_class, task_of
+    from gx_ray.tasks import primary_metric
 
-    return task_class(task_of(task)).primary_metric
+    return primary_metric(task)
 
 
 def _task_label(task: str | None, params: dict[str, Any]) -> str | None:

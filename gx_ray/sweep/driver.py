@@ -594,7 +594,7 @@ def _task_label(flat: dict[str, Any]) -> str | None:
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per task and schema: test primary metric over seeds (mean, sd, n) and the best trial by validation. A trial
     that never started (a time budget ended first) has no config, so no task: it is in no cell."""
-    from gx_ray.tasks import task_class, task_of
+    from gx_ray.tasks import primary_metric
 
     cells: dict[tuple[str, str], list[dict]] = {}
     for row in rows:
@@ -610,7 +610,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             {
                 "task": task,
                 "schema": schema,
-                "metric": task_class(task_of(task)).primary_metric,
+                "metric": primary_metric(task),
                 "trials": len(members),
                 "failed": len(members) - len(done),
                 "test_mean": float(tests.mean()) if len(tests) else None,

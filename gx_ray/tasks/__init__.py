@@ -61,6 +61,13 @@ def task_of(label: str) -> str:
     return label.split(".")[0]
 
 
+def primary_metric(label: str) -> str:
+    """The primary metric of a :func:`task_label`'s question (a family may have its own: endoscopy's captions)."""
+    name, *values = label.split(".")
+    cls = task_class(name)
+    return cls.primary_metric_for(dict(zip(cls.label_options, values, strict=False)))
+
+
 def label_options(label: str) -> dict[str, str]:
     """The options a :func:`task_label` holds, by name (``{"family": "img2txt", "distractors": "matched"}``)."""
     name, *values = label.split(".")
@@ -75,6 +82,7 @@ __all__ = [
     "build_task",
     "gather_state",
     "label_options",
+    "primary_metric",
     "task_class",
     "task_label",
     "task_of",

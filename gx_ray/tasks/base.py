@@ -90,6 +90,12 @@ class Task:
     """Options that make another question of the same task: results are never pooled across them
     (:func:`gx_ray.tasks.task_label`)."""
 
+    @classmethod
+    def primary_metric_for(cls, options: Mapping[str, Any]) -> str:
+        """The primary metric of the task asked with ``options`` (its label options): :attr:`primary_metric`, unless
+        a family of the task is scored another way (endoscopy's captions)."""
+        return cls.primary_metric
+
     def prepare(self, train_rows: Iterable[Mapping[str, Any]]) -> None:
         """Fit what the task learns from data, from training rows (shard rows) only; nothing by default.
 

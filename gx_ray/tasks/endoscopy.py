@@ -6,9 +6,9 @@
   (:data:`~gx_ray.data.endoscopy_annotations.REGION_CLASSES`); accuracy;
 - ``rec``: the frame and a referring expression ("the early gastric cancer in the antrum") → the region's box;
   accuracy is the share of boxes found at IoU >= 0.5 (the paper's criterion), beside COCO's mAP@[.5:.95] from
-  pycocotools (:func:`~gx_ray.metrics.detection.detection_metrics_axial`) and the mean IoU.
-
-CAP (frame → caption) is not built yet: the captions are in the annotation file already.
+  pycocotools (:func:`~gx_ray.metrics.detection.detection_metrics_axial`) and the mean IoU;
+- ``cap``: the frame → its caption (the annotation file's); ROUGE-L (primary) and BLEU-4 every epoch, METEOR and
+  BERTScore-F1 too with ``full_metrics`` (:func:`~gx_ray.metrics.text_generation_metrics`, as report generation).
 
 **Material**: the cohort's frame annotations (:mod:`gx_ray.data.endoscopy_annotations`, beside the shards); ``reg``
 and ``rec`` ask about a frame's first box. A case without an annotation, or without a box where the family needs one,
@@ -16,12 +16,16 @@ gets no sample and a reason (:attr:`Endoscopy.skipped`, logged with the trial); 
 
 **Model**: a 2D MONAI ResNet on the ImageNet-normalised frame (as the encoder's own endoscopy branch reads it); a
 linear head over classes, or for ``rec`` the frame's features beside the expression's (the encoder's text model)
-into a box head whose sigmoid outputs are the box's centre and size, trained with L1 plus MONAI's GIoU loss. The
+into a box head whose sigmoid outputs are the box's centre and size, trained with L1 plus MONAI's GIoU loss; for
+``cap`` report generation's small BERT decoder (:func:`~gx_ray.tasks.report_generation.build_decoder`, over the
+training captions' tokens) cross-attends to the frame's features and is taught the caption's first
+``caption_tokens`` tokens, greedy at evaluation. The
 schema does not change what the model sees: the frame is every family's input, and no report is (the endoscopy
 report names the site and the lesion: leakage rule ``reports_in_endoscopy``).
 
 **Chance**: the training split's most frequent class on the test frames (``cls``, ``reg``); the median training box
-for every test frame (``rec``).
+for every test frame (``rec``); a training caption drawn at random for each test frame, averaged over five draws
+(``cap``: what a writer who knows the caption template but never looks at the frame scores).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gx_ray.data.endoscopy_annotations import REGION_CLASSES, SITES, FrameAnnotation, load_prepared
-from gx_ray.metrics import MCQ_METRICS, mcq_metrics
+from gx_ray.metrics import FAST_TEXT_METRICS, MCQ_METRICS, TEXT_METRICS, mcq_metrics, text_generation_metrics
 from gx_ray.metrics.detection import box_iou, detection_metrics_axial
 from gx_ray.modalities import ModelInputs
 from gx_ray.modalities.boxes import box_outlines
@@ -45,9 +49,11 @@ from gx_ray.modalities.build import imagenet_normalised
 from gx_ray.modalities.views import OVERLAY_COLOUR
 from gx_ray.models.vision import Endoscopy2d
 from gx_ray.tasks.base import Batch, Outputs, Task, TaskMetric
+from gx_ray.tasks.report_generation import IGNORE, ReportMetric, build_decoder, cut_texts, teacher_forced_loss
 
-FAMILIES: dict[str, tuple[str, ...]] = {"cls": SITES, "reg": REGION_CLASSES, "rec": ()}
-"""Family → the classes it chooses among (``rec`` finds a box)."""
+FAMILIES: dict[str, tuple[str, ...]] = {"cls": SITES, "reg": REGION_CLASSES, "rec": (), "cap": ()}
+"""Family → the classes it chooses among (``rec`` finds a box, ``cap`` writes the caption)."""
+CAPTION_METRIC = "rouge_l"
 COCO_SCALE = 1000.0
 """Boxes are fractions of the frame; pycocotools gets them in a 1000 x 1000 frame (its area ranges are in pixels)."""
 
@@ -73,12 +79,14 @@ def rec_metrics(predicted: np.ndarray, target: np.ndarray) -> dict[str, float]:
 
 
 class EndoscopyHead(nn.Module):
-    def __init__(self, dim: int, depth: int, classes: int, view_kwargs: dict[str, Any]):
+    def __init__(self, dim: int, depth: int, family: str, view_kwargs: dict[str, Any]):
         super().__init__()
         self.view = Endoscopy2d(depth, in_channels=3, **view_kwargs)
-        width = self.view.dim
+        width, classes = self.view.dim, len(FAMILIES[family])
         self.classify = nn.Linear(width, classes) if classes else None
-        self.box = None if classes else nn.Sequential(nn.Linear(width + dim, dim), nn.GELU(), nn.Linear(dim, 4))
+        box = family == "rec"
+        self.box = nn.Sequential(nn.Linear(width + dim, dim), nn.GELU(), nn.Linear(dim, 4)) if box else None
+        self.caption = None  # cap: the decoder (Endoscopy.build_head)
 
 
 @dataclass
@@ -92,12 +100,28 @@ class Endoscopy(Task):
     view_depth: int = 18
     view_kwargs: dict[str, Any] = field(default_factory=dict)
     """MONAI ResNet arguments of the frame encoder (``block_inplanes`` for a CPU-sized one)."""
+    caption_tokens: int = 64
+    """``cap``: the decoder is taught (and scored on) each caption's first ``caption_tokens`` tokens."""
+    max_new_tokens: int = 64
+    decoder_width: int = 128
+    decoder_layers: int = 2
+    decoder_heads: int = 2
+    full_metrics: bool = False
+    """``cap``: METEOR and BERTScore-F1 besides ROUGE-L and BLEU-4."""
     frames: dict[str, FrameAnnotation] = field(default_factory=dict, init=False)
     skipped: dict[str, str] = field(default_factory=dict, init=False)
+    training_captions: list[str] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"unknown endoscopy family {self.family!r}; valid: {', '.join(FAMILIES)}")
+        if self.caption_tokens < 2 or self.max_new_tokens < 1:
+            raise ValueError("caption_tokens must be at least 2 and max_new_tokens at least 1")
+        self.primary_metric = self.primary_metric_for({"family": self.family})
+
+    @classmethod
+    def primary_metric_for(cls, options: Mapping[str, Any]) -> str:
+        return CAPTION_METRIC if options.get("family") == "cap" else cls.primary_metric
 
     def attach_splits(
         self, rows: Mapping[str, Sequence[Mapping[str, Any]]], manifest: Mapping[str, Any], shards: str | None = None
@@ -118,11 +142,30 @@ class Endoscopy(Task):
                 self.skipped[case] = "no region box on the frame"
             else:
                 self.frames[case] = frame
+        train = [self.frames[r["case_id"]] for r in rows.get("train", ()) if r["case_id"] in self.frames]
+        self.training_captions = [frame.caption for frame in train]
 
     def build_head(self, dim: int, tokenizer: Any = None, map_channels: Sequence[int] = ()) -> nn.Module:
-        return EndoscopyHead(dim, self.view_depth, len(FAMILIES[self.family]), self.view_kwargs)
+        head = EndoscopyHead(dim, self.view_depth, self.family, self.view_kwargs)
+        if self.family == "cap":
+            if not self.training_captions:
+                raise ValueError("no training frame has a caption: attach the splits first (attach_splits)")
+            self.tokenizer = tokenizer  # the chance level's captions are cut with it
+            head.caption = build_decoder(
+                tokenizer,
+                head.view.dim,
+                width=self.decoder_width,
+                layers=self.decoder_layers,
+                heads=self.decoder_heads,
+                max_positions=max(512, self.caption_tokens, self.max_new_tokens + 1),
+                taught_texts=self.training_captions,
+                max_tokens=self.caption_tokens,
+            )
+        return head
 
     def target(self, frame: FrameAnnotation) -> Any:
+        if self.family == "cap":
+            return frame.caption
         if self.family == "cls":
             return SITES.index(frame.site)
         if self.family == "reg":
@@ -147,8 +190,11 @@ class Endoscopy(Task):
         device = next(head.parameters()).device
         if not asked:
             empty = next(head.parameters()).new_zeros(0, len(FAMILIES[self.family]) or 4)
-            return {"out": empty + sum(p.sum() * 0 for p in head.parameters()), "asked": []}
+            out = {"out": empty + sum(p.sum() * 0 for p in head.parameters()), "asked": []}
+            return {**out, "generated": [], "references": []} if self.family == "cap" else out
         features = head.view(self._frames(batch, asked, device))
+        if self.family == "cap":
+            return self._caption(head, features, cases)
         if self.family != "rec":
             return {"out": head.classify(features), "asked": cases}
         frames = [self.frames[c] for c in cases]
@@ -157,7 +203,31 @@ class Endoscopy(Task):
         centre, extent = raw[:, :2], raw[:, 2:] / 2
         return {"out": torch.cat([centre - extent, centre + extent], -1).clamp(0, 1), "asked": cases}
 
+    def _caption(self, head: EndoscopyHead, features: torch.Tensor, cases: list[str]) -> Outputs:
+        """Teacher-forced logits of the frames' captions; in evaluation also the captions written greedily."""
+        from gx_ray.models.text import tokenize_bucketed  # the models package imports MONAI: only when asked
+
+        decoder = head.caption
+        captions = [self.frames[c].caption for c in cases]
+        tokens = tokenize_bucketed(decoder.tokenizer, captions, self.caption_tokens, features.device)
+        labels = decoder.to_own(tokens.input_ids.masked_fill(~tokens.attention_mask.bool(), IGNORE))
+        memory = features[:, None, :]  # the frame as one token
+        memory_mask = torch.ones(memory.shape[:2], dtype=torch.bool, device=memory.device)
+        outputs = {
+            "logits": decoder(tokens.input_ids, tokens.attention_mask, memory, memory_mask),
+            "labels": labels,
+            "asked": cases,
+        }
+        if not head.training:
+            outputs["generated"] = decoder.generate(memory, memory_mask, max_new_tokens=self.max_new_tokens)
+            outputs["references"] = cut_texts(decoder.tokenizer, captions, self.caption_tokens)
+        return outputs
+
     def loss(self, outputs: Outputs, batch: Batch) -> torch.Tensor:
+        if self.family == "cap":
+            if not outputs["asked"]:
+                return outputs["out"].sum() * 0.0
+            return teacher_forced_loss(outputs["logits"], outputs["labels"])
         out = outputs["out"]
         if not outputs["asked"]:
             return out.sum() * 0.0
@@ -170,6 +240,15 @@ class Endoscopy(Task):
         return F.l1_loss(out, boxes) + BoxGIoULoss()(out, boxes)
 
     def predict(self, outputs: Outputs, batch: Batch) -> list[dict[str, Any]]:
+        if self.family == "cap":
+            if "generated" not in outputs:
+                raise ValueError("caption predictions need the model in eval mode (generation runs only there)")
+            return [
+                {"case_id": case, "prediction": written, "target": reference}
+                for case, written, reference in zip(
+                    outputs["asked"], outputs["generated"], outputs["references"], strict=True
+                )
+            ]
         records = []
         for case, out in zip(outputs["asked"], outputs["out"].detach().float().cpu().numpy(), strict=True):
             target = self.target(self.frames[case])
@@ -187,6 +266,8 @@ class Endoscopy(Task):
         return records
 
     def metric(self) -> TaskMetric:
+        if self.family == "cap":
+            return ReportMetric("en", TEXT_METRICS if self.full_metrics else FAST_TEXT_METRICS)
         return EndoscopyMetric(self)
 
     def documents(self) -> dict[str, Any]:
@@ -199,6 +280,12 @@ class Endoscopy(Task):
         test = [self.target(self.frames[r["case_id"]]) for r in test_rows if r["case_id"] in self.frames]
         if not train or not test:
             return float("nan")
+        if self.family == "cap":
+            train, test = (cut_texts(self.tokenizer, texts, self.caption_tokens) for texts in (train, test))
+            rng = np.random.default_rng(0)
+            draws = [[train[i] for i in rng.integers(0, len(train), len(test))] for _ in range(5)]
+            scores = [text_generation_metrics(d, test, "en", [CAPTION_METRIC])[CAPTION_METRIC] for d in draws]
+            return float(np.mean(scores))
         if self.family == "rec":
             median = np.median(np.asarray(train), axis=0)
             return rec_metrics(np.repeat(median[None], len(test), 0), np.asarray(test))["accuracy"]

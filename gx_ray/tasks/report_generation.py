@@ -148,52 +148,25 @@ class ReportGeneration(Task):
 
     def build_head(self, dim: int, tokenizer: Any, map_channels: Sequence[int] = ()) -> nn.Module:
         self.tokenizer = tokenizer  # the targets are cut with it (target_texts), and the chance level's too
-        kept = None
-        if self.vocabulary == "training":
-            if not self.training_reports:
-                raise RuntimeError("the training reports' vocabulary is not fitted: call prepare(train_rows) first")
-            taught = tokenizer(self.training_reports, truncation=True, max_length=self.max_report_tokens)["input_ids"]
-            special = (tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id)
-            kept = sorted({*special, *(i for ids in taught for i in ids)})
-        if self.decoder == "minilm":
-            from gx_ray.models.text import minilm_path  # the models package imports MONAI: only when asked
-
-            decoder = BertLMHeadModel.from_pretrained(
-                str(minilm_path()), is_decoder=True, add_cross_attention=True, local_files_only=True
-            )
-            if decoder.config.vocab_size != len(tokenizer):
-                raise ValueError(
-                    f"decoder 'minilm' has {decoder.config.vocab_size} tokens but the encoder's tokenizer "
-                    f"{len(tokenizer)}: use decoder='small' with this text encoder"
-                )
-        else:
-            config = BertConfig(
-                vocab_size=len(kept) if kept is not None else len(tokenizer),
-                hidden_size=self.decoder_width,
-                num_hidden_layers=self.decoder_layers,
-                num_attention_heads=self.decoder_heads,
-                intermediate_size=4 * self.decoder_width,
-                max_position_embeddings=max(512, self.max_report_tokens, self.max_new_tokens + 1),
-                is_decoder=True,
-                add_cross_attention=True,
-            )
-            decoder = BertLMHeadModel(config)
-        return ReportDecoder(decoder, dim, tokenizer, kept)
+        if self.vocabulary == "training" and not self.training_reports:
+            raise RuntimeError("the training reports' vocabulary is not fitted: call prepare(train_rows) first")
+        return build_decoder(
+            tokenizer,
+            dim,
+            self.decoder,
+            self.decoder_width,
+            self.decoder_layers,
+            self.decoder_heads,
+            max(512, self.max_report_tokens, self.max_new_tokens + 1),
+            self.training_reports if self.vocabulary == "training" else None,
+            self.max_report_tokens,
+        )
 
     def target_texts(self, reports: Sequence[str | None]) -> list[str | None]:
-        """Each report as the model is taught to write it: its first ``max_report_tokens`` tokens ([CLS] and [SEP]
-        counted), cut in the original text where the last kept token ends. Scoring against words it was never
-        asked to write would measure the cut, not the model; with the default 256 most reports are whole."""
+        """Each report as the model is taught to write it (:func:`cut_texts` at ``max_report_tokens``)."""
         if not hasattr(self, "tokenizer"):
             raise RuntimeError("the report targets need the tokenizer: call build_head first")
-        encoded = self.tokenizer(
-            [r or "" for r in reports], truncation=True, max_length=self.max_report_tokens, return_offsets_mapping=True
-        )
-        cut = []
-        for report, offsets in zip(reports, encoded["offset_mapping"], strict=True):
-            ends = [end for start, end in offsets if end > start]  # special tokens have empty spans
-            cut.append(report[: ends[-1]] if report and ends else report)
-        return cut
+        return cut_texts(self.tokenizer, reports, self.max_report_tokens)
 
     def chance_level(self, train_rows: Sequence[dict], test_rows: Sequence[dict]) -> float:
         """A training report drawn at random for each test case (its target cut as the model's), averaged over
@@ -228,11 +201,7 @@ class ReportGeneration(Task):
         return outputs
 
     def loss(self, outputs: Outputs, batch: Batch) -> torch.Tensor:
-        # position t predicts token t + 1
-        logits, labels = outputs["logits"][:, :-1], outputs["labels"][:, 1:]
-        if not (labels != IGNORE).any():
-            return logits.sum() * 0.0
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE)
+        return teacher_forced_loss(outputs["logits"], outputs["labels"])
 
     def predict(self, outputs: Outputs, batch: Batch) -> list[dict[str, Any]]:
         if "generated" not in outputs:
@@ -246,6 +215,73 @@ class ReportGeneration(Task):
 
     def metric(self) -> TaskMetric:
         return ReportMetric(self.language, TEXT_METRICS if self.full_metrics else FAST_TEXT_METRICS)
+
+
+def build_decoder(
+    tokenizer: Any,
+    memory_dim: int,
+    decoder: str = "small",
+    width: int = 128,
+    layers: int = 2,
+    heads: int = 2,
+    max_positions: int = 512,
+    taught_texts: Sequence[str] | None = None,
+    max_tokens: int = 256,
+) -> ReportDecoder:
+    """A :class:`ReportDecoder` over ``memory_dim``-wide memory: the ``small`` random BERT of ``width``/``layers``/
+    ``heads``, or ``minilm``'s real weights. With ``taught_texts`` the small decoder keeps only the tokens of those
+    texts (their first ``max_tokens``) and the special tokens: its output layer shrinks to them."""
+    if decoder not in DECODERS:
+        raise ValueError(f"unknown report decoder {decoder!r}; valid: {', '.join(DECODERS)}")
+    kept = None
+    if taught_texts is not None:
+        taught = tokenizer(list(taught_texts), truncation=True, max_length=max_tokens)["input_ids"]
+        special = (tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id)
+        kept = sorted({*special, *(i for ids in taught for i in ids)})
+    if decoder == "minilm":
+        from gx_ray.models.text import minilm_path  # the models package imports MONAI: only when asked
+
+        model = BertLMHeadModel.from_pretrained(
+            str(minilm_path()), is_decoder=True, add_cross_attention=True, local_files_only=True
+        )
+        if model.config.vocab_size != len(tokenizer):
+            raise ValueError(
+                f"decoder 'minilm' has {model.config.vocab_size} tokens but the encoder's tokenizer "
+                f"{len(tokenizer)}: use decoder='small' with this text encoder"
+            )
+    else:
+        config = BertConfig(
+            vocab_size=len(kept) if kept is not None else len(tokenizer),
+            hidden_size=width,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            intermediate_size=4 * width,
+            max_position_embeddings=max_positions,
+            is_decoder=True,
+            add_cross_attention=True,
+        )
+        model = BertLMHeadModel(config)
+    return ReportDecoder(model, memory_dim, tokenizer, kept)
+
+
+def cut_texts(tokenizer: Any, texts: Sequence[str | None], max_tokens: int) -> list[str | None]:
+    """Each text as a decoder is taught to write it: its first ``max_tokens`` tokens ([CLS] and [SEP] counted), cut in
+    the original text where the last kept token ends. Scoring against words a model was never asked to write would
+    measure the cut, not the model; at the reports' default 256 most are whole."""
+    encoded = tokenizer([t or "" for t in texts], truncation=True, max_length=max_tokens, return_offsets_mapping=True)
+    cut = []
+    for text, offsets in zip(texts, encoded["offset_mapping"], strict=True):
+        ends = [end for start, end in offsets if end > start]  # special tokens have empty spans
+        cut.append(text[: ends[-1]] if text and ends else text)
+    return cut
+
+
+def teacher_forced_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy: position t predicts token t + 1; :data:`IGNORE` labels add nothing."""
+    logits, labels = logits[:, :-1], labels[:, 1:]
+    if not (labels != IGNORE).any():
+        return logits.sum() * 0.0
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE)
 
 
 class ReportMetric(TaskMetric):
