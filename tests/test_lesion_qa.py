@@ -37,6 +37,7 @@ from gx_ray.train.config import TrialConfig
 from .conftest import smoke_sweep, tiny_prepare
 
 SPACING = (6.0, 4.5, 4.5)
+SHAPE = (32, 64, 64)
 REPORT = (
     "Plain CT of the upper abdomen. The wall of the gastric antrum is thickened, about 12 mm. The lesion measures "
     "about 35 mm in its long axis. 3 enlarged perigastric lymph nodes are seen. The liver shows no focal lesion. "
@@ -88,12 +89,12 @@ def test_sizes_fall_in_exactly_one_bucket():
         assert sum(inside) == 1 and inside[size_bucket(mm)]
 
 
-@pytest.mark.parametrize("family", ["img2txt", "ct2txt", "img2size", "img2attrib"])
+@pytest.mark.parametrize("family", ["img2txt", "ct2txt", "img2size", "img2attrib", "txt2bbox"])
 @pytest.mark.parametrize("distractors", ["random", "matched"])
 def test_questions_keep_to_their_split_hide_the_answer_and_repeat_exactly(family, distractors):
     rng = np.random.default_rng(1)
     rows = _cohort(rng, {"train": 40, "val": 12, "test": 12})
-    questions = build_questions(rows, family, distractors, SPACING, seed=3)
+    questions = build_questions(rows, family, distractors, SPACING, seed=3, shape_zyx=SHAPE)
     everyone = {r["case_id"] for split in rows.values() for r in split}
     assert set(questions.questions) | set(questions.skipped) == everyone  # nothing silently dropped
     assert not set(questions.questions) & set(questions.skipped)
@@ -109,24 +110,41 @@ def test_questions_keep_to_their_split_hide_the_answer_and_repeat_exactly(family
             assert q.options[q.answer] == SIZE_BUCKETS[size_bucket(long_axis_mm(box[0], SPACING))][0]
         if family == "img2attrib":
             assert q.options[q.answer] == own[case_id]["vqa"][0]["answer"]
+        if family == "txt2bbox":
+            box = tuple(int(v) for v in tumour_boxes(own[case_id]["boxes"], own[case_id]["box_present"])[0][0])
+            assert q.option_boxes[q.answer] == box and q.prompt == lesion_description(own[case_id]["ct_report"])
+            assert all(own[c]["split"] == q.split for c in q.option_cases) and q.option_cases[q.answer] == case_id
+            for i, (option, source) in enumerate(zip(q.option_boxes, q.option_cases, strict=True)):
+                # on the lesion's key slice, inside the grid, the size of its source case's lesion
+                assert option[0] == box[0] and option[3] == box[3]
+                assert 0 <= option[1] < option[4] <= SHAPE[1] and 0 <= option[2] < option[5] <= SHAPE[2]
+                src = tumour_boxes(own[source]["boxes"], own[source]["box_present"])[0][0]
+                assert (option[4] - option[1], option[5] - option[2]) == (src[4] - src[1], src[5] - src[2])
+                for j in range(i):  # no two options share a pixel of the slice
+                    other = q.option_boxes[j]
+                    assert not (
+                        option[1] < other[4] and other[1] < option[4] and option[2] < other[5] and other[2] < option[5]
+                    )
     # the right option's position carries nothing: spread over the four places (sizes keep the ontology's order)
     if family != "img2size":
         places = Counter(q.answer for q in questions.questions.values())
         assert len(places) == 4 and max(places.values()) < 0.5 * len(questions.questions)
     # the same rows in another order, the same questions; another seed, other draws
     shuffled = {split: list(reversed(r)) for split, r in rows.items()}
-    assert build_questions(shuffled, family, distractors, SPACING, seed=3).questions == questions.questions
-    if family in ("img2txt", "ct2txt"):
-        other = build_questions(rows, family, distractors, SPACING, seed=4).questions
+    again = build_questions(shuffled, family, distractors, SPACING, seed=3, shape_zyx=SHAPE)
+    assert again.questions == questions.questions
+    if family in ("img2txt", "ct2txt", "txt2bbox"):
+        other = build_questions(rows, family, distractors, SPACING, seed=4, shape_zyx=SHAPE).questions
         assert any(other[c].options != q.options for c, q in questions.questions.items())
 
 
-def test_matched_distractors_share_the_answers_size_more_often_than_random_ones():
+@pytest.mark.parametrize("family", ["img2txt", "txt2bbox"])
+def test_matched_distractors_share_the_answers_size_more_often_than_random_ones(family):
     rows = _cohort(np.random.default_rng(2), {"train": 80})
     own = {r["case_id"]: r for r in rows["train"]}
 
     def same_bucket_share(kind: str) -> float:
-        questions = build_questions(rows, "img2txt", kind, SPACING).questions.values()
+        questions = build_questions(rows, family, kind, SPACING, shape_zyx=SHAPE).questions.values()
         same = []
         for q in questions:
             buckets = [
@@ -158,14 +176,39 @@ def test_every_case_without_a_question_says_why():
     }
     attrib = build_questions(rows, "img2attrib", "random", SPACING).skipped
     assert attrib["a"] == "no attribute answer (lesion, enhancement or localisation VQA item)"
-    with pytest.raises(ValueError, match="valid: img2txt, ct2txt, img2size, img2attrib"):
+    with pytest.raises(ValueError, match="valid: img2txt, ct2txt, img2size, img2attrib, txt2bbox"):
+        build_questions(rows, "txt2img", "random", SPACING)
+    with pytest.raises(ValueError, match="shape_zyx"):
         build_questions(rows, "txt2bbox", "random", SPACING)
+    # a lesion that fills the slice leaves no room for three other boxes beside it
+    big = _cohort(np.random.default_rng(5), {"train": 6})
+    whole = np.asarray(big["train"][0]["boxes"]).reshape(4, 3, 6)
+    whole[2, 0] = [10, 0, 0, 14, 64, 63]
+    big["train"][0]["boxes"] = whole.ravel().tolist()
+    skipped = build_questions(big, "txt2bbox", "random", SPACING, shape_zyx=SHAPE).skipped
+    assert skipped == {"train000": "no room for 3 non-overlapping boxes beside the lesion's on its key slice"}
 
 
-def test_img2size_never_sees_the_tumour_box():
+def test_localisation_distractors_are_placed_in_the_stomach_where_it_has_a_box():
+    rows = _cohort(np.random.default_rng(3), {"train": 30})
+    for row in rows["train"]:
+        boxes, present = np.asarray(row["boxes"]).reshape(4, 3, 6), np.asarray(row["box_present"]).reshape(4, 3)
+        boxes[2, 2], present[2, 2] = [4, 8, 24, 24, 56, 60], True  # venous stomach box
+        row["boxes"], row["box_present"] = boxes.ravel().tolist(), present.ravel().tolist()
+    questions = build_questions(rows, "txt2bbox", "random", SPACING, shape_zyx=SHAPE).questions.values()
+    assert len(questions) == 30
+    for q in questions:
+        for i, b in enumerate(q.option_boxes):
+            if i != q.answer:  # a distractor's centre (as drawn, before clipping to the slice) is in the stomach box
+                cy, cx = (b[1] + b[4]) / 2, (b[2] + b[5]) / 2
+                assert 8 - 1 <= cy <= 56 + 1 and 24 - 1 <= cx <= 60 + 1, (q.case_id, b)
+
+
+@pytest.mark.parametrize("family", ["img2size", "txt2bbox"])
+def test_families_the_box_answers_never_see_the_tumour_box(family):
     with pytest.raises(LeakageError, match="box_gives_the_answer"):
         TrialConfig.from_flat(
-            {"task": "lesion_qa", "task_options.family": "img2size", "schema": "image_bbox", "data.shards": "x"}
+            {"task": "lesion_qa", "task_options.family": family, "schema": "image_bbox", "data.shards": "x"}
         )
     TrialConfig.from_flat(
         {"task": "lesion_qa", "task_options.family": "img2txt", "schema": "image_bbox", "data.shards": "x"}
@@ -271,3 +314,26 @@ def _check_ct_bench_smoke(result, tmp_path: Path) -> None:
     assert (result.report.parent / "tables" / f"table_{families[1]}.md").is_file()
     assert "![box_effect](figures/box_effect.png)" in summary  # CT-Bench's Figure 2: both conditions ran
     assert "### lesion_qa beside CT-Bench" in summary and "never comparable with ours" in summary
+
+
+def test_txt2bbox_shows_one_image_per_option_with_only_that_box_drawn_and_trains(demo_batch_and_rows):
+    batch, rows, manifest = demo_batch_and_rows
+    task, model = _model("image_only", rows, manifest, family="txt2bbox")
+    asked = [i for i, c in enumerate(batch["case_id"]) if c in task.questions.questions]
+    assert asked
+    views = task._views(batch, asked, torch.device("cpu"))  # (n, 4, 3, H, W)
+    assert views.shape[:3] == (len(asked), 4, 3)
+    red = (views == torch.tensor(OVERLAY_COLOUR)[:, None, None]).all(dim=2)  # (n, 4, H, W)
+    for n, i in enumerate(asked):
+        question = task.questions.questions[batch["case_id"][i]]
+        for k, box in enumerate(question.option_boxes):
+            ys, xs = torch.nonzero(red[n, k], as_tuple=True)
+            # exactly this option's rectangle: its outline spans the box's rows and columns
+            assert (ys.min(), ys.max() + 1, xs.min(), xs.max() + 1) == (box[1], box[4], box[2], box[5])
+    outputs = model(batch)
+    assert outputs["logits"].shape == (len(asked), 4)
+    loss = task.loss(outputs, batch)
+    loss.backward()
+    assert torch.isfinite(loss) and any(
+        p.grad is not None and p.grad.abs().sum() > 0 for p in model.head.view.parameters()
+    )

@@ -147,8 +147,8 @@ LEAKAGE_RULES: tuple[LeakageRule, ...] = (
     LeakageRule("report_answers", "VQA answers are taken from the reports, so no report is a VQA input", ("vqa",)),
     LeakageRule(
         "box_gives_the_answer",
-        "a lesion QA family whose answer the tumour box shows (Img2size: the outline's extent is the size) never "
-        "sees the tumour box",
+        "a lesion QA family whose answer the tumour box shows (Img2size: the outline's extent is the size; "
+        "Txt2bbox: the lesion's outline marks the right box) never sees the tumour box",
         ("lesion_qa",),
     ),
     LeakageRule(
@@ -168,7 +168,10 @@ DECLARED_CUES: dict[str, str] = {
     "'with box' (a tumour box cue) adds the drawn outline",
 }
 """Box cues a task takes under every schema, declared rather than refused: they give no answer away."""
-BOX_ANSWERS: dict[str, str] = {"img2size": "the drawn outline's extent is the lesion's size"}
+BOX_ANSWERS: dict[str, str] = {
+    "img2size": "the drawn outline's extent is the lesion's size",
+    "txt2bbox": "the lesion's own outline drawn in marks the right option",
+}
 """Lesion QA families (``task_options.family``) that a tumour box would answer, and why."""
 
 REPORT_TARGETS = {"report_generation": "ct_report", "retrieval": "ct_report"}

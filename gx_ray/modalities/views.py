@@ -87,3 +87,18 @@ def lesion_view(
     indices = stack_indices(hu.shape[0], box_centre_slice(box), slices)
     stack = window(hu[indices], centre, width)
     return draw_box(stack, box, indices) if overlay else grey_rgb(stack)
+
+
+def box_option_views(
+    hu: np.ndarray,
+    key_box: np.ndarray | list[int],
+    option_boxes: np.ndarray | list[list[int]],
+    centre: float = SOFT_TISSUE[0],
+    width: float = SOFT_TISSUE[1],
+) -> np.ndarray:
+    """CT-Bench's Txt2bbox images: the key slice of ``key_box`` (the lesion's) under the window, once per option box,
+    each with only that box drawn in: RGB ``(K, 3, H, W)`` float32 for ``K`` options. Every option is drawn on the same
+    slice, so the slice itself says nothing about which box is the lesion's."""
+    z = box_centre_slice(key_box)
+    stack = window(hu[z : z + 1], centre, width)
+    return np.concatenate([draw_box(stack, [z, *box[1:3], z + 1, *box[4:6]], [z]) for box in option_boxes])

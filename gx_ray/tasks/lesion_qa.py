@@ -7,9 +7,11 @@ Families (``family``), after CT-Bench's tasks:
 - ``ct2txt``: nine consecutive slices centred on the lesion → which description;
 - ``img2size``: the key slice → the long-axis size bucket (the four buckets of :data:`SIZE_BUCKETS` are the options);
 - ``img2attrib``: the key slice → an attribute of the lesion (gross type, depth, enhancement, side) among values
-  that attribute takes.
+  that attribute takes;
+- ``txt2bbox``: the lesion's description → which of four boxes drawn on its key slice is the lesion's (one image per
+  option, each with one box drawn; the description is the text side).
 
-CT-Bench's Txt2img and Txt2bbox need other cases' images or boxes as options inside one batch; they are not built yet.
+CT-Bench's Txt2img needs other cases' images as options inside one batch; it is not built yet.
 
 **Material**, all from the case's own row: the *description* is the CT report's sentences about the primary lesion
 (:func:`lesion_description`); the *size* is the venous tumour box's long axis in mm (its larger in-plane extent times
@@ -24,6 +26,12 @@ category names, not any patient's material):
 - ``matched``: three other cases whose lesion falls in the same size bucket (then the nearest buckets): a harder,
   ontology-matched kind (CT-Bench: random distractors are too easy). Appearance-based neighbours from a trained
   encoder are not built yet.
+
+**Localisation distractors** (``txt2bbox``, CT-Bench's third kind): three other cases' lesion boxes (``random``: any
+three; ``matched``: the same size bucket first) pasted on this case's key slice at other places, overlapping neither
+the lesion's box nor each other and inside the slice; a place is drawn inside the stomach's box where the case has one
+(where a gastric lesion could be), else anywhere on the slice. A case with no room for three such boxes is skipped
+with that reason.
 
 **The split rule**: every option of a question comes from the question's own split. A distractor drawn from
 training material could be recognised as seen in training and eliminated by a model that memorised the training
@@ -61,12 +69,12 @@ from gx_ray.metrics import MCQ_METRICS, mcq_metrics
 from gx_ray.metrics.mcq import option_letter
 from gx_ray.modalities import ModalitySchema, ModelInputs
 from gx_ray.modalities.boxes import TARGET_PHASE, tumour_boxes
-from gx_ray.modalities.views import lesion_view
+from gx_ray.modalities.views import box_option_views, lesion_view
 from gx_ray.models.vision import Endoscopy2d
-from gx_ray.schema import PHASES
+from gx_ray.schema import BOX_LEVELS, PHASES
 from gx_ray.tasks.base import Batch, Outputs, Task, TaskMetric
 
-FAMILIES: dict[str, int] = {"img2txt": 1, "ct2txt": 9, "img2size": 1, "img2attrib": 1}
+FAMILIES: dict[str, int] = {"img2txt": 1, "ct2txt": 9, "img2size": 1, "img2attrib": 1, "txt2bbox": 1}
 """Family → axial slices in its view (CT-Bench: one key slice, or nine for CT2txt)."""
 DISTRACTORS: tuple[str, ...] = ("random", "matched")
 OPTIONS = 4
@@ -82,7 +90,9 @@ _LESION_WORDS = re.compile(r"\b(lesion|tumou?r|mass|wall|mucosa|ulcer|thicken\w*
 _OTHER_FINDINGS = re.compile(
     r"\b(lymph|liver|hepatic|ascites|kidney|renal|gallbladder|spleen|peritone\w*|impression)\b", re.IGNORECASE
 )
-QUESTION_FORMAT = 1
+PLACEMENT_TRIES = 200
+"""Random places tried per localisation distractor before the stomach's box gives way to the whole slice."""
+QUESTION_FORMAT = 2
 """Version of the question recipe: bump when the same rows would give other questions."""
 
 
@@ -113,9 +123,12 @@ class Question:
     options: tuple[str, ...]
     answer: int
     prompt: str = ""
-    """What is asked (the attribute's question for img2attrib), shown to the text side with each option."""
+    """What is asked, shown to the text side: the attribute's question (img2attrib, with each option), the lesion's
+    description (txt2bbox, whose options are images)."""
     option_cases: tuple[str | None, ...] = ()
-    """The case each description option was taken from (None for ontology values)."""
+    """The case each description option (or box option's size) was taken from (None for ontology values)."""
+    option_boxes: tuple[tuple[int, ...], ...] = ()
+    """``txt2bbox``: the option boxes ``(z0, y0, x0, z1, y1, x1)`` on the CT grid, in the options' order."""
 
 
 @dataclass
@@ -145,13 +158,17 @@ def build_questions(
     distractors: str,
     spacing_zyx_mm: Sequence[float],
     seed: int = 0,
+    shape_zyx: Sequence[int] | None = None,
 ) -> QuestionSet:
     """The family's question for every case of every split (``rows``: split → shard rows without images), each
-    from its own split's material only (see the module docstring)."""
+    from its own split's material only (see the module docstring). ``shape_zyx``, the CT grid, bounds ``txt2bbox``'s
+    boxes."""
     if family not in FAMILIES:
         raise ValueError(f"unknown lesion QA family {family!r}; valid: {', '.join(FAMILIES)}")
     if distractors not in DISTRACTORS:
         raise ValueError(f"unknown distractor kind {distractors!r}; valid: {', '.join(DISTRACTORS)}")
+    if family == "txt2bbox" and shape_zyx is None:
+        raise ValueError("txt2bbox places its boxes on the CT grid: give shape_zyx")
     recipe = {"family": family, "distractors": distractors, "seed": seed, "options": OPTIONS}
     result = QuestionSet(recipe)
     # an attribute's options are its vocabulary: category names, the same for every split (no patient's material)
@@ -171,10 +188,14 @@ def build_questions(
                 "description": lesion_description(row.get("ct_report")),
                 "size": size_bucket(long_axis_mm(boxes[0], spacing_zyx_mm)),
                 "attributes": [v for v in row.get("vqa") or () if v["category"] in ATTRIBUTE_CATEGORIES],
+                "box": tuple(int(v) for v in boxes[0]),
+                "stomach": _stomach_box(row),
             }
-        ask = {"img2size": _size_question, "img2attrib": partial(_attribute_question, vocabulary=vocabulary)}.get(
-            family, _description_question
-        )
+        ask = {
+            "img2size": _size_question,
+            "img2attrib": partial(_attribute_question, vocabulary=vocabulary),
+            "txt2bbox": partial(_box_question, shape_zyx=shape_zyx),
+        }.get(family, _description_question)
         for case_id in material:
             rng = _case_rng(seed, case_id, family)
             question = ask(case_id, split, family, material, distractors, rng)
@@ -208,6 +229,81 @@ def _description_question(case_id, split, family, material, distractors, rng) ->
     options, answer = _shuffled(own["description"], [material[c]["description"] for c in chosen], rng)
     cases = {material[c]["description"]: c for c in [case_id, *chosen]}
     return Question(case_id, split, family, options, answer, option_cases=tuple(cases[o] for o in options))
+
+
+def _stomach_box(row: Mapping[str, Any]) -> tuple[int, ...] | None:
+    """The venous stomach box of a shard row, or None."""
+    boxes = np.asarray(row["boxes"]).reshape(len(PHASES), len(BOX_LEVELS), 6)
+    present = np.asarray(row["box_present"]).reshape(len(PHASES), len(BOX_LEVELS))
+    phase, level = PHASES.index(TARGET_PHASE), BOX_LEVELS.index("stomach")
+    return tuple(int(v) for v in boxes[phase, level]) if present[phase, level] else None
+
+
+def _overlaps(a: Sequence[int], b: Sequence[int]) -> bool:
+    """Whether two boxes' in-plane rectangles share a pixel."""
+    return a[1] < b[4] and b[1] < a[4] and a[2] < b[5] and b[2] < a[5]
+
+
+def _box_question(case_id, split, family, material, distractors, rng, shape_zyx) -> Question | str:
+    own = material[case_id]
+    if not own["description"]:
+        return "no lesion description in the CT report"
+    pool = sorted(c for c in material if c != case_id)
+    if len(pool) < OPTIONS - 1:
+        return f"fewer than {OPTIONS} lesions in the {split} split"
+    if distractors == "matched":  # sizes from the same bucket first, as the description distractors
+        distance = np.array([abs(material[c]["size"] - own["size"]) for c in pool], dtype=float)
+        order = [pool[i] for i in np.lexsort((rng.random(len(pool)), distance))]
+    else:
+        order = [pool[i] for i in rng.permutation(len(pool))]
+    _, height, width = (int(v) for v in shape_zyx)
+    z0, z1 = own["box"][0], own["box"][3]
+    placed: list[tuple[int, ...]] = [own["box"]]
+    sources = [case_id]
+    for other in order:  # the next source whose box fits somewhere free, until three are placed
+        h, w = (
+            material[other]["box"][4] - material[other]["box"][1],
+            material[other]["box"][5] - material[other]["box"][2],
+        )
+        if not (0 < h <= height and 0 < w <= width):
+            continue
+        box = _place(rng, h, w, (height, width), own["stomach"], placed, z0, z1)
+        if box is not None:
+            placed.append(box)
+            sources.append(other)
+        if len(placed) == OPTIONS:
+            break
+    if len(placed) < OPTIONS:
+        return f"no room for {OPTIONS - 1} non-overlapping boxes beside the lesion's on its key slice"
+    order = rng.permutation(OPTIONS)
+    boxes = tuple(placed[i] for i in order)
+    options = tuple(f"box y {b[1]}-{b[4]}, x {b[2]}-{b[5]}" for b in boxes)
+    return Question(
+        case_id,
+        split,
+        family,
+        options,
+        int(np.flatnonzero(order == 0)[0]),
+        own["description"],
+        option_cases=tuple(sources[i] for i in order),
+        option_boxes=boxes,
+    )
+
+
+def _place(rng, h, w, slice_shape, stomach, placed, z0, z1) -> tuple[int, ...] | None:
+    """A free place for an ``h`` x ``w`` box: its centre inside the stomach's box where there is one (tried first),
+    else anywhere on the slice; None when :data:`PLACEMENT_TRIES` draws of each find none."""
+    height, width = slice_shape
+    regions = [(stomach[1], stomach[2], stomach[4], stomach[5])] if stomach is not None else []
+    for top, left, bottom, right in [*regions, (0, 0, height, width)]:
+        for _ in range(PLACEMENT_TRIES):
+            cy, cx = rng.integers(top, max(top + 1, bottom)), rng.integers(left, max(left + 1, right))
+            y0 = int(np.clip(cy - h // 2, 0, height - h))
+            x0 = int(np.clip(cx - w // 2, 0, width - w))
+            box = (z0, y0, x0, z1, y0 + h, x0 + w)
+            if not any(_overlaps(box, other) for other in placed):
+                return box
+    return None
 
 
 def _size_question(case_id, split, family, material, distractors, rng) -> Question:
@@ -271,7 +367,8 @@ class LesionQA(Task):
     ) -> None:
         check_format(manifest, 2, "lesion QA's windowed views")
         spacing = manifest["preprocess"]["spacing_zyx_mm"]
-        self.questions = build_questions(rows, self.family, self.distractors, spacing, self.seed)
+        shape = manifest["ct_shape"][1:]
+        self.questions = build_questions(rows, self.family, self.distractors, spacing, self.seed, shape)
 
     def bind(self, schema: ModalitySchema) -> None:
         # a tumour box cue in any form is, on a 2D view, its drawn outline
@@ -290,6 +387,10 @@ class LesionQA(Task):
         hu = hounsfield(ct, batch["ct_hu_mean"][asked, phase].numpy(), batch["ct_hu_std"][asked, phase].numpy())
         views = []
         for volume, i in zip(hu, asked, strict=True):
+            if self.family == "txt2bbox":  # (options, 3, H, W): one image per option box
+                question = self.questions.questions[batch["case_id"][i]]
+                views.append(torch.from_numpy(box_option_views(volume, boxes[i].astype(int), question.option_boxes)))
+                continue
             view = lesion_view(volume, boxes[i].astype(int), FAMILIES[self.family], self.overlay)
             views.append(torch.from_numpy(view.reshape(-1, *view.shape[2:])))
         return torch.stack(views).to(device)
@@ -302,7 +403,13 @@ class LesionQA(Task):
         if not asked:
             return {"logits": head.logit_scale.new_zeros(0, OPTIONS) + head.logit_scale * 0, "asked": []}
         questions = [self.questions.questions[batch["case_id"][i]] for i in asked]
-        image = F.normalize(head.image(head.view(self._views(batch, asked, device))), dim=-1)  # (n, E)
+        views = self._views(batch, asked, device)
+        if self.family == "txt2bbox":  # the options are images (one box drawn on each), the description the text
+            images = F.normalize(head.image(head.view(views.flatten(0, 1))), dim=-1).view(len(asked), OPTIONS, -1)
+            text = F.normalize(head.text(encoder.encode_text([q.prompt for q in questions])), dim=-1)  # (n, E)
+            logits = head.logit_scale.exp().clamp(max=100.0) * torch.einsum("nke,ne->nk", images, text)
+            return {"logits": logits, "asked": questions}
+        image = F.normalize(head.image(head.view(views)), dim=-1)  # (n, E)
         texts = [f"{q.prompt} {option}".strip() for q in questions for option in q.options]
         text = F.normalize(head.text(encoder.encode_text(texts)), dim=-1).view(len(asked), OPTIONS, -1)
         logits = head.logit_scale.exp().clamp(max=100.0) * torch.einsum("ne,nke->nk", image, text)
