@@ -26,13 +26,20 @@ from gx_ray.modalities.views import OVERLAY_COLOUR
 from gx_ray.models import ModelConfig, build_encoder
 from gx_ray.tasks import TaskModel, build_task
 from gx_ray.tasks.lesion_qa import (
+    QUESTION_FORMAT,
     SIZE_BUCKETS,
+    QuestionSet,
     build_questions,
     lesion_description,
     long_axis_mm,
+    manifest_sha256,
+    question_file,
+    read_question_file,
     size_bucket,
+    write_question_file,
 )
 from gx_ray.train.config import TrialConfig
+from gx_ray.train.loop import split_rows
 
 from .conftest import smoke_sweep, tiny_prepare
 
@@ -308,7 +315,14 @@ def _check_ct_bench_smoke(result, tmp_path: Path) -> None:
     path = MlflowClient(result.store_uri).download_artifacts(run_id, "questions/questions.json", str(tmp_path))
     asked = json.loads(Path(path).read_text(encoding="utf-8"))
     assert asked["recipe"] == {"family": "img2attrib", "distractors": "matched", "seed": 0, "options": 4}
-    assert len(asked["questions"]) + len(asked["skipped"]) == 32 and asked["format"] == 1
+    assert len(asked["questions"]) + len(asked["skipped"]) == 32 and asked["format"] == QUESTION_FORMAT
+    # built once by the driver under the output, keyed by the cohort's manifest, and read by every trial of the recipe
+    client = MlflowClient(result.store_uri)
+    files = {client.get_run(r).data.params["task_options.questions_file"] for r in set(runs["run_id"])}
+    written = sorted((result.output.parent / "questions").glob("*/*.json"))
+    assert [p.name for p in written] == [f"{f}.matched.seed0.v{QUESTION_FORMAT}.json" for f in ("ct2txt", "img2attrib")]
+    assert files == {str(p) for p in written}
+    assert json.loads(written[1].read_text(encoding="utf-8"))["questions"] == asked["questions"]
     summary = result.report.read_text(encoding="utf-8")
     assert all(f"| {f} |" in summary for f in families)
     assert (result.report.parent / "tables" / f"table_{families[1]}.md").is_file()
@@ -337,3 +351,32 @@ def test_txt2bbox_shows_one_image_per_option_with_only_that_box_drawn_and_trains
     assert torch.isfinite(loss) and any(
         p.grad is not None and p.grad.abs().sum() > 0 for p in model.head.view.parameters()
     )
+
+
+def test_a_question_file_is_written_once_per_cohort_and_recipe_and_refused_for_another(demo_prepared, tmp_path):
+    shards = str(demo_prepared.shard_dir)
+    manifest = read_manifest(demo_prepared.shard_dir)
+    rows = {s: split_rows(shards, s) for s in ("train", "val", "test")}
+    location = write_question_file(rows, manifest, shards, str(tmp_path), "img2txt", "random", seed=1)
+    assert location == question_file(str(tmp_path), manifest_sha256(shards), "img2txt", "random", 1)
+    recipe = {"family": "img2txt", "distractors": "random", "seed": 1, "options": 4}
+    read = read_question_file(location, recipe, shards)
+    built = build_questions(rows, "img2txt", "random", manifest["preprocess"]["spacing_zyx_mm"], 1)
+    assert read.questions == built.questions and read.skipped == built.skipped and read.questions
+    # a second sweep on the same cohort finds the file and keeps it as it is
+    Path(location).write_text(Path(location).read_text(encoding="utf-8").replace('"format"', '"format" '))
+    before = Path(location).read_text(encoding="utf-8")
+    assert write_question_file(rows, manifest, shards, str(tmp_path), "img2txt", "random", seed=1) == location
+    assert Path(location).read_text(encoding="utf-8") == before
+    with pytest.raises(ValueError, match="its recipe is .* this trial's"):
+        read_question_file(location, {**recipe, "distractors": "matched"}, shards)
+    other = tmp_path / "other"
+    (other / "shards").mkdir(parents=True)
+    (other / "shards" / "manifest.json").write_text("{}")
+    with pytest.raises(ValueError, match="its manifest_sha256 is"):
+        read_question_file(location, recipe, str(other / "shards"))
+    # a lesion QA task given the file asks exactly its questions
+    task = build_task("lesion_qa", family="img2txt", seed=1, questions_file=location)
+    task.attach_splits(rows, manifest, shards)
+    assert task.questions.questions == built.questions
+    assert QuestionSet.from_dict(built.to_dict()).questions == built.questions

@@ -37,7 +37,7 @@ from gx_ray.runtime import init_ray, mlflow_retries, nodes_without, one_process_
 from gx_ray.sweep.plan_cache import measured_plan
 from gx_ray.sweep.resume import check_resumable, record_inputs, sweep_inputs
 from gx_ray.sweep.spaces import SearchSpace, available_presets, load_space
-from gx_ray.sweep.trial import gpu_plan_key, resolve, run_trial, trial_resources
+from gx_ray.sweep.trial import gpu_plan_key, resolve, run_trial, task_options, trial_resources
 from gx_ray.tracking import (
     check_reachable_from,
     child_runs,
@@ -50,7 +50,7 @@ from gx_ray.tracking import (
 )
 from gx_ray.tracking.server import LocalMlflowServer, free_port
 from gx_ray.train.config import AUTO
-from gx_ray.train.loop import probe_trial
+from gx_ray.train.loop import probe_trial, split_rows
 from gx_ray.train.probe import CONTEXT_BYTES, gpu_share, trials_per_gpu
 from gx_ray.train.telemetry import GpuSampler, busy_fraction, sample_metrics
 
@@ -78,7 +78,8 @@ class SweepOptions:
     demo_cases: int = 160
     demo_dir: Path = Path("outputs/demo")
     time_budget_s: float | None = None
-    """Stop starting trials after this many seconds (default: the space's ``budget.time_s``)."""
+    """Stop the trials this many seconds after the sweep's launch (default: the space's ``budget.time_s``): its set-up
+    (Ray, MLflow, the cohort, the GPU plan) counts, so that a sweep given a budget ends near it."""
     verify: bool = False
     """Check every shard's full SHA-256 against the manifest before the sweep starts (sizes and footers always)."""
 
@@ -210,9 +211,36 @@ def gpu_plan(space: SearchSpace, context: dict[str, Any], output: Path) -> dict[
     return plan
 
 
+def question_files(space: SearchSpace, context: dict[str, Any], root: str) -> dict[str, str]:
+    """Each lesion QA question recipe of the space's cells, built once for the cohort before any trial and written
+    under ``root`` (the output folder, or ``--storage``) keyed by the shard manifest's hash; a file an earlier sweep
+    wrote there is reused. Recipe (``family.distractors.seed``) → file; trials read theirs (``questions_file``)."""
+    from gx_ray.tasks.lesion_qa import recipe_options, write_question_file  # its task's imports: only when asked
+
+    recipes = set()
+    for cell in space.cells():
+        flat = resolve(context, cell)
+        if flat.get("task") == "lesion_qa" and not flat.get("task_options.questions_file"):
+            recipes.add(recipe_options(task_options(flat)))
+    if not recipes:
+        return {}
+    shards = context["shards"]
+    rows = {split: split_rows(shards, split) for split in ("train", "val", "test")}
+    manifest = read_manifest(shards)
+    return {
+        ".".join(map(str, recipe)): write_question_file(rows, manifest, shards, root, *recipe)
+        for recipe in sorted(recipes)
+    }
+
+
 def _measure_steps(settings: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     print(f"measuring a training step of {len(settings)} model settings on the GPUs ...", file=sys.stderr)
     return dict(zip(settings, one_process_per_gpu(probe_trial, list(settings.values())), strict=True))
+
+
+def _budget_left(budget_s: float | None, launched_at: float) -> float | None:
+    """What is left for Tune of a sweep's time budget counted from its launch (at least a second), or None."""
+    return None if budget_s is None else max(1.0, budget_s - (time.time() - launched_at))
 
 
 def _param_space(space: SearchSpace) -> dict[str, Any]:
@@ -408,6 +436,7 @@ def _tune(space, options, shards, sweep_id, output, state, tracking_uri, timings
         "overrides": space.overrides,
         "provenance": tags,
     }
+    context["questions"] = question_files(space, context, options.storage or str(Path(options.output).resolve()))
     started = time.perf_counter()
     context["gpu_plan"] = gpu_plan(space, context, output)
     if context["gpu_plan"]:
@@ -434,7 +463,7 @@ def _tune(space, options, shards, sweep_id, output, state, tracking_uri, timings
         scheduler=scheduler,
         num_samples=space.samples,
         max_concurrent_trials=concurrency,
-        time_budget_s=options.time_budget_s or space.time_s,
+        time_budget_s=_budget_left(options.time_budget_s or space.time_s, timings["launched_at"]),
         trial_name_creator=functools.partial(_trial_name, space.fixed),
         trial_dirname_creator=_trial_dirname,
         reuse_actors=True,
@@ -587,8 +616,7 @@ def _task_label(flat: dict[str, Any]) -> str | None:
     """The trial's task, with the options that make it another question (lesion QA's family): its summary cell."""
     from gx_ray.tasks import task_label
 
-    options = {k.removeprefix("task_options."): v for k, v in flat.items() if k.startswith("task_options.")}
-    return task_label(flat.get("task"), options)
+    return task_label(flat.get("task"), task_options(flat))
 
 
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

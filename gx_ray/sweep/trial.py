@@ -38,6 +38,8 @@ def run_trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     # MLflow prints two "View run" lines whenever a run ends: 120 lines per sweep; the parent run's are enough
     os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
     flat = {**resolve(context, params), "data.shards": context["shards"]}
+    if flat.get("task") == "lesion_qa":  # the questions the driver built once for this recipe and cohort
+        flat = {**question_file_of(context, flat), **flat}
     plan = context["gpu_plan"].get(gpu_plan_key(flat), {})
     if plan.get("gradient_checkpointing"):  # the measured step fitted only with it
         flat["model.gradient_checkpointing"] = True
@@ -173,6 +175,19 @@ def trial_resources(context: dict[str, Any], params: dict[str, Any]) -> dict[str
     if gpus == AUTO:  # a setting the plan could not know (a sampled model key) gets a whole GPU
         gpus = context["gpu_plan"].get(gpu_plan_key(flat), {}).get("share", 1.0)
     return {"cpu": flat.get("resources.cpus_per_worker", 1), "gpu": gpus}
+
+
+def question_file_of(context: dict, flat: dict[str, Any]) -> dict[str, str]:
+    """``{"task_options.questions_file": …}`` for a lesion QA trial whose recipe the driver wrote, else nothing."""
+    from gx_ray.tasks.lesion_qa import recipe_options
+
+    location = context.get("questions", {}).get(".".join(map(str, recipe_options(task_options(flat)))))
+    return {"task_options.questions_file": location} if location else {}
+
+
+def task_options(flat: dict[str, Any]) -> dict[str, Any]:
+    """A flat config's ``task_options.*`` keys, by option name."""
+    return {k.removeprefix("task_options."): v for k, v in flat.items() if k.startswith("task_options.")}
 
 
 def resolve(context: dict, chosen: dict[str, Any]) -> dict[str, Any]:

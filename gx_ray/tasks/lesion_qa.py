@@ -41,6 +41,11 @@ Questions are a pure function of the rows, the family, the distractor kind and `
 by its id, so a question does not depend on which other cases were read first). A case without a venous tumour box,
 without a description, or without four distinct candidates gets no question and a reason (:class:`QuestionSet`).
 
+**Question files**: a sweep builds each recipe's questions once, before its trials, into a versioned file under its
+output (or ``--storage``) keyed by the shard manifest's SHA-256 (:func:`write_question_file`); later sweeps on the same
+cohort reuse it, the trials read it (``questions_file``), and ``--data`` stays read-only. A file of another cohort,
+recipe or question format is refused, naming what differs.
+
 **Views** (:mod:`gx_ray.modalities.views`): the schema's reference phase (venous, else its first) in HU (shard format
 2), CT-Bench's soft-tissue window, centred on the lesion's key slice in every condition; a schema with a tumour box
 cue (overlay or channels) draws the box's outline in red. A 2D MONAI ResNet reads the RGB slices stacked as channels;
@@ -50,6 +55,8 @@ learnt temperature, trained with cross-entropy over the four options (as CT-Benc
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import re
 import zlib
@@ -64,7 +71,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gx_ray.data.shards import check_format, hounsfield
+from gx_ray import storage
+from gx_ray.data.shards import MANIFEST_FILE, check_format, hounsfield
 from gx_ray.metrics import MCQ_METRICS, mcq_metrics
 from gx_ray.metrics.mcq import option_letter
 from gx_ray.modalities import ModalitySchema, ModelInputs
@@ -146,6 +154,67 @@ class QuestionSet:
             "questions": [asdict(q) for q in self.questions.values()],
             "skipped": self.skipped,
         }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> QuestionSet:
+        questions = {}
+        for q in data["questions"]:
+            fields = {**q, "options": tuple(q["options"]), "option_cases": tuple(q["option_cases"])}
+            fields["option_boxes"] = tuple(tuple(b) for b in q["option_boxes"])
+            questions[q["case_id"]] = Question(**fields)
+        return cls(dict(data["recipe"]), questions, dict(data["skipped"]))
+
+
+def recipe_options(options: Mapping[str, Any]) -> tuple[str, str, int]:
+    """``(family, distractors, seed)`` of a lesion QA trial's task options, the task's defaults where not given."""
+    return (
+        str(options.get("family", LesionQA.family)),
+        str(options.get("distractors", LesionQA.distractors)),
+        int(options.get("seed", LesionQA.seed)),
+    )
+
+
+def manifest_sha256(shards: str) -> str:
+    """The SHA-256 of a prepared cohort's shard manifest: which cohort a question file belongs to."""
+    return hashlib.sha256(storage.read_bytes(storage.join(shards, MANIFEST_FILE))).hexdigest()
+
+
+def question_file(root: str, manifest_sha: str, family: str, distractors: str, seed: int) -> str:
+    """Where a recipe's questions for a cohort live under ``root`` (a sweep's output or storage)."""
+    name = f"{family}.{distractors}.seed{seed}.v{QUESTION_FORMAT}.json"
+    return storage.join(root, "questions", manifest_sha[:16], name)
+
+
+def write_question_file(
+    rows: Mapping[str, Sequence[Mapping[str, Any]]],
+    manifest: Mapping[str, Any],
+    shards: str,
+    root: str,
+    family: str,
+    distractors: str,
+    seed: int = 0,
+) -> str:
+    """Build a recipe's questions once for the cohort at ``shards`` (``rows``: split → rows without images) and write
+    them under ``root``; a file already there (an earlier sweep's: same cohort and recipe) is kept. Returns where."""
+    sha = manifest_sha256(shards)
+    location = question_file(root, sha, family, distractors, seed)
+    if storage.exists(location):
+        return location
+    spacing, shape = manifest["preprocess"]["spacing_zyx_mm"], manifest["ct_shape"][1:]
+    questions = build_questions(rows, family, distractors, spacing, seed, shape)
+    storage.write_text(location, json.dumps({**questions.to_dict(), "manifest_sha256": sha}, indent=1) + "\n")
+    return location
+
+
+def read_question_file(location: str, recipe: Mapping[str, Any], shards: str) -> QuestionSet:
+    """A question file's questions, refused (naming the file and what differs) unless it is of this question format,
+    this recipe and the cohort at ``shards``."""
+    data = json.loads(storage.read_text(location))
+    expected = {"format": QUESTION_FORMAT, "recipe": dict(recipe), "manifest_sha256": manifest_sha256(shards)}
+    for key, value in expected.items():
+        if data.get(key) != value:
+            raise ValueError(f"question file {location}: its {key} is {data.get(key)!r}, this trial's {value!r}")
+    return QuestionSet.from_dict(data)
 
 
 def _case_rng(seed: int, case_id: str, family: str) -> np.random.Generator:
@@ -352,6 +421,9 @@ class LesionQA(Task):
     view_kwargs: dict[str, Any] = field(default_factory=dict)
     """MONAI ResNet arguments of the view encoder (``block_inplanes`` for a CPU-sized one)."""
     embedding_dim: int = 128
+    questions_file: str | None = None
+    """A question file of this recipe and cohort (:func:`write_question_file`; a sweep sets it); None: the questions
+    are built from the rows."""
     questions: QuestionSet | None = field(default=None, init=False)
     overlay: bool = field(default=False, init=False)
     phase: str = field(default=TARGET_PHASE, init=False)
@@ -366,6 +438,12 @@ class LesionQA(Task):
         self, rows: Mapping[str, Sequence[Mapping[str, Any]]], manifest: Mapping[str, Any], shards: str | None = None
     ) -> None:
         check_format(manifest, 2, "lesion QA's windowed views")
+        if self.questions_file:
+            recipe = {"family": self.family, "distractors": self.distractors, "seed": self.seed, "options": OPTIONS}
+            if shards is None:
+                raise ValueError("a question file is checked against its cohort: attach_splits needs the shards")
+            self.questions = read_question_file(self.questions_file, recipe, shards)
+            return
         spacing = manifest["preprocess"]["spacing_zyx_mm"]
         shape = manifest["ct_shape"][1:]
         self.questions = build_questions(rows, self.family, self.distractors, spacing, self.seed, shape)
