@@ -215,3 +215,59 @@ def test_a_runs_inputs_are_said_in_words_from_its_params_as_mlflow_keeps_them():
     custom = {**PRESETS["image_only"].describe(), "phases": ["venous"], "endoscopy": True}
     custom["reports"] = ["endoscopy_report"]
     assert inputs_of(logged(custom)) == "CT (1 phase), endoscopy image, reports: endoscopy_report"
+
+
+QA_SKILL = {("random", "image_only"): 0.6, ("appearance", "image_only"): 0.3,
+            ("random", "image_bbox"): 0.9, ("appearance", "image_bbox"): 0.6}  # fmt: skip
+"""Planted chance of answering a lesion QA question right: the box helps, appearance distractors are harder."""
+
+
+def _qa_records(kind: str, schema: str, seed: int, patients: int = 80, skill: float | None = None) -> list[dict]:
+    rng = np.random.default_rng([seed, len(kind), len(schema)])
+    right = rng.random(patients) < (QA_SKILL[(kind, schema)] if skill is None else skill)
+    return [
+        {"case_id": f"P{i:03d}", "prediction": "A" if ok else "B", "target": "A", "correct": bool(ok)}
+        for i, ok in enumerate(right)
+    ]
+
+
+@pytest.mark.parametrize("planted", [True, False])
+def test_distractor_kinds_are_compared_paired_and_the_ct_bench_check_reads_them(tmp_path, planted):
+    """A lesion QA sweep on a real MLflow server: with the planted gaps the report finds appearance distractors
+    harder than random ones under both schemas and the box helpful, and the ct-bench check passes; with none
+    planted (every trial the same skill) it finds nothing and the check fails."""
+    from gx_ray.sweep.validate import ct_bench_checks
+
+    sweep = f"qa-{planted}"
+    with LocalMlflowServer(tmp_path / "mlflow") as server:
+        client = MlflowClient(server.uri)
+        parent = parent_run(client, "gx-ray", sweep, {"space": "ct_bench"})
+        for kind, schema in QA_SKILL:
+            for seed in range(3):
+                params = {"task": "lesion_qa", "task_options.family": "img2txt", "task_options.distractors": kind,
+                          "schema": schema, "seed": seed, "model.vision": "resnet10_3d", "model.text": "bert_tiny",
+                          "model.fusion": "concat"}  # fmt: skip
+                tags = {"task": "lesion_qa", "schema": schema, "seed": str(seed)}
+                run_id = child_run(
+                    client, parent, f"{kind}-{schema}-{seed}", f"t-{kind}-{schema}-{seed}", tags, params
+                ).run_id
+                records = _qa_records(kind, schema, seed, skill=None if planted else 0.6)
+                accuracy = 100.0 * np.mean([r["correct"] for r in records])
+                log_metrics(client, run_id, {"test_accuracy": accuracy, "best_val_primary": accuracy}, step=0)
+                log_metrics(client, run_id, {"test_chance": 25.0}, step=0)
+                client.log_dict(run_id, records, "predictions/test.json")
+                client.set_terminated(run_id, "FINISHED")
+        report = write_report(server.uri, sweep, tmp_path, None, n_resamples=400)
+    kinds = pd.read_csv(report.folder / "distractors.csv")
+    assert set(kinds["schema"]) == {"image_only", "image_bbox"} and set(kinds["schema_a"]) == {"appearance"}
+    assert (kinds["task"] == "lesion_qa.img2txt").all() and (kinds["method"] == "paired bootstrap over patients").all()
+    checks = {c.name: c.passed for c in ct_bench_checks(report.folder)}
+    if planted:
+        assert (kinds["diff"] < -15).all() and (kinds["ci_high"] < 0).all() and kinds["significant"].all()
+        assert checks == dict.fromkeys(
+            ["the box helps Img2txt", "random distractors are easier (image_bbox)",
+             "random distractors are easier (image_only)"], True,
+        )  # fmt: skip
+        assert "## Distractor kinds: each against random ones" in (report.folder / "summary.md").read_text()
+    else:
+        assert not kinds["significant"].any() and not any(checks.values())

@@ -380,3 +380,74 @@ def test_a_question_file_is_written_once_per_cohort_and_recipe_and_refused_for_a
     task.attach_splits(rows, manifest, shards)
     assert task.questions.questions == built.questions
     assert QuestionSet.from_dict(built.to_dict()).questions == built.questions
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_nearest_neighbours_rank_the_other_cases_of_the_split_by_cosine_similarity(seed):
+    from gx_ray.tasks.lesion_neighbours import nearest_neighbours
+
+    rng = np.random.default_rng(seed)
+    cases = [f"c{i:02d}" for i in range(30)]
+    embeddings = {c: rng.normal(size=8) for c in cases}
+    split_of = {c: ("train", "val", "test")[i % 3] for i, c in enumerate(cases)}
+    ranked = nearest_neighbours(embeddings, split_of)
+    assert set(ranked) == set(cases)
+    for case, neighbours in ranked.items():
+        same = [c for c in cases if split_of[c] == split_of[case] and c != case]
+        assert sorted(neighbours) == sorted(same)
+        cosine = [
+            embeddings[case] @ embeddings[c] / np.linalg.norm(embeddings[case]) / np.linalg.norm(embeddings[c])
+            for c in neighbours
+        ]
+        assert cosine == sorted(cosine, reverse=True)
+
+
+def test_appearance_distractors_are_drawn_among_the_nearest_lesions():
+    rows = _cohort(np.random.default_rng(4), {"train": 40, "test": 20})
+    rng = np.random.default_rng(0)
+    neighbours = {}
+    for part in rows.values():
+        cases = [r["case_id"] for r in part]
+        for case in cases:
+            others = [c for c in cases if c != case]
+            neighbours[case] = [others[i] for i in rng.permutation(len(others))]
+    own = {r["case_id"]: lesion_description(r["ct_report"]) for part in rows.values() for r in part}
+    for family in ("img2txt", "txt2bbox"):
+        with pytest.raises(ValueError, match="nearest lesions"):
+            build_questions(rows, family, "appearance", SPACING, shape_zyx=SHAPE)
+        built = build_questions(rows, family, "appearance", SPACING, shape_zyx=SHAPE, neighbours=neighbours)
+        assert len(built.questions) == 60
+        again = build_questions(rows, family, "appearance", SPACING, shape_zyx=SHAPE, neighbours=neighbours)
+        assert again.questions == built.questions
+        for case, q in built.questions.items():
+            # the nearest eight lesions whose descriptions differ from the answer's (and from each other)
+            near: dict[str, str] = {}
+            for other in neighbours[case]:
+                if own[other] != own[case] and own[other] not in near:
+                    near[own[other]] = other
+            allowed = set(list(near.values())[:8]) if family == "img2txt" else set(neighbours[case][:8])
+            distractors = {c for i, c in enumerate(q.option_cases) if i != q.answer}
+            assert distractors <= allowed, (family, case)
+
+
+def test_the_lesion_encoder_learns_from_training_descriptions_only(demo_prepared):
+    from gx_ray.tasks.lesion_qa import lesion_neighbours_of
+
+    shards = str(demo_prepared.shard_dir)
+    rows = {s: split_rows(shards, s) for s in ("train", "val", "test")}
+    first = lesion_neighbours_of(rows, shards, seed=0)
+    assert set(first) == {r["case_id"] for part in rows.values() for r in part}
+    assert lesion_neighbours_of(rows, shards, seed=0) == first  # seeded: the same neighbours again
+    # another validation or test report changes nothing: those descriptions are never seen by the encoder
+    unseen = copy.deepcopy(rows)
+    for split in ("val", "test"):
+        for row in unseen[split]:
+            row["ct_report"] = "The lesion measures about 99 mm in its long axis, at the pylorus."
+    assert lesion_neighbours_of(unseen, shards, seed=0) == first
+    # while the training descriptions are what it learns: other ones, other neighbours
+    taught = copy.deepcopy(rows)
+    for i, row in enumerate(taught["train"]):
+        row["ct_report"] = (
+            f"The lesion measures about {10 + 7 * i} mm in its long axis, at the {('cardia', 'antrum')[i % 2]}."
+        )
+    assert lesion_neighbours_of(taught, shards, seed=0) != first

@@ -39,6 +39,8 @@ class Report:
     folder: Path
     files: list[Path] = field(default_factory=list)
     significance: pd.DataFrame | None = None
+    distractors: pd.DataFrame | None = None
+    """Lesion QA: each distractor kind against random ones, per family and schema (``distractors.csv``)."""
     cells: pd.DataFrame | None = None
     seconds: float = 0.0
 
@@ -81,6 +83,12 @@ def write_report(
         if report.significance is not None:
             path = folder / "significance.csv"
             report.significance.to_csv(path, index=False)
+            report.files.append(path)
+        kinds = distractor_comparisons(finished, tracking_uri, n_resamples)
+        if kinds:
+            report.distractors = stats.significance_table(kinds)
+            path = folder / "distractors.csv"
+            report.distractors.to_csv(path, index=False)
             report.files.append(path)
         paper = reference.beside_paper(report.cells, reference.load_reference(), cohort)
         path = folder / "beside_paper.csv"
@@ -128,6 +136,49 @@ def schema_comparisons(
         if result is None:
             result = stats.wilcoxon_over_seeds(arm["value"].to_numpy(), base["value"].to_numpy())
         comparisons.append({**cell, **result})
+    return comparisons
+
+
+def distractor_comparisons(runs: pd.DataFrame, tracking_uri: str, n_resamples: int = 1000) -> list[dict]:
+    """Lesion QA: every distractor kind against ``random`` ones for the same family, schema, model and fusion, on the
+    headline metric, paired on seeds and test patients (each patient has one question of each kind): CT-Bench's
+    finding is that random distractors are too easy. Rows as :func:`schema_comparisons`' with the kinds as
+    ``schema_a``/``schema_b`` (``task`` the family, ``schema`` the inputs); empty for sweeps without two kinds."""
+    from gx_ray.tasks import label_options
+
+    test = runs[(runs["split"] == "test") & runs["task"].astype(str).str.startswith("lesion_qa.")].copy()
+    if test.empty:
+        return []
+
+    @functools.cache  # the random arm takes part in every comparison of its cell: read and score its trials once
+    def scorer(run_id: str, task: str, metric: str) -> CaseScorer | None:
+        records = test_records(tracking_uri, run_id)
+        return case_scorer(task, records, metric) if records else None
+
+    options = test["task"].map(label_options)
+    test["family"], test["kind"] = (
+        options.map(lambda o: f"lesion_qa.{o['family']}"),
+        options.map(lambda o: o["distractors"]),
+    )
+    comparisons = []
+    keys = ["family", "schema", "model", "fusion", "metric"]
+    for (family, schema, model, fusion, metric), group in test.groupby(keys, dropna=False):
+        if metric != headline_metric(family + ".random"):
+            continue
+        arms = {kind: frame.set_index("seed") for kind, frame in group.groupby("kind")}
+        if "random" not in arms or not all(frame.index.is_unique for frame in arms.values()):
+            continue
+        for kind in sorted(set(arms) - {"random"}):
+            seeds = sorted(set(arms[kind].index) & set(arms["random"].index))
+            if not seeds:
+                continue
+            pair = [arms[kind].loc[seeds], arms["random"].loc[seeds]]
+            scorers = [[scorer(run_id, family, metric) for run_id in frame["run_id"]] for frame in pair]
+            result = _paired_bootstrap(scorers, n_resamples) or stats.wilcoxon_over_seeds(
+                pair[0]["value"].to_numpy(), pair[1]["value"].to_numpy()
+            )
+            cell = {"task": family, "schema": schema, "model": model, "fusion": fusion, "metric": metric}
+            comparisons.append({**cell, "schema_a": kind, "schema_b": "random", **result})
     return comparisons
 
 
@@ -196,6 +247,26 @@ def _significance_markdown(table: pd.DataFrame | None, baseline: str) -> str:
     return "\n".join(lines) + caution
 
 
+def _distractors_markdown(table: pd.DataFrame | None) -> str:
+    """Lesion QA's distractor kinds against random ones (CT-Bench: random distractors are too easy)."""
+    if table is None or table.empty:
+        return ""
+    lines = [
+        "## Distractor kinds: each against random ones",
+        "Lesion QA, paired on seeds and test patients (each patient is asked once with each kind); a negative "
+        "difference means the kind is harder than random distractors. p-values Holm-corrected across these rows.",
+        "| family | schema | metric | kind vs random | difference [95 % CI] | p | p (Holm) | significant |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for _, row in table.iterrows():
+        interval = f" [{_fmt(row.get('ci_low'), 2)}, {_fmt(row.get('ci_high'), 2)}]" if "ci_low" in row else ""
+        lines.append(
+            f"| {row['task']} | {row['schema']} | {row['metric']} | {row['schema_a']} | {_fmt(row['diff'], 2)}"
+            f"{interval} | {row['p_value']:.3g} | {row['p_holm']:.3g} | {'**yes**' if row['significant'] else 'no'} |"
+        )
+    return "\n\n".join(lines[:2]) + "\n\n" + "\n".join(lines[2:])
+
+
 def _inputs_markdown(runs: pd.DataFrame) -> str:
     """What each schema gave the model, once per schema (per task where the tasks differ, e.g. detection's cues)."""
     if "inputs" not in runs or runs.empty:
@@ -235,6 +306,7 @@ def _summary(sweep_id: str, runs: pd.DataFrame, report: Report, cohort: str, bas
         f"## Which inputs help: each schema against {baseline}",
         "Paired on seeds and test patients; p-values Holm-corrected across every comparison below.",
         _significance_markdown(report.significance, baseline),
+        _distractors_markdown(report.distractors),
         "## Figures",
         *(f"![{p.stem}]({p.relative_to(report.folder).as_posix()})" for p in figures),
         "## Tables per task (all metrics)",

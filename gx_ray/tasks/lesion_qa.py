@@ -24,11 +24,13 @@ category names, not any patient's material):
 
 - ``random``: three other cases' descriptions, uniformly;
 - ``matched``: three other cases whose lesion falls in the same size bucket (then the nearest buckets): a harder,
-  ontology-matched kind (CT-Bench: random distractors are too easy). Appearance-based neighbours from a trained
-  encoder are not built yet.
+  ontology-matched kind (CT-Bench: random distractors are too easy);
+- ``appearance``: three drawn among the :data:`NEAREST` lesions that look most alike to an encoder trained on the
+  training split (:mod:`~gx_ray.tasks.lesion_neighbours`), within the question's split: CT-Bench's hard negatives.
 
 **Localisation distractors** (``txt2bbox``, CT-Bench's third kind): three other cases' lesion boxes (``random``: any
-three; ``matched``: the same size bucket first) pasted on this case's key slice at other places, overlapping neither
+three; ``matched``: the same size bucket first; ``appearance``: the nearest lesions first, as CT-Bench's "boxes from
+similar images") pasted on this case's key slice at other places, overlapping neither
 the lesion's box nor each other and inside the slice; a place is drawn inside the stomach's box where the case has one
 (where a gastric lesion could be), else anywhere on the slice. A case with no room for three such boxes is skipped
 with that reason.
@@ -84,7 +86,9 @@ from gx_ray.tasks.base import Batch, Outputs, Task, TaskMetric
 
 FAMILIES: dict[str, int] = {"img2txt": 1, "ct2txt": 9, "img2size": 1, "img2attrib": 1, "txt2bbox": 1}
 """Family → axial slices in its view (CT-Bench: one key slice, or nine for CT2txt)."""
-DISTRACTORS: tuple[str, ...] = ("random", "matched")
+DISTRACTORS: tuple[str, ...] = ("random", "matched", "appearance")
+NEAREST = 8
+"""Appearance distractors: three drawn among a case's eight nearest lesions (CT-Bench: top-k, then sampled)."""
 OPTIONS = 4
 SIZE_BUCKETS: tuple[tuple[str, float, float], ...] = (
     ("under 20 mm", 0.0, 20.0),
@@ -201,9 +205,19 @@ def write_question_file(
     if storage.exists(location):
         return location
     spacing, shape = manifest["preprocess"]["spacing_zyx_mm"], manifest["ct_shape"][1:]
-    questions = build_questions(rows, family, distractors, spacing, seed, shape)
+    neighbours = lesion_neighbours_of(rows, shards, seed) if distractors == "appearance" else None
+    questions = build_questions(rows, family, distractors, spacing, seed, shape, neighbours)
     storage.write_text(location, json.dumps({**questions.to_dict(), "manifest_sha256": sha}, indent=1) + "\n")
     return location
+
+
+def lesion_neighbours_of(rows: Mapping[str, Sequence[Mapping[str, Any]]], shards: str, seed: int) -> dict[str, list]:
+    """Every case's nearest lesions of its split (:mod:`~gx_ray.tasks.lesion_neighbours`: an encoder trained on the
+    training split's views and descriptions)."""
+    from gx_ray.tasks.lesion_neighbours import appearance_neighbours  # trains an encoder: only when asked
+
+    descriptions = {r["case_id"]: lesion_description(r.get("ct_report")) for part in rows.values() for r in part}
+    return appearance_neighbours(shards, rows, {c: d for c, d in descriptions.items() if d}, seed)
 
 
 def read_question_file(location: str, recipe: Mapping[str, Any], shards: str) -> QuestionSet:
@@ -228,16 +242,19 @@ def build_questions(
     spacing_zyx_mm: Sequence[float],
     seed: int = 0,
     shape_zyx: Sequence[int] | None = None,
+    neighbours: Mapping[str, Sequence[str]] | None = None,
 ) -> QuestionSet:
     """The family's question for every case of every split (``rows``: split → shard rows without images), each
     from its own split's material only (see the module docstring). ``shape_zyx``, the CT grid, bounds ``txt2bbox``'s
-    boxes."""
+    boxes; ``neighbours`` (case → cases of its split, nearest first) the ``appearance`` distractors."""
     if family not in FAMILIES:
         raise ValueError(f"unknown lesion QA family {family!r}; valid: {', '.join(FAMILIES)}")
     if distractors not in DISTRACTORS:
         raise ValueError(f"unknown distractor kind {distractors!r}; valid: {', '.join(DISTRACTORS)}")
     if family == "txt2bbox" and shape_zyx is None:
         raise ValueError("txt2bbox places its boxes on the CT grid: give shape_zyx")
+    if distractors == "appearance" and neighbours is None:
+        raise ValueError("appearance distractors need each case's nearest lesions (lesion_neighbours)")
     recipe = {"family": family, "distractors": distractors, "seed": seed, "options": OPTIONS}
     result = QuestionSet(recipe)
     # an attribute's options are its vocabulary: category names, the same for every split (no patient's material)
@@ -265,6 +282,8 @@ def build_questions(
             "img2attrib": partial(_attribute_question, vocabulary=vocabulary),
             "txt2bbox": partial(_box_question, shape_zyx=shape_zyx),
         }.get(family, _description_question)
+        if family in ("img2txt", "ct2txt", "txt2bbox"):
+            ask = partial(ask, neighbours=neighbours or {})
         for case_id in material:
             rng = _case_rng(seed, case_id, family)
             question = ask(case_id, split, family, material, distractors, rng)
@@ -281,7 +300,7 @@ def _shuffled(answer: str, others: list[str], rng: np.random.Generator) -> tuple
     return tuple(options[i] for i in order), int(np.flatnonzero(order == 0)[0])
 
 
-def _description_question(case_id, split, family, material, distractors, rng) -> Question | str:
+def _description_question(case_id, split, family, material, distractors, rng, neighbours) -> Question | str:
     own = material[case_id]
     if not own["description"]:
         return "no lesion description in the CT report"
@@ -293,6 +312,18 @@ def _description_question(case_id, split, family, material, distractors, rng) ->
     if distractors == "matched":  # same size bucket first, then the nearest buckets, ties broken at random
         distance = np.array([abs(material[c]["size"] - own["size"]) for c in unique], dtype=float)
         chosen = [unique[i] for i in np.lexsort((rng.random(len(unique)), distance))[: OPTIONS - 1]]
+    elif distractors == "appearance":  # among the nearest lesions with a description of their own
+        near: dict[str, str] = {}
+        for other in neighbours.get(case_id, ()):
+            text = material.get(other, {}).get("description")
+            if text and text != own["description"] and text not in near:
+                near[text] = other
+            if len(near) == NEAREST:
+                break
+        if len(near) < OPTIONS - 1:
+            return f"fewer than {OPTIONS - 1} neighbouring lesions with other descriptions in the {split} split"
+        candidates = list(near.values())
+        chosen = [candidates[i] for i in rng.choice(len(candidates), OPTIONS - 1, replace=False)]
     else:
         chosen = [unique[i] for i in rng.choice(len(unique), OPTIONS - 1, replace=False)]
     options, answer = _shuffled(own["description"], [material[c]["description"] for c in chosen], rng)
@@ -313,7 +344,7 @@ def _overlaps(a: Sequence[int], b: Sequence[int]) -> bool:
     return a[1] < b[4] and b[1] < a[4] and a[2] < b[5] and b[2] < a[5]
 
 
-def _box_question(case_id, split, family, material, distractors, rng, shape_zyx) -> Question | str:
+def _box_question(case_id, split, family, material, distractors, rng, shape_zyx, neighbours) -> Question | str:
     own = material[case_id]
     if not own["description"]:
         return "no lesion description in the CT report"
@@ -323,6 +354,9 @@ def _box_question(case_id, split, family, material, distractors, rng, shape_zyx)
     if distractors == "matched":  # sizes from the same bucket first, as the description distractors
         distance = np.array([abs(material[c]["size"] - own["size"]) for c in pool], dtype=float)
         order = [pool[i] for i in np.lexsort((rng.random(len(pool)), distance))]
+    elif distractors == "appearance":  # the nearest lesions' boxes first, in a random order among them
+        near = [c for c in neighbours.get(case_id, ()) if c in material]
+        order = [near[i] for i in rng.permutation(min(NEAREST, len(near)))] + near[NEAREST:]
     else:
         order = [pool[i] for i in rng.permutation(len(pool))]
     _, height, width = (int(v) for v in shape_zyx)
@@ -446,7 +480,12 @@ class LesionQA(Task):
             return
         spacing = manifest["preprocess"]["spacing_zyx_mm"]
         shape = manifest["ct_shape"][1:]
-        self.questions = build_questions(rows, self.family, self.distractors, spacing, self.seed, shape)
+        neighbours = None
+        if self.distractors == "appearance":  # a sweep builds these once, in its question file
+            if shards is None:
+                raise ValueError("appearance distractors read the cases' views: attach_splits needs the shards")
+            neighbours = lesion_neighbours_of(rows, shards, self.seed)
+        self.questions = build_questions(rows, self.family, self.distractors, spacing, self.seed, shape, neighbours)
 
     def bind(self, schema: ModalitySchema) -> None:
         # a tumour box cue in any form is, on a 2D view, its drawn outline
