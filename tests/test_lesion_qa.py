@@ -96,7 +96,7 @@ def test_sizes_fall_in_exactly_one_bucket():
         assert sum(inside) == 1 and inside[size_bucket(mm)]
 
 
-@pytest.mark.parametrize("family", ["img2txt", "ct2txt", "img2size", "img2attrib", "txt2bbox"])
+@pytest.mark.parametrize("family", ["img2txt", "ct2txt", "img2size", "img2attrib", "txt2bbox", "txt2img"])
 @pytest.mark.parametrize("distractors", ["random", "matched"])
 def test_questions_keep_to_their_split_hide_the_answer_and_repeat_exactly(family, distractors):
     rng = np.random.default_rng(1)
@@ -117,6 +117,12 @@ def test_questions_keep_to_their_split_hide_the_answer_and_repeat_exactly(family
             assert q.options[q.answer] == SIZE_BUCKETS[size_bucket(long_axis_mm(box[0], SPACING))][0]
         if family == "img2attrib":
             assert q.options[q.answer] == own[case_id]["vqa"][0]["answer"]
+        if (
+            family == "txt2img"
+        ):  # the description asks; the options are cases (their images), with distinct descriptions
+            assert q.prompt == lesion_description(own[case_id]["ct_report"]) and q.option_cases[q.answer] == case_id
+            assert all(own[c]["split"] == q.split for c in q.option_cases)
+            assert len({lesion_description(own[c]["ct_report"]) for c in q.option_cases}) == 4
         if family == "txt2bbox":
             box = tuple(int(v) for v in tumour_boxes(own[case_id]["boxes"], own[case_id]["box_present"])[0][0])
             assert q.option_boxes[q.answer] == box and q.prompt == lesion_description(own[case_id]["ct_report"])
@@ -140,7 +146,7 @@ def test_questions_keep_to_their_split_hide_the_answer_and_repeat_exactly(family
     shuffled = {split: list(reversed(r)) for split, r in rows.items()}
     again = build_questions(shuffled, family, distractors, SPACING, seed=3, shape_zyx=SHAPE)
     assert again.questions == questions.questions
-    if family in ("img2txt", "ct2txt", "txt2bbox"):
+    if family in ("img2txt", "ct2txt", "txt2bbox", "txt2img"):
         other = build_questions(rows, family, distractors, SPACING, seed=4, shape_zyx=SHAPE).questions
         assert any(other[c].options != q.options for c, q in questions.questions.items())
 
@@ -183,8 +189,8 @@ def test_every_case_without_a_question_says_why():
     }
     attrib = build_questions(rows, "img2attrib", "random", SPACING).skipped
     assert attrib["a"] == "no attribute answer (lesion, enhancement or localisation VQA item)"
-    with pytest.raises(ValueError, match="valid: img2txt, ct2txt, img2size, img2attrib, txt2bbox"):
-        build_questions(rows, "txt2img", "random", SPACING)
+    with pytest.raises(ValueError, match="valid: img2txt, ct2txt, img2size, img2attrib, txt2bbox, txt2img"):
+        build_questions(rows, "txt2video", "random", SPACING)
     with pytest.raises(ValueError, match="shape_zyx"):
         build_questions(rows, "txt2bbox", "random", SPACING)
     # a lesion that fills the slice leaves no room for three other boxes beside it
@@ -451,3 +457,34 @@ def test_the_lesion_encoder_learns_from_training_descriptions_only(demo_prepared
             f"The lesion measures about {10 + 7 * i} mm in its long axis, at the {('cardia', 'antrum')[i % 2]}."
         )
     assert lesion_neighbours_of(taught, shards, seed=0) != first
+
+
+@pytest.mark.parametrize("schema", ["image_only", "image_bbox"])
+def test_txt2img_shows_the_option_cases_own_key_slices(demo_prepared, schema):
+    from gx_ray.tasks.lesion_neighbours import key_slice_views
+
+    shards = str(demo_prepared.shard_dir)
+    manifest = read_manifest(demo_prepared.shard_dir)
+    rows = {s: split_rows(shards, s) for s in ("train", "val", "test")}
+    task = build_task("lesion_qa", family="txt2img", view_depth=10, view_kwargs={"block_inplanes": [4, 8, 8, 8]})
+    task.attach_splits(rows, manifest, shards)
+    encoder = build_encoder(
+        ModelConfig(vision="resnet10_3d", text="bert_tiny", hidden=16, vision_kwargs={"block_inplanes": [4, 8, 8, 8]}),
+        PRESETS[schema],
+    )
+    model = TaskModel(task, encoder, PRESETS[schema])
+    files = split_files(demo_prepared.shard_dir, "train")
+    table = pa.concat_tables([pq.read_table(f) for f in files])
+    batch = BatchCollate(TensorLayout.from_schema(table.schema))(table)
+    asked = [i for i, c in enumerate(batch["case_id"]) if c in task.questions.questions]
+    assert asked
+    views = task._views(batch, asked, torch.device("cpu"))
+    expected = key_slice_views(shards, overlay=schema == "image_bbox")
+    for n, i in enumerate(asked):
+        question = task.questions.questions[batch["case_id"][i]]
+        for k, case in enumerate(question.option_cases):
+            assert torch.equal(views[n, k], torch.from_numpy(expected[case]).float())
+    red = (views == torch.tensor(OVERLAY_COLOUR)[:, None, None]).all(dim=2)
+    assert bool(red.any()) == (schema == "image_bbox")  # each slice with its own lesion's outline, under a box cue
+    outputs = model(batch)
+    assert outputs["logits"].shape == (len(asked), 4) and torch.isfinite(task.loss(outputs, batch))

@@ -35,9 +35,11 @@ TEMPERATURE = 0.07
 VIEW_COLUMNS = ["case_id", "ct", "ct_hu_mean", "ct_hu_std", "boxes", "box_present"]
 
 
-def key_slice_views(shards: str, splits: Sequence[str] = ("train", "val", "test")) -> dict[str, np.ndarray]:
-    """Each case's key-slice view ``(3, H, W)`` float16 (cases without a venous tumour box have none), read one row
-    group at a time: only the slices are kept, never the volumes."""
+def key_slice_views(
+    shards: str, splits: Sequence[str] = ("train", "val", "test"), overlay: bool = False
+) -> dict[str, np.ndarray]:
+    """Each case's key-slice view ``(3, H, W)`` float16 (cases without a venous tumour box have none; its own box
+    drawn in with ``overlay``), read one row group at a time: only the slices are kept, never the volumes."""
     phase = PHASES.index(TARGET_PHASE)
     views: dict[str, np.ndarray] = {}
     for split in splits:
@@ -50,7 +52,7 @@ def key_slice_views(shards: str, splits: Sequence[str] = ("train", "val", "test"
                 ct = batch["ct"][:, phase].float().numpy()
                 hu = hounsfield(ct, batch["ct_hu_mean"][:, phase].numpy(), batch["ct_hu_std"][:, phase].numpy())
                 for i in np.flatnonzero(present):
-                    view = lesion_view(hu[i], boxes[i].astype(int), 1, overlay=False)[0]
+                    view = lesion_view(hu[i], boxes[i].astype(int), 1, overlay=overlay)[0]
                     views[batch["case_id"][i]] = view.astype(np.float16)
     return views
 

@@ -9,9 +9,11 @@ Families (``family``), after CT-Bench's tasks:
 - ``img2attrib``: the key slice → an attribute of the lesion (gross type, depth, enhancement, side) among values
   that attribute takes;
 - ``txt2bbox``: the lesion's description → which of four boxes drawn on its key slice is the lesion's (one image per
-  option, each with one box drawn; the description is the text side).
-
-CT-Bench's Txt2img needs other cases' images as options inside one batch; it is not built yet.
+  option, each with one box drawn; the description is the text side);
+- ``txt2img``: the lesion's description → which of four key slices (its own and three other cases', chosen as the
+  description families choose their distractors) shows it; with a box cue each slice has its own lesion's outline.
+  The options' slices come from the whole cohort, read once a trial (:func:`~gx_ray.tasks.lesion_neighbours.
+  key_slice_views`: slices only, never the volumes).
 
 **Material**, all from the case's own row: the *description* is the CT report's sentences about the primary lesion
 (:func:`lesion_description`); the *size* is the venous tumour box's long axis in mm (its larger in-plane extent times
@@ -84,7 +86,9 @@ from gx_ray.models.vision import Endoscopy2d
 from gx_ray.schema import BOX_LEVELS, PHASES
 from gx_ray.tasks.base import Batch, Outputs, Task, TaskMetric
 
-FAMILIES: dict[str, int] = {"img2txt": 1, "ct2txt": 9, "img2size": 1, "img2attrib": 1, "txt2bbox": 1}
+FAMILIES: dict[str, int] = {"img2txt": 1, "ct2txt": 9, "img2size": 1, "img2attrib": 1, "txt2bbox": 1, "txt2img": 1}
+IMAGE_OPTIONS = ("txt2bbox", "txt2img")
+"""Families whose options are images (one view per option) and whose question is the description."""
 """Family → axial slices in its view (CT-Bench: one key slice, or nine for CT2txt)."""
 DISTRACTORS: tuple[str, ...] = ("random", "matched", "appearance")
 NEAREST = 8
@@ -136,7 +140,7 @@ class Question:
     answer: int
     prompt: str = ""
     """What is asked, shown to the text side: the attribute's question (img2attrib, with each option), the lesion's
-    description (txt2bbox, whose options are images)."""
+    description (txt2bbox, txt2img: their options are images)."""
     option_cases: tuple[str | None, ...] = ()
     """The case each description option (or box option's size) was taken from (None for ontology values)."""
     option_boxes: tuple[tuple[int, ...], ...] = ()
@@ -281,8 +285,9 @@ def build_questions(
             "img2size": _size_question,
             "img2attrib": partial(_attribute_question, vocabulary=vocabulary),
             "txt2bbox": partial(_box_question, shape_zyx=shape_zyx),
+            "txt2img": _image_question,
         }.get(family, _description_question)
-        if family in ("img2txt", "ct2txt", "txt2bbox"):
+        if family in ("img2txt", "ct2txt", *IMAGE_OPTIONS):
             ask = partial(ask, neighbours=neighbours or {})
         for case_id in material:
             rng = _case_rng(seed, case_id, family)
@@ -329,6 +334,16 @@ def _description_question(case_id, split, family, material, distractors, rng, ne
     options, answer = _shuffled(own["description"], [material[c]["description"] for c in chosen], rng)
     cases = {material[c]["description"]: c for c in [case_id, *chosen]}
     return Question(case_id, split, family, options, answer, option_cases=tuple(cases[o] for o in options))
+
+
+def _image_question(case_id, split, family, material, distractors, rng, neighbours) -> Question | str:
+    """Txt2img: the description families' choice of cases, asked the other way round (options are their images)."""
+    question = _description_question(case_id, split, family, material, distractors, rng, neighbours)
+    if isinstance(question, str):
+        return question
+    options = tuple(f"the key slice of {c}" for c in question.option_cases)
+    description = material[case_id]["description"]
+    return Question(case_id, split, family, options, question.answer, description, question.option_cases)
 
 
 def _stomach_box(row: Mapping[str, Any]) -> tuple[int, ...] | None:
@@ -459,6 +474,9 @@ class LesionQA(Task):
     """A question file of this recipe and cohort (:func:`write_question_file`; a sweep sets it); None: the questions
     are built from the rows."""
     questions: QuestionSet | None = field(default=None, init=False)
+    shards: str | None = field(default=None, init=False)
+    option_views: dict[str, np.ndarray] | None = field(default=None, init=False, repr=False)
+    """``txt2img``: every case's key slice, read at the first step (the options are other cases' images)."""
     overlay: bool = field(default=False, init=False)
     phase: str = field(default=TARGET_PHASE, init=False)
 
@@ -472,6 +490,7 @@ class LesionQA(Task):
         self, rows: Mapping[str, Sequence[Mapping[str, Any]]], manifest: Mapping[str, Any], shards: str | None = None
     ) -> None:
         check_format(manifest, 2, "lesion QA's windowed views")
+        self.shards = shards
         if self.questions_file:
             recipe = {"family": self.family, "distractors": self.distractors, "seed": self.seed, "options": OPTIONS}
             if shards is None:
@@ -496,6 +515,16 @@ class LesionQA(Task):
         return LesionQAHead(dim, FAMILIES[self.family], self.view_depth, self.embedding_dim, self.view_kwargs)
 
     def _views(self, batch: Batch, asked: list[int], device: torch.device) -> torch.Tensor:
+        if self.family == "txt2img":  # (n, options, 3, H, W): the option cases' own key slices
+            if self.option_views is None:
+                if self.shards is None:
+                    raise RuntimeError("txt2img reads the option cases' slices: attach_splits needs the shards")
+                from gx_ray.tasks.lesion_neighbours import key_slice_views
+
+                self.option_views = key_slice_views(self.shards, overlay=self.overlay)
+            questions = [self.questions.questions[batch["case_id"][i]] for i in asked]
+            views = [np.stack([self.option_views[c] for c in q.option_cases]) for q in questions]
+            return torch.from_numpy(np.stack(views)).float().to(device)
         phase = PHASES.index(self.phase)
         boxes, _ = tumour_boxes(batch["boxes"], batch["box_present"])
         # the asked cases' one phase leaves the device in one copy (one wait for the GPU a batch, not one a case)
@@ -521,7 +550,7 @@ class LesionQA(Task):
             return {"logits": head.logit_scale.new_zeros(0, OPTIONS) + head.logit_scale * 0, "asked": []}
         questions = [self.questions.questions[batch["case_id"][i]] for i in asked]
         views = self._views(batch, asked, device)
-        if self.family == "txt2bbox":  # the options are images (one box drawn on each), the description the text
+        if self.family in IMAGE_OPTIONS:  # the options are images, the description the text
             images = F.normalize(head.image(head.view(views.flatten(0, 1))), dim=-1).view(len(asked), OPTIONS, -1)
             text = F.normalize(head.text(encoder.encode_text([q.prompt for q in questions])), dim=-1)  # (n, E)
             logits = head.logit_scale.exp().clamp(max=100.0) * torch.einsum("nke,ne->nk", images, text)
