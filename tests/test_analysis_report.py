@@ -200,6 +200,28 @@ def test_lesion_qa_sits_beside_ct_bench_labelled_as_another_dataset():
     assert beside_related_markdown(cells[cells["task"] == "vqa"], related) is None
 
 
+def test_endoscopy_sits_beside_the_upper_gi_paper_on_unseen_patients_labelled_as_another_dataset():
+    from gx_ray.analysis.reference import beside_endoscopy_markdown
+
+    related = load_related()
+    cells = pd.DataFrame(
+        [
+            {"task": "endoscopy.cls", "schema": "image_only", "metric": "accuracy", "mean": 60.0},
+            {"task": "endoscopy.cls", "schema": "image_table", "metric": "accuracy", "mean": 70.0},
+            {"task": "endoscopy.rec", "schema": "image_only", "metric": "accuracy", "mean": 40.0},
+            {"task": "endoscopy.cap", "schema": "image_only", "metric": "rouge_l", "mean": 30.0},
+            {"task": "vqa", "schema": "image_only", "metric": "accuracy", "mean": 99.0},
+        ]
+    )
+    markdown = beside_endoscopy_markdown(cells, related)
+    assert "never comparable with ours" in markdown.splitlines()[0] and "unseen patients" in markdown.splitlines()[0]
+    assert "|  | CLS | REC | note |" in markdown  # only the families the sweep ran and the paper reports (not CAP)
+    assert "| ours (mean over schemas) | 65.0 | 40.0 |  |" in markdown
+    assert "| this paper's model | 88.6 | 37.4 |" in markdown and "| ColonGPT | 83.2 | 56.2 |" in markdown
+    assert "91.4" not in markdown  # the paper's validation split holds training patients: not shown
+    assert beside_endoscopy_markdown(cells[cells["task"] == "vqa"], related) is None
+
+
 def test_a_runs_inputs_are_said_in_words_from_its_params_as_mlflow_keeps_them():
     from gx_ray.modalities.schemas import PRESETS
     from gx_ray.train.config import TrialConfig

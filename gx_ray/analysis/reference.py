@@ -156,7 +156,41 @@ def beside_related_markdown(cells: pd.DataFrame, related: pd.DataFrame) -> str |
     return "\n".join(lines) + "\n"
 
 
+ENDOSCOPY_METRICS = {"cls": "accuracy", "reg": "accuracy", "rec": "accuracy_iou_50"}
+"""The upper-GI endoscopy paper's metric per family (its REC accuracy is ours: the share of boxes at IoU >= 0.5)."""
+UNSEEN = "test (unseen)"
+
+
+def beside_endoscopy_markdown(cells: pd.DataFrame, related: pd.DataFrame) -> str | None:
+    """The endoscopy tasks beside the upper-GI endoscopy paper (GastroINST, its test split of unseen patients): our
+    test accuracy per family (mean over seeds and schemas) above each of its models' numbers, under a heading that
+    names the other dataset; None when the sweep ran no family the paper reports (CAP: it reviewed captions by hand)."""
+    ours = cells[cells["task"].astype(str).str.startswith("endoscopy.") & (cells["metric"] == "accuracy")]
+    ours = ours.assign(family=ours["task"].str.split(".").str[1])
+    ours = ours[ours["family"].isin(ENDOSCOPY_METRICS)]
+    if ours.empty:
+        return None
+    families = [f for f in ENDOSCOPY_METRICS if f in set(ours["family"])]
+    theirs = related[related["task"].isin([f"endoscopy_{f}" for f in families]) & (related["split"] == UNSEEN)]
+    dataset = theirs["dataset"].iloc[0] if len(theirs) else "GastroINST"
+    header = ["", *(f.upper() for f in families), "note"]
+    lines = [
+        f"### endoscopy beside the upper-GI endoscopy paper ({dataset}, unseen patients): {OTHER_DATASET}",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    means = ours.groupby("family")["mean"].mean()
+    lines.append("| " + " | ".join(["ours (mean over schemas)", *(_number(means.get(f)) for f in families), ""]) + " |")
+    for model, group in theirs.groupby("model", sort=False):
+        values = {t.removeprefix("endoscopy_"): v for t, v in zip(group["task"], group["value"], strict=True)}
+        notes = "; ".join(dict.fromkeys(n for n in group["note"].dropna() if n))
+        lines.append("| " + " | ".join([model, *(_number(values.get(f)) for f in families), notes]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 __all__ = [
+    "beside_endoscopy_markdown",
     "beside_paper",
     "beside_paper_markdown",
     "beside_related_markdown",

@@ -96,9 +96,11 @@ def write_report(
         report.files.append(path)
         printed = paper[paper.filter(like="paper: ").notna().any(axis=1)]  # the CSV keeps every metric
         beside = reference.beside_paper_markdown(printed)
-        related = reference.beside_related_markdown(report.cells, reference.load_related())
-        if related:  # lesion QA: CT-Bench's numbers, on another dataset, for scale
-            beside += "\n" + related
+        related = reference.load_related()
+        for other in (reference.beside_related_markdown, reference.beside_endoscopy_markdown):
+            section = other(report.cells, related)  # CT-Bench's, the endoscopy paper's: another dataset, for scale
+            if section:
+                beside += "\n" + section
         summary = _summary(sweep_id, runs, report, cohort, baseline, beside)
         report.files += _write_summary(folder, summary)
     if parent_run_id:
