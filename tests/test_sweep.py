@@ -344,3 +344,22 @@ def test_the_summary_leaves_out_trials_a_time_budget_never_started():
         "t1",
     )
     assert cell["test_mean"] == pytest.approx(62.0)
+
+
+def test_the_progress_bar_counts_a_trial_the_time_budget_ended_as_stopped_not_finished(capsys):
+    from types import SimpleNamespace
+
+    from gx_ray.sweep.driver import TrialProgress
+
+    progress = TrialProgress(total=4)
+    progress.setup()
+    trials = [
+        SimpleNamespace(status="TERMINATED", last_result={"epoch": 1, "test_primary": 70.0}),
+        SimpleNamespace(status="TERMINATED", last_result={"epoch": 0}),  # Tune's time budget ended it
+        SimpleNamespace(status="ERROR", last_result={}),
+        SimpleNamespace(status="RUNNING", last_result={"epoch": 0}),
+    ]
+    progress.on_step_end(0, trials)
+    assert progress.bar.n == 3 and progress.shown == (1, 1, 1)
+    progress.on_experiment_end(trials)
+    assert "finished=1, stopped=1, failed=1" in capsys.readouterr().err

@@ -140,7 +140,11 @@ def _run(
         def ddp_run() -> dict[str, Any]:
             space = _space(out / "ddp.yaml", config, ("image_only",), workers=sizes)
             budget = max(DDP_BUDGET_S / 2, config.budget_s - (time.perf_counter() - started) - WIND_DOWN_S)
-            options = SweepOptions(str(space), out / "sweeps", shards, time_budget_s=budget, **cluster)
+            # two at a time: N = 1 and 2 side by side, then N = 4 once the first ends (all three at once left the
+            # four-rank trainer waiting for GPUs past Ray Train's 60 s worker-group timeout on 4 x H200)
+            options = SweepOptions(
+                str(space), out / "sweeps", shards, time_budget_s=budget, max_concurrent=2, **cluster
+            )
             return _ddp_figures(run_sweep(options))
 
         result["ddp"] = _phase(result, "ddp", ddp_run, {})

@@ -353,23 +353,26 @@ def run_sweep(options: SweepOptions) -> SweepResult:
 
 
 class TrialProgress(tune.Callback):
-    """A progress bar of the sweep's trials (finished, failed, and an ETA) on stderr, in place of Tune's tables. It
-    counts Tune's ended trials, so a resumed sweep's bar starts where the interrupted one stopped."""
+    """A progress bar of the sweep's trials (finished, stopped, failed, and an ETA) on stderr, in place of Tune's
+    tables. It counts Tune's ended trials, so a resumed sweep's bar starts where the interrupted one stopped; a trial
+    Tune ended before its test metrics (the time budget, ASHA) is stopped, not finished."""
 
     def __init__(self, total: int):
-        self.total, self.bar, self.shown = total, None, (0, 0)
+        self.total, self.bar, self.shown = total, None, (0, 0, 0)
 
     def setup(self, **info: Any) -> None:
         interval = 1.0 if sys.stderr.isatty() else 30.0  # a log file gets a line now and then, not every update
         self.bar = tqdm(total=self.total, desc="trials", unit="trial", file=sys.stderr, mininterval=interval)
 
     def on_step_end(self, iteration: int, trials: list, **info: Any) -> None:
-        finished = sum(t.status == "TERMINATED" for t in trials)
-        failed = sum(t.status == "ERROR" for t in trials)
-        if self.bar is not None and (finished, failed) != self.shown:
-            self.shown = (finished, failed)
-            self.bar.set_postfix({"finished": finished, "failed": failed}, refresh=False)
-            self.bar.update(finished + failed - self.bar.n)
+        ended = [t for t in trials if t.status == "TERMINATED"]
+        finished = sum("test_primary" in (t.last_result or {}) for t in ended)
+        stopped, failed = len(ended) - finished, sum(t.status == "ERROR" for t in trials)
+        if self.bar is not None and (finished, stopped, failed) != self.shown:
+            self.shown = (finished, stopped, failed)
+            counts = {"finished": finished, **({"stopped": stopped} if stopped else {}), "failed": failed}
+            self.bar.set_postfix(counts, refresh=False)
+            self.bar.update(finished + stopped + failed - self.bar.n)
 
     def on_experiment_end(self, trials: list, **info: Any) -> None:
         self.on_step_end(0, trials)
