@@ -123,10 +123,18 @@ def minilm(max_length: int = 256) -> TextEncoder:
     return pretrained(minilm_path(), max_length, local_files_only=True)
 
 
+def quiet_loading() -> None:
+    """No "Loading weights" bar: transformers 5 draws one for every load (a line per trial), nothing to act on."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+
+
 def pretrained(name_or_path: str | Path, max_length: int = 256, **load: Any) -> TextEncoder:
     """Any transformers encoder (``AutoModel``) with its own tokenizer, by hub name or local folder."""
     from transformers import AutoModel, AutoTokenizer
 
+    quiet_loading()
     model = AutoModel.from_pretrained(str(name_or_path), **load)
     tokenizer = AutoTokenizer.from_pretrained(str(name_or_path), **load)
     return TextEncoder(model, tokenizer, max_length)

@@ -239,8 +239,9 @@ def build_decoder(
         special = (tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id)
         kept = sorted({*special, *(i for ids in taught for i in ids)})
     if decoder == "minilm":
-        from gx_ray.models.text import minilm_path  # the models package imports MONAI: only when asked
+        from gx_ray.models.text import minilm_path, quiet_loading  # the models package imports MONAI: only when asked
 
+        quiet_loading()
         model = BertLMHeadModel.from_pretrained(
             str(minilm_path()), is_decoder=True, add_cross_attention=True, local_files_only=True
         )
