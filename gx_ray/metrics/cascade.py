@@ -1,0 +1,249 @@
+"""MedEvalKit's scoring of free-text answers as a cascade: rules first, then similarity, then (optionally) an LLM judge.
+
+A generative model (a VLM) answers in words; each answer is scored by the first stage that can decide it:
+
+1. **rule**: a multiple-choice answer that names an option letter (:func:`~gx_ray.metrics.mcq.parse_choice`) or is
+   exactly one option's text; a close- or open-ended answer equal to the reference (both normalised: lower case,
+   punctuation and articles dropped, as MMMU and MedEvalKit normalise);
+2. **similarity**: a multiple-choice answer the rules cannot read takes the option whose text it says most of (MMMU's
+   fallback: the share of the option's tokens in the answer, at least :data:`MIN_SIMILARITY`, then token F1; a tie
+   or less is no option named: a parse failure); a
+   close-ended answer is right when its token F1 with the reference reaches :data:`CLOSE_ENDED_F1`;
+3. **judge**: an open-ended answer the rules did not match, when a judge is given: an LLM asked with MedEvalKit's
+   judge prompt (:data:`JUDGE_PROMPT`, versioned by :data:`JUDGE_PROMPT_VERSION`), answering
+   ``<judge>0</judge>`` for correct (its convention) or ``1``. Verdicts are cached by (prompt version, question,
+   reference, answer), so a rerun asks nothing twice. Without a judge an open answer the rules did not match is
+   scored by token F1 as close-ended ones are, and says so (stage ``similarity``).
+
+:func:`cascade_metrics` reports accuracy, the parse-failure rate apart from it (an MCQ answer naming no option, a
+judge reply naming no verdict), the share each stage decided, and, where the judge also saw answers the rules
+decided (``audit``), how often the two agree.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import string
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from gx_ray.metrics.mcq import parse_choice
+
+QUESTION_TYPES = ("mcq", "close", "open")
+MIN_SIMILARITY = 0.5
+"""An MCQ answer that says less than this share of its best option's tokens names no option."""
+CLOSE_ENDED_F1 = 0.8
+JUDGE_PROMPT_VERSION = 1
+JUDGE_PROMPT = (
+    "You are a medical expert grading an answer.\n"
+    "Question: {question}\n"
+    "Reference answer: {reference}\n"
+    "Model answer: {answer}\n"
+    "Judge whether the model answer is correct. A similar meaning or another valid interpretation counts as correct. "
+    "Think inside <think></think>, then give your verdict inside <judge></judge>: 0 if the answer is correct, 1 if it "
+    "is not."
+)
+"""MedEvalKit's judge prompt (its Table 24), version :data:`JUDGE_PROMPT_VERSION`: change one, bump the other."""
+_VERDICT = re.compile(r"<judge>\s*([01])\s*</judge>", re.IGNORECASE)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+CASCADE_METRICS = ("accuracy", "parse_failure_rate", "decided_by_rule", "decided_by_similarity", "decided_by_judge")
+
+
+def normalise(text: str | None) -> str:
+    """Lower case, no punctuation, no articles, single spaces (MMMU's and SQuAD's answer normalisation)."""
+    text = (text or "").lower()
+    text = "".join(" " if ch in string.punctuation else ch for ch in text)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def token_f1(answer: str | None, reference: str | None) -> float:
+    """SQuAD's token F1 of two normalised texts, in [0, 1]."""
+    a, r = normalise(answer).split(), normalise(reference).split()
+    common = sum((Counter(a) & Counter(r)).values())
+    if not a or not r or not common:
+        return float(a == r)
+    precision, recall = common / len(a), common / len(r)
+    return 2 * precision * recall / (precision + recall)
+
+
+def option_recall(answer: str | None, option: str) -> float:
+    """The share of an option's (normalised) tokens that the answer contains, in [0, 1]."""
+    said, wanted = Counter(normalise(answer).split()), Counter(normalise(option).split())
+    return sum((said & wanted).values()) / max(1, sum(wanted.values()))
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One answer's verdict: ``correct`` (None: it could not be read), the ``stage`` that decided it, the option it
+    chose (MCQ), and the judge's verdict where the judge was asked (also when auditing a rule's decision)."""
+
+    correct: bool | None
+    stage: str
+    choice: int | None = None
+    judge: bool | None = None
+
+
+class JudgeCache:
+    """Judge verdicts by (prompt version, question, reference, answer), kept in a JSON file when given a path."""
+
+    def __init__(self, path: str | Path | None = None):
+        self.path = Path(path) if path else None
+        self.verdicts: dict[str, bool | None] = {}
+        if self.path and self.path.is_file():
+            self.verdicts = json.loads(self.path.read_text(encoding="utf-8"))
+
+    @staticmethod
+    def key(question: str, reference: str, answer: str) -> str:
+        return json.dumps([JUDGE_PROMPT_VERSION, question, reference, answer], ensure_ascii=False)
+
+    def get(self, question: str, reference: str, answer: str, ask: Callable[[str], str]) -> bool | None:
+        """The cached verdict, else the judge's (``ask(prompt) -> reply``), cached; None: the reply named none."""
+        key = self.key(question, reference, answer)
+        if key not in self.verdicts:
+            reply = ask(JUDGE_PROMPT.format(question=question, reference=reference, answer=answer))
+            self.verdicts[key] = parse_verdict(reply)
+            if self.path:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self.path.write_text(json.dumps(self.verdicts, ensure_ascii=False, indent=0), encoding="utf-8")
+        return self.verdicts[key]
+
+
+def parse_verdict(reply: str | None) -> bool | None:
+    """True for ``<judge>0</judge>`` (correct, MedEvalKit's convention), False for 1, None when the reply has none."""
+    match = _VERDICT.search(reply or "")
+    return None if match is None else match.group(1) == "0"
+
+
+def score_answer(
+    kind: str,
+    answer: str | None,
+    reference: str,
+    question: str = "",
+    options: Sequence[str] = (),
+    judge: Callable[[str], str] | None = None,
+    cache: JudgeCache | None = None,
+    audit: bool = False,
+) -> Scored:
+    """Score one answer of question type ``kind`` (``mcq``: ``reference`` is the right option's letter or text and
+    ``options`` the option texts; ``close``; ``open``). ``audit``: also ask the judge about an open or close-ended
+    answer the rules decided, for the judge-vs-rule agreement."""
+    if kind not in QUESTION_TYPES:
+        raise ValueError(f"unknown question type {kind!r}; valid: {', '.join(QUESTION_TYPES)}")
+    if kind == "mcq":
+        return _score_choice(answer, reference, options)
+    cache = cache if cache is not None else JudgeCache()
+
+    def ask_judge() -> bool | None:
+        return cache.get(question, reference, answer or "", judge) if judge else None
+
+    if normalise(answer) == normalise(reference):
+        return Scored(True, "rule", judge=ask_judge() if audit else None)
+    if kind == "open" and judge is not None:
+        verdict = ask_judge()
+        return Scored(verdict, "judge" if verdict is not None else "unparsed", judge=verdict)
+    verdict = token_f1(answer, reference) >= CLOSE_ENDED_F1
+    return Scored(verdict, "similarity", judge=ask_judge() if audit else None)
+
+
+def _score_choice(answer: str | None, reference: str, options: Sequence[str]) -> Scored:
+    right = _option_index(reference, options)
+    choice = parse_choice(answer, len(options)) if options else None
+    stage = "rule"
+    if choice is None:  # the answer may be an option's own text
+        exact = [i for i, option in enumerate(options) if normalise(option) == normalise(answer)]
+        choice = exact[0] if len(exact) == 1 else None
+    if choice is None and options and normalise(answer):
+        # how much of each option the answer says (then how closely): "a Borrmann IV lesion" names option IV, not I
+        similarity = [(option_recall(answer, option), token_f1(answer, option)) for option in options]
+        best = max(range(len(options)), key=lambda i: similarity[i])
+        if similarity[best][0] >= MIN_SIMILARITY and similarity.count(similarity[best]) == 1:
+            choice, stage = best, "similarity"
+    if choice is None:
+        return Scored(None, "unparsed")
+    return Scored(choice == right, stage, choice)
+
+
+def _option_index(reference: str, options: Sequence[str]) -> int:
+    letter = parse_choice(reference, len(options))
+    if letter is not None:
+        return letter
+    matches = [i for i, option in enumerate(options) if normalise(option) == normalise(reference)]
+    if len(matches) != 1:
+        raise ValueError(f"the reference {reference!r} is neither an option letter nor exactly one of {list(options)}")
+    return matches[0]
+
+
+def cascade_metrics(scored: Sequence[Scored]) -> dict[str, float]:
+    """Accuracy (%; an unreadable answer counts as wrong), the parse-failure rate (%), the share of answers each stage
+    decided (%), and the judge's agreement with the rules (%) over the answers both decided (NaN when none)."""
+    total = len(scored)
+    if not total:
+        return dict.fromkeys((*CASCADE_METRICS, "judge_rule_agreement"), math.nan)
+    stages = Counter(s.stage for s in scored)
+    both = [s for s in scored if s.stage in ("rule", "similarity") and s.judge is not None and s.correct is not None]
+    return {
+        "accuracy": 100.0 * sum(bool(s.correct) for s in scored) / total,
+        "parse_failure_rate": 100.0 * stages["unparsed"] / total,
+        **{f"decided_by_{stage}": 100.0 * stages[stage] / total for stage in ("rule", "similarity", "judge")},
+        "judge_rule_agreement": 100.0 * sum(s.judge == s.correct for s in both) / len(both) if both else math.nan,
+    }
+
+
+def scored_records(scored: Sequence[Scored]) -> list[Mapping[str, object]]:
+    return [asdict(s) for s in scored]
+
+
+def endpoint_judge(url: str, model: str, api_key: str | None = None, timeout_s: float = 120.0) -> Callable[[str], str]:
+    """A judge behind an OpenAI-compatible chat-completions endpoint (vLLM, a hosted API): ``url`` is its base
+    (``http://host:8000``, ``…/v1`` accepted), ``model`` the served model's name; greedy, one reply per prompt."""
+    import urllib.request
+
+    base = url.rstrip("/").removesuffix("/v1")
+
+    def ask(prompt: str) -> str:
+        body = {"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": 512}
+        request = urllib.request.Request(
+            f"{base}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})},
+        )
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            reply = json.loads(response.read())
+        return reply["choices"][0]["message"]["content"] or ""
+
+    return ask
+
+
+def local_judge(name_or_path: str, max_new_tokens: int = 256, device: str = "cpu") -> Callable[[str], str]:
+    """A judge that is a local transformers causal LM (a hub name or a folder), asked through its chat template where
+    it has one; greedy decoding, the reply without the prompt."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gx_ray.models.text import quiet_loading
+
+    quiet_loading()
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path).to(device).eval()
+
+    def ask(prompt: str) -> str:
+        import torch
+
+        if tokenizer.chat_template:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+        else:
+            text = prompt
+        encoded = tokenizer(text, return_tensors="pt")
+        inputs = {k: encoded[k].to(device) for k in ("input_ids", "attention_mask")}  # no BERT-style token types
+        with torch.no_grad():
+            output = model.generate(
+                **inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+            )
+        return tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+    return ask

@@ -1,0 +1,175 @@
+"""MedEvalKit's scoring cascade: rules, similarity, the judge (its prompt, verdicts, cache and agreement), and the judge
+backends: a local transformers model, and an OpenAI-compatible endpoint served around that model by the test (a
+stand-in for vLLM or a hosted API, which CI cannot reach)."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+
+from gx_ray.metrics.cascade import (
+    JUDGE_PROMPT_VERSION,
+    JudgeCache,
+    Scored,
+    cascade_metrics,
+    endpoint_judge,
+    local_judge,
+    normalise,
+    parse_verdict,
+    score_answer,
+    token_f1,
+)
+
+OPTIONS = ["Borrmann I", "Borrmann II", "Borrmann III", "Borrmann IV"]
+
+
+def test_normalisation_and_token_f1_follow_squad():
+    assert normalise("The  Antrum, of the stomach!") == "antrum of stomach"
+    assert token_f1("the gastric antrum", "antrum") == pytest.approx(2 * 0.5 * 1 / 1.5)
+    assert token_f1("", "") == 1.0 and token_f1("body", "") == 0.0
+    rng = np.random.default_rng(0)
+    words = ["body", "antrum", "cardia", "lesser", "greater", "curvature", "wall"]
+    for _ in range(200):
+        a, b = (" ".join(rng.choice(words, rng.integers(1, 5))) for _ in range(2))
+        assert 0 <= token_f1(a, b) <= 1 and token_f1(a, b) == pytest.approx(token_f1(b, a))
+        assert token_f1(a, a) == 1.0
+
+
+@pytest.mark.parametrize(
+    "answer, stage, choice",
+    [
+        ("C", "rule", 2),
+        ("(B)", "rule", 1),
+        ("The answer is D.", "rule", 3),
+        ("borrmann iii", "rule", 2),  # an option's own text
+        ("It looks like a Borrmann IV lesion to me", "similarity", 3),
+        ("no idea", "unparsed", None),
+        ("", "unparsed", None),
+    ],
+)
+def test_a_multiple_choice_answer_is_read_by_rule_then_by_similarity(answer, stage, choice):
+    scored = score_answer("mcq", answer, "C", options=OPTIONS)
+    assert (scored.stage, scored.choice) == (stage, choice)
+    assert scored.correct == (None if choice is None else choice == 2)
+    assert score_answer("mcq", answer, "Borrmann III", options=OPTIONS) == scored  # the reference as text too
+
+
+def test_open_answers_go_to_the_judge_only_when_the_rules_do_not_match_and_verdicts_are_cached(tmp_path):
+    asked = []
+
+    def judge(prompt: str) -> str:
+        # a stand-in for an LLM judge (a rule on the prompt), to test the cascade's use of verdicts: the real judge
+        # backends are tested below
+        asked.append(prompt)
+        answer = prompt.split("Model answer: ")[1].split("\n")[0]
+        return "<think>…</think><judge>0</judge>" if "antrum" in answer else "<judge>1</judge>"
+
+    cache = JudgeCache(tmp_path / "verdicts.json")
+    question, reference = "Where is the lesion?", "gastric antrum"
+    assert score_answer("open", "Gastric antrum.", reference, question, judge=judge, cache=cache).stage == "rule"
+    assert not asked  # the rules decided: no judge
+    hit = score_answer("open", "in the antrum of the stomach", reference, question, judge=judge, cache=cache)
+    miss = score_answer("open", "the cardia", reference, question, judge=judge, cache=cache)
+    assert (hit.correct, hit.stage, miss.correct, miss.stage) == (True, "judge", False, "judge") and len(asked) == 2
+    assert "Reference answer: gastric antrum" in asked[0] and "<judge></judge>" in asked[0]
+    # the same question, reference and answer again: from the cache, on disk too
+    score_answer("open", "the cardia", reference, question, judge=judge, cache=cache)
+    again = JudgeCache(tmp_path / "verdicts.json")
+    assert score_answer("open", "the cardia", reference, question, judge=judge, cache=again).correct is False
+    assert len(asked) == 2
+    assert json.loads(next(iter(again.verdicts)))[0] == JUDGE_PROMPT_VERSION
+    # a reply without a verdict is a parse failure, not a wrong answer
+    mute = score_answer("open", "the pylorus", reference, question, judge=lambda p: "I think so", cache=cache)
+    assert (mute.correct, mute.stage) == (None, "unparsed")
+    # without a judge an open answer is scored by token F1, and says so
+    assert score_answer("open", "the cardia", reference, question).stage == "similarity"
+
+
+def test_verdicts_follow_medevalkits_convention():
+    assert parse_verdict("<think>ok</think><judge>0</judge>") is True
+    assert parse_verdict("<judge> 1 </judge>") is False
+    assert parse_verdict("correct") is None and parse_verdict(None) is None
+
+
+def test_the_metrics_keep_parse_failures_apart_and_measure_judge_rule_agreement():
+    scored = [
+        Scored(True, "rule", judge=True),
+        Scored(False, "similarity", judge=True),
+        Scored(True, "judge", judge=True),
+        Scored(None, "unparsed"),
+        Scored(True, "rule"),
+    ]
+    metrics = cascade_metrics(scored)
+    assert metrics["accuracy"] == 60.0 and metrics["parse_failure_rate"] == 20.0
+    assert (metrics["decided_by_rule"], metrics["decided_by_similarity"], metrics["decided_by_judge"]) == (40, 20, 20)
+    assert metrics["judge_rule_agreement"] == 50.0  # audited: agrees on the first, not on the second
+    assert all(math.isnan(v) for v in cascade_metrics([]).values())
+    audited = score_answer("close", "antrum", "antrum", "Where?", judge=lambda p: "<judge>0</judge>", audit=True)
+    assert (audited.stage, audited.judge) == ("rule", True)
+
+
+@pytest.fixture(scope="module")
+def tiny_judge_model(tmp_path_factory):
+    """A randomly initialised one-layer causal LM with the offline MiniLM tokenizer, saved as a local model folder."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gx_ray.models.text import offline_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer = offline_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    folder = tmp_path_factory.mktemp("judge")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def test_a_local_model_judges_and_an_openai_compatible_endpoint_around_it_answers_the_same(tiny_judge_model):
+    """The endpoint is a minimal OpenAI-compatible server the test starts around the local model: a stand-in for
+    vLLM or a hosted API. A random model names no verdict, so its answers count as parse failures."""
+    ask = local_judge(tiny_judge_model, max_new_tokens=8)
+    prompt = "Question: Where?\nReference answer: antrum\nModel answer: body"
+    reply = ask(prompt)
+    assert isinstance(reply, str) and reply == ask(prompt)  # greedy: the same reply twice
+    seen = []
+
+    class ChatCompletions(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (the http.server interface)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append((self.path, body["model"], self.headers.get("Authorization")))
+            content = ask(body["messages"][-1]["content"])
+            data = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), ChatCompletions)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        remote = endpoint_judge(f"http://127.0.0.1:{server.server_port}/v1", "tiny-judge", api_key="k")
+        assert remote(prompt) == reply
+        assert seen == [("/v1/chat/completions", "tiny-judge", "Bearer k")]
+        scored = score_answer("open", "body", "antrum", "Where?", judge=remote)
+        assert scored.stage in ("judge", "unparsed") and scored.judge == parse_verdict(ask(scored_prompt("body")))
+    finally:
+        server.shutdown()
+
+
+def scored_prompt(answer: str) -> str:
+    from gx_ray.metrics.cascade import JUDGE_PROMPT
+
+    return JUDGE_PROMPT.format(question="Where?", reference="antrum", answer=answer)
