@@ -90,3 +90,71 @@ def test_a_lesion_view_of_a_real_ct_windows_its_key_slices():
     spans = [z - 4 + i for i in range(9)]
     for i, zi in enumerate(spans):
         assert changed[i].any() == (box[0] <= zi < box[3]), (i, zi)
+
+
+def _case(rng: np.random.Generator, depth: int = 24, size: int = 32) -> tuple[dict, list[int], list[int]]:
+    hu = {p: rng.uniform(-300, 400, (depth, size, size)).astype(np.float32) for p in ("arterial", "venous", "delayed")}
+    z0, y0, x0 = int(rng.integers(0, depth - 6)), int(rng.integers(0, size - 8)), int(rng.integers(0, size - 8))
+    tumour = [z0, y0, x0, z0 + int(rng.integers(1, 6)), y0 + int(rng.integers(2, 8)), x0 + int(rng.integers(2, 8))]
+    stomach = [1, 2, 2, depth - 2, size - 2, size - 2]
+    return hu, tumour, stomach
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_ct_images_follow_their_recipe_on_random_cases(seed):
+    from gx_ray.modalities.views import ViewRecipe, ct_images
+
+    rng = np.random.default_rng(seed)
+    hu, tumour, stomach = _case(rng)
+    z = box_centre_slice(tumour)
+    k = int(rng.choice([1, 3, 9]))
+    indices = stack_indices(24, z, k)
+    # k slices of each phase, phase-major, each the windowed slice as grey RGB
+    images, prompt = ct_images(hu, ViewRecipe(slices=k, phases=("arterial", "venous")), tumour, stomach)
+    assert images.shape == (2 * k, 3, 32, 32) and prompt == ""
+    np.testing.assert_allclose(images[k + 1 % k, 0], window(hu["venous"][indices[1 % k]]), atol=1e-6)
+    assert (images[:, 0] == images[:, 2]).all()  # grey
+    # the slab's maximum-intensity projection
+    mip, _ = ct_images(hu, ViewRecipe(slices=k, mode="mip"), tumour, stomach)
+    np.testing.assert_allclose(mip[0, 1], window(hu["venous"][indices].max(axis=0)), atol=1e-6)
+    # three phases as the RGB channels of one image per slice
+    rgb, _ = ct_images(
+        hu, ViewRecipe(slices=k, phases=("arterial", "venous", "delayed"), phase_layout="channels"), tumour, stomach
+    )
+    for c, phase in enumerate(("arterial", "venous", "delayed")):
+        np.testing.assert_allclose(rgb[:, c], window(hu[phase][indices]), atol=1e-6)
+    # centred on the stomach's middle slice instead of the lesion's key slice
+    centred, _ = ct_images(hu, ViewRecipe(centre="stomach"), None, stomach)
+    np.testing.assert_allclose(centred[0, 0], window(hu["venous"][box_centre_slice(stomach)]), atol=1e-6)
+    # the box drawn in on the slices it spans, in every layout; or given as coordinates in the prompt instead
+    for layout, phases in (("images", ("venous",)), ("channels", ("arterial", "venous"))):
+        recipe = ViewRecipe(slices=k, phases=phases, phase_layout=layout)
+        plain, _ = ct_images(hu, recipe, tumour, stomach)
+        drawn, _ = ct_images(hu, ViewRecipe(**{**recipe.__dict__, "boxes": "drawn"}), tumour, stomach)
+        red = (drawn == np.array(OVERLAY_COLOUR, np.float32)[:, None, None]).all(axis=1)  # (N, H, W)
+        outline = np.zeros((32, 32), bool)
+        outline[tumour[1] : tumour[4], tumour[2] : tumour[5]] = True
+        outline[tumour[1] + 1 : tumour[4] - 1, tumour[2] + 1 : tumour[5] - 1] = False
+        spans = np.tile((indices >= tumour[0]) & (indices < tumour[3]), len(phases) if layout == "images" else 1)
+        for n, drawn_here in enumerate(spans):
+            # the outline, all of it red, on the slices the box spans; every other pixel as it was
+            assert red[n][outline].all() == drawn_here
+            untouched = ~outline if drawn_here else np.ones_like(outline)
+            assert (drawn[n][:, untouched] == plain[n][:, untouched]).all()
+    told, prompt = ct_images(hu, ViewRecipe(boxes="prompt"), tumour, stomach)
+    assert f"rows {tumour[1]}-{tumour[4] - 1}" in prompt and "24 x 32 x 32" in prompt
+    assert not (told == np.array(OVERLAY_COLOUR, np.float32)[:, None, None]).all(axis=1).any()
+
+
+def test_a_view_recipe_refuses_what_it_cannot_draw():
+    from gx_ray.modalities.views import ViewRecipe, ct_images
+
+    with pytest.raises(ValueError, match="mode='slab'; valid: stack, mip"):
+        ViewRecipe(mode="slab")
+    with pytest.raises(ValueError, match="1 to 3 phases as RGB"):
+        ViewRecipe(phases=("non_contrast", "arterial", "venous", "delayed"), phase_layout="channels")
+    hu, tumour, stomach = _case(np.random.default_rng(0))
+    with pytest.raises(ValueError, match="phases \\['non_contrast'\\]"):
+        ct_images(hu, ViewRecipe(phases=("non_contrast",)), tumour, stomach)
+    with pytest.raises(ValueError, match="centre='stomach' needs the stomach's box"):
+        ct_images(hu, ViewRecipe(centre="stomach"), tumour, None)

@@ -14,9 +14,15 @@ Imaging conventions, named once here:
 
 A view centred on a lesion's own box (its key slice) is itself a box cue: the box chose what the model sees.
 Tasks that build such views say so through their leakage rules.
+
+:class:`ViewRecipe` names every choice of the 3D-to-2D conversion as a search dimension (centre on the lesion or the
+stomach, k slices or their MIP, the window, the phases as images or as RGB channels, the box drawn, in the prompt or
+off); :func:`ct_images` applies one, and lesion QA's views are its one-phase case (:func:`lesion_view`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -63,15 +69,8 @@ def grey_rgb(slices: np.ndarray) -> np.ndarray:
 def draw_box(slices: np.ndarray, box: np.ndarray | list[int], z_indices: np.ndarray | None = None) -> np.ndarray:
     """RGB ``(k, 3, H, W)`` float32 copies of the grey ``(k, H, W)`` slices in [0, 1], the box's rectangle drawn in
     :data:`OVERLAY_COLOUR` on each slice whose volume index (``z_indices``, default ``0 .. k-1``) the box spans."""
-    k, h, w = slices.shape
-    z_indices = np.arange(k) if z_indices is None else np.asarray(z_indices)
-    rgb = grey_rgb(slices)
-    z0, y0, x0, z1, y1, x1 = (int(v) for v in box)
-    rectangle = box_outlines(torch.tensor([0, y0, x0, 1, y1, x1]), (1, h, w))[0].numpy()  # (H, W)
-    for i in np.flatnonzero((z_indices >= z0) & (z_indices < z1)):
-        for channel, value in enumerate(OVERLAY_COLOUR):
-            rgb[i, channel][rectangle] = value
-    return rgb
+    z_indices = np.arange(len(slices)) if z_indices is None else np.asarray(z_indices)
+    return _draw_rgb(grey_rgb(slices), box, z_indices)
 
 
 def lesion_view(
@@ -83,10 +82,10 @@ def lesion_view(
     width: float = SOFT_TISSUE[1],
 ) -> np.ndarray:
     """CT-Bench's view of one lesion from one phase's ``(D, H, W)`` HU volume: the window, ``slices`` axial slices
-    centred on the box's key slice, as RGB ``(slices, 3, H, W)`` float32, the box drawn in when ``overlay``."""
-    indices = stack_indices(hu.shape[0], box_centre_slice(box), slices)
-    stack = window(hu[indices], centre, width)
-    return draw_box(stack, box, indices) if overlay else grey_rgb(stack)
+    centred on the box's key slice, as RGB ``(slices, 3, H, W)`` float32, the box drawn in when ``overlay``
+    (:func:`ct_images` with one phase)."""
+    recipe = ViewRecipe(slices=slices, window=(centre, width), phases=("one",), boxes="drawn" if overlay else "off")
+    return ct_images({"one": hu}, recipe, box)[0]
 
 
 def box_option_views(
@@ -102,3 +101,99 @@ def box_option_views(
     z = box_centre_slice(key_box)
     stack = window(hu[z : z + 1], centre, width)
     return np.concatenate([draw_box(stack, [z, *box[1:3], z + 1, *box[4:6]], [z]) for box in option_boxes])
+
+
+VIEW_CENTRES = ("lesion", "stomach")
+VIEW_MODES = ("stack", "mip")
+PHASE_LAYOUTS = ("images", "channels")
+BOX_FORMS = ("off", "drawn", "prompt")
+
+
+@dataclass(frozen=True)
+class ViewRecipe:
+    """How a multi-phase 3D CT becomes the 2D images a 2D or vision-language model reads: each field is a search
+    dimension (the related papers' 3D-to-2D choices; none of them handles multi-phase CT, so the phases' layout is one
+    too)."""
+
+    centre: str = "lesion"
+    """``lesion``: the tumour box's key slice; ``stomach``: the stomach box's middle slice (no lesion box needed)."""
+    slices: int = 1
+    """``k`` consecutive axial slices around the centre (1, 3, 9)."""
+    mode: str = "stack"
+    """``stack``: one image per slice; ``mip``: the slab's maximum-intensity projection, one image."""
+    window: tuple[float, float] = SOFT_TISSUE
+    phases: tuple[str, ...] = ("venous",)
+    phase_layout: str = "images"
+    """``images``: each phase its own grey images; ``channels``: up to three phases as one image's RGB channels."""
+    boxes: str = "off"
+    """The tumour box: ``drawn`` in (red outline), given as coordinates in the ``prompt``, or ``off``."""
+
+    def __post_init__(self) -> None:
+        for name, value, valid in (
+            ("centre", self.centre, VIEW_CENTRES),
+            ("mode", self.mode, VIEW_MODES),
+            ("phase_layout", self.phase_layout, PHASE_LAYOUTS),
+            ("boxes", self.boxes, BOX_FORMS),
+        ):
+            if value not in valid:
+                raise ValueError(f"view recipe {name}={value!r}; valid: {', '.join(valid)}")
+        if self.slices < 1:
+            raise ValueError(f"view recipe slices={self.slices}: at least one slice")
+        if self.phase_layout == "channels" and not 1 <= len(self.phases) <= 3:
+            raise ValueError(f"view recipe phase_layout='channels' holds 1 to 3 phases as RGB, not {list(self.phases)}")
+
+
+def ct_images(
+    hu: dict[str, np.ndarray],
+    recipe: ViewRecipe,
+    tumour_box: np.ndarray | list[int] | None = None,
+    stomach_box: np.ndarray | list[int] | None = None,
+) -> tuple[np.ndarray, str]:
+    """A case's images under ``recipe`` from its phases' ``(D, H, W)`` HU volumes (``hu``: phase → volume), and the
+    prompt text the recipe adds (the box's coordinates, or nothing): RGB ``(N, 3, H, W)`` float32 in [0, 1], ordered
+    phase-major then slice (``images`` layout) or by slice (``channels``)."""
+    missing = [p for p in recipe.phases if p not in hu]
+    if missing:
+        raise ValueError(f"the view recipe asks for phases {missing}, not among the case's {sorted(hu)}")
+    if recipe.boxes != "off" and tumour_box is None:
+        raise ValueError(f"view recipe boxes={recipe.boxes!r} needs the tumour box")
+    centre_box = tumour_box if recipe.centre == "lesion" else stomach_box
+    if centre_box is None:
+        raise ValueError(f"view recipe centre={recipe.centre!r} needs the {recipe.centre}'s box")
+    depth = hu[recipe.phases[0]].shape[0]
+    indices = stack_indices(depth, box_centre_slice(centre_box), recipe.slices)
+    windowed = {p: window(hu[p][indices], *recipe.window) for p in recipe.phases}  # (k, H, W) each
+    if recipe.mode == "mip":  # the window is monotonic: projecting the windowed slab is windowing the projection
+        windowed = {p: w.max(axis=0, keepdims=True) for p, w in windowed.items()}
+        indices = indices[len(indices) // 2 : len(indices) // 2 + 1]  # drawn as on the slab's middle slice
+    if recipe.phase_layout == "channels":
+        planes = [windowed[p] for p in recipe.phases]
+        planes += [planes[-1]] * (3 - len(planes))  # fewer than three phases: the last fills the rest
+        images = np.stack(planes, axis=1)  # (k, 3, H, W)
+        if recipe.boxes == "drawn":
+            images = _draw_rgb(images, tumour_box, indices)
+    else:
+        images = np.concatenate(
+            [draw_box(w, tumour_box, indices) if recipe.boxes == "drawn" else grey_rgb(w) for w in windowed.values()]
+        )
+    prompt = ""
+    if recipe.boxes == "prompt":
+        z0, y0, x0, z1, y1, x1 = (int(v) for v in tumour_box)
+        d, h, w = hu[recipe.phases[0]].shape
+        prompt = (
+            f"The lesion's box on the {d} x {h} x {w} (slices x rows x columns) grid: slices {z0}-{z1 - 1}, "
+            f"rows {y0}-{y1 - 1}, columns {x0}-{x1 - 1}."
+        )
+    return images.astype(np.float32), prompt
+
+
+def _draw_rgb(images: np.ndarray, box: np.ndarray | list[int], z_indices: np.ndarray) -> np.ndarray:
+    """The box's outline in :data:`OVERLAY_COLOUR` on RGB ``(k, 3, H, W)`` images, on each slice the box spans."""
+    images = images.copy()
+    k, _, h, w = images.shape
+    z0, y0, x0, z1, y1, x1 = (int(v) for v in box)
+    rectangle = box_outlines(torch.tensor([0, y0, x0, 1, y1, x1]), (1, h, w))[0].numpy()
+    for i in np.flatnonzero((np.asarray(z_indices) >= z0) & (np.asarray(z_indices) < z1)):
+        for channel, value in enumerate(OVERLAY_COLOUR):
+            images[i, channel][rectangle] = value
+    return images
