@@ -289,6 +289,6 @@ def test_distractor_kinds_are_compared_paired_and_the_ct_bench_check_reads_them(
     if planted:
         assert (kinds["diff"] < -15).all() and (kinds["ci_high"] < 0).all() and kinds["significant"].all()
         assert checks == {"the box helps Img2txt": True, "random distractors are easier (image_bbox)": True}
-        assert "## Distractor kinds: each against random ones" in (report.folder / "summary.md").read_text()
+        assert "## Distractor kinds: each against random ones" in (report.folder / "summary.md").read_text("utf-8")
     else:
         assert not kinds["significant"].any() and not any(checks.values())

@@ -370,7 +370,7 @@ def test_a_question_file_is_written_once_per_cohort_and_recipe_and_refused_for_a
     built = build_questions(rows, "img2txt", "random", manifest["preprocess"]["spacing_zyx_mm"], 1)
     assert read.questions == built.questions and read.skipped == built.skipped and read.questions
     # a second sweep on the same cohort finds the file and keeps it as it is
-    Path(location).write_text(Path(location).read_text(encoding="utf-8").replace('"format"', '"format" '))
+    Path(location).write_text(Path(location).read_text("utf-8").replace('"format"', '"format" '), "utf-8")
     before = Path(location).read_text(encoding="utf-8")
     assert write_question_file(rows, manifest, shards, str(tmp_path), "img2txt", "random", seed=1) == location
     assert Path(location).read_text(encoding="utf-8") == before
@@ -378,7 +378,7 @@ def test_a_question_file_is_written_once_per_cohort_and_recipe_and_refused_for_a
         read_question_file(location, {**recipe, "distractors": "matched"}, shards)
     other = tmp_path / "other"
     (other / "shards").mkdir(parents=True)
-    (other / "shards" / "manifest.json").write_text("{}")
+    (other / "shards" / "manifest.json").write_text("{}", encoding="utf-8")
     with pytest.raises(ValueError, match="its manifest_sha256 is"):
         read_question_file(location, recipe, str(other / "shards"))
     # a lesion QA task given the file asks exactly its questions
