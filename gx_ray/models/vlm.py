@@ -1,0 +1,142 @@
+"""Vision-language models: any transformers image-text-to-text model (``AutoModelForImageTextToText`` with its
+``AutoProcessor``: LLaVA, PaliGemma, Qwen2-VL, Idefics/SmolVLM, …) from a hub name or a local folder, fine-tuned with
+LoRA through peft.
+
+The base model is frozen; LoRA adapters (rank, alpha, dropout and target modules are search dimensions) train on the
+language model's projections; ``train_vision`` / ``train_language`` open the vision tower or the language model too.
+A question is put to the model with its images inside the model's own chat template (or, for a model without one,
+the processor's plain prompt), and the answer is taught by cross-entropy on the answer's tokens only (the prompt and
+the image tokens are masked). :meth:`VisionLanguageModel.generate` answers greedily; the answers are then scored by
+:mod:`gx_ray.metrics.cascade`. Images are RGB ``(3, H, W)`` arrays in [0, 1], as :func:`gx_ray.modalities.views.
+ct_images` gives them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    rank: int = 8
+    alpha: int = 16
+    dropout: float = 0.05
+    target_modules: tuple[str, ...] = ("q_proj", "v_proj")
+    """Module names (peft matches their ends) in the language model: attention projections by default."""
+    vision: bool = False
+    """Adapters in the vision tower too (its modules of the same names); by default only the language model's."""
+
+
+class VisionLanguageModel(nn.Module):
+    """A transformers image-text-to-text model and its processor, frozen but for LoRA adapters (``lora``) and,
+    when asked, the vision tower (``train_vision``) or the language model (``train_language``)."""
+
+    def __init__(
+        self,
+        name_or_path: str,
+        lora: LoraSettings | None = LoraSettings(),
+        train_vision: bool = False,
+        train_language: bool = False,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        from gx_ray.models.text import quiet_loading
+
+        quiet_loading()
+        self.name_or_path = name_or_path
+        self.processor = AutoProcessor.from_pretrained(name_or_path)
+        model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype)
+        model.requires_grad_(False)
+        if lora is not None:
+            from peft import LoraConfig, get_peft_model
+
+            targets: list[str] | str = list(lora.target_modules)
+            if not lora.vision:  # a regex over full module names: the language model's projections only
+                targets = rf"^(?!.*(vision|visual)).*\.({'|'.join(lora.target_modules)})$"
+            config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
+            model = get_peft_model(model, config)
+        for name, parameter in model.named_parameters():
+            vision = "vision" in name or "visual" in name
+            if (vision and train_vision) or (not vision and train_language and "lora_" not in name):
+                parameter.requires_grad_(True)
+        self.model = model
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def prompts(self, questions: Sequence[str], images_per_question: int) -> list[str]:
+        """Each question with its images, in the model's chat template (a generation prompt follows), or as the
+        question alone for a processor without a template (it places the image tokens itself)."""
+        if not getattr(self.processor, "chat_template", None):  # PaliGemma: the image tokens, then the question
+            token = getattr(self.processor, "image_token", None) or ""
+            return [token * images_per_question + q for q in questions]
+        return [
+            self.processor.apply_chat_template(
+                [
+                    {
+                        "role": "user",
+                        "content": [*[{"type": "image"}] * images_per_question, {"type": "text", "text": q}],
+                    }
+                ],
+                add_generation_prompt=True,
+            )
+            for q in questions
+        ]
+
+    def _inputs(self, images: Sequence[Sequence[np.ndarray]], texts: Sequence[str]) -> dict[str, torch.Tensor]:
+        pictures = [[_to_pil(image) for image in case] for case in images]
+        encoded = self.processor(images=pictures, text=list(texts), return_tensors="pt", padding=True)
+        # labels are ours to make (the answer's tokens only); a processor's own would teach the prompt too
+        return {k: v.to(self.device) for k, v in encoded.items() if isinstance(v, torch.Tensor) and k != "labels"}
+
+    def loss(self, images: Sequence[Sequence[np.ndarray]], questions: Sequence[str], answers: Sequence[str]):
+        """Cross-entropy of the answers' tokens given the images and questions (prompt and images masked)."""
+        n = len(images[0]) if images else 0
+        prompts = self.prompts(questions, n)
+        eos = getattr(self.processor.tokenizer, "eos_token", None) or getattr(self.processor.tokenizer, "sep_token", "")
+        full = self._inputs(images, [p + a + eos for p, a in zip(prompts, answers, strict=True)])
+        prompt_lengths = self._inputs(images, prompts)["attention_mask"].sum(1)
+        labels = full["input_ids"].masked_fill(full["attention_mask"] == 0, IGNORE)
+        padded_left = getattr(self.processor.tokenizer, "padding_side", "right") == "left"
+        for i, length in enumerate(prompt_lengths.tolist()):
+            start = int((full["attention_mask"][i] == 0).sum()) if padded_left else 0
+            labels[i, start : start + length] = IGNORE
+        if "token_type_ids" in full:  # prefix-LM models (PaliGemma) attend fully over the prompt: mark the answer
+            full["token_type_ids"] = (labels != IGNORE).long()
+        return self.model(**full, labels=labels).loss
+
+    @torch.no_grad()
+    def generate(
+        self, images: Sequence[Sequence[np.ndarray]], questions: Sequence[str], max_new_tokens: int = 32
+    ) -> list[str]:
+        """Greedy answers, without the prompt."""
+        n = len(images[0]) if images else 0
+        inputs = self._inputs(images, self.prompts(questions, n))
+        inputs.pop("token_type_ids", None)
+        output = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        return self.processor.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+    def trainable(self) -> dict[str, torch.Tensor]:
+        return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+
+
+def _to_pil(image: np.ndarray) -> Any:
+    from PIL import Image
+
+    array = np.asarray(image)
+    if array.ndim == 3 and array.shape[0] in (1, 3):  # (C, H, W) → (H, W, C)
+        array = np.moveaxis(array, 0, -1)
+    if array.dtype != np.uint8:
+        array = (np.clip(array, 0.0, 1.0) * 255).round().astype(np.uint8)
+    return Image.fromarray(array.squeeze(-1) if array.shape[-1] == 1 else array)
