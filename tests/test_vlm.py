@@ -78,3 +78,29 @@ def test_the_vision_tower_and_the_language_model_open_when_asked(tiny_vlm):
     assert names and all("vision" in n for n in names)
     language = VisionLanguageModel(folder, LoraSettings(rank=2), train_language=True).trainable()
     assert any("lora_" in n for n in language) and any("lora_" not in n and "vision" not in n for n in language)
+
+
+def test_option_log_likelihoods_agree_with_the_loss_whatever_the_batch_and_give_an_auc(tiny_vlm):
+    """Stage classification through a VLM: each option's log-likelihood as the answer; a batch scores as its cases
+    do one by one (padding changes nothing), each score is minus the answer's summed cross-entropy, and the softmax over
+    the options gives probabilities an AUC can be computed from."""
+    from gx_ray.metrics.classification import classification_metrics
+
+    family, folder = tiny_vlm
+    model = VisionLanguageModel(folder, LoraSettings(rank=2)).eval()
+    stages = ["stage I", "stage II", "stage III", "stage IV"]
+    images = _images(4)
+    questions = [f"What is the stage? {'(contrast-enhanced)' * i}" for i in range(4)]  # prompts of four lengths
+    scores = model.option_scores(images, questions, [stages] * 4)
+    assert scores.shape == (4, 4) and torch.isfinite(scores).all() and (scores < 0).all()
+    for i in range(4):
+        alone = model.option_scores(images[i : i + 1], questions[i : i + 1], [stages])
+        torch.testing.assert_close(alone[0], scores[i], atol=1e-4, rtol=1e-4)
+        _, labels = model._taught(images[i : i + 1], questions[i : i + 1], [stages[2]])
+        with torch.no_grad():
+            loss = model.loss(images[i : i + 1], questions[i : i + 1], [stages[2]])
+        taught = int((labels[:, 1:] != -100).sum())
+        assert scores[i, 2].item() == pytest.approx(-loss.item() * taught, rel=1e-4)
+    probabilities = scores.softmax(1).numpy()
+    metrics = classification_metrics(probabilities, np.array([0, 1, 2, 3]))
+    assert 0 <= metrics["auc"] <= 100

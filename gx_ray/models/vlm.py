@@ -100,8 +100,11 @@ class VisionLanguageModel(nn.Module):
         # labels are ours to make (the answer's tokens only); a processor's own would teach the prompt too
         return {k: v.to(self.device) for k, v in encoded.items() if isinstance(v, torch.Tensor) and k != "labels"}
 
-    def loss(self, images: Sequence[Sequence[np.ndarray]], questions: Sequence[str], answers: Sequence[str]):
-        """Cross-entropy of the answers' tokens given the images and questions (prompt and images masked)."""
+    def _taught(
+        self, images: Sequence[Sequence[np.ndarray]], questions: Sequence[str], answers: Sequence[str]
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The model's inputs for each question followed by its answer, and labels that keep the answer's tokens (and
+        the end-of-text token after it) only."""
         n = len(images[0]) if images else 0
         prompts = self.prompts(questions, n)
         eos = getattr(self.processor.tokenizer, "eos_token", None) or getattr(self.processor.tokenizer, "sep_token", "")
@@ -114,7 +117,29 @@ class VisionLanguageModel(nn.Module):
             labels[i, start : start + length] = IGNORE
         if "token_type_ids" in full:  # prefix-LM models (PaliGemma) attend fully over the prompt: mark the answer
             full["token_type_ids"] = (labels != IGNORE).long()
-        return self.model(**full, labels=labels).loss
+        return full, labels
+
+    def loss(self, images: Sequence[Sequence[np.ndarray]], questions: Sequence[str], answers: Sequence[str]):
+        """Cross-entropy of the answers' tokens given the images and questions (prompt and images masked)."""
+        inputs, labels = self._taught(images, questions, answers)
+        return self.model(**inputs, labels=labels).loss
+
+    @torch.no_grad()
+    def option_scores(
+        self, images: Sequence[Sequence[np.ndarray]], questions: Sequence[str], options: Sequence[Sequence[str]]
+    ) -> torch.Tensor:
+        """``(n, K)`` log-likelihoods of each question's ``K`` options as its answer (the sum over the option's tokens
+        and the end of text): a closed question's class scores, so that stage classification through a VLM has an
+        AUC (softmax over the options) and not only the accuracy of what it writes."""
+        columns = []
+        for k in range(len(options[0])):
+            inputs, labels = self._taught(images, questions, [choices[k] for choices in options])
+            logits = self.model(**inputs).logits[:, :-1].float()
+            targets = labels[:, 1:]
+            taught = targets != IGNORE
+            log_probs = logits.log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+            columns.append((log_probs * taught).sum(1))
+        return torch.stack(columns, 1)
 
     @torch.no_grad()
     def generate(
