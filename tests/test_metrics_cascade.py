@@ -14,6 +14,7 @@ import pytest
 
 from gx_ray.metrics.cascade import (
     JUDGE_PROMPT_VERSION,
+    REPORT_PROMPT,
     JudgeCache,
     Scored,
     cascade_metrics,
@@ -21,6 +22,7 @@ from gx_ray.metrics.cascade import (
     local_judge,
     normalise,
     parse_verdict,
+    question_prompt,
     score_answer,
     token_f1,
 )
@@ -173,3 +175,19 @@ def scored_prompt(answer: str) -> str:
     from gx_ray.metrics.cascade import JUDGE_PROMPT
 
     return JUDGE_PROMPT.format(question="Where?", reference="antrum", answer=answer)
+
+
+def test_questions_are_put_in_medevalkits_words():
+    assert question_prompt("mcq", "Which site?", ["cardia", "body"]) == (
+        "Question: Which site? Options: A. cardia B. body "
+        "Answer with the option's letter from the given choices directly."
+    )
+    assert question_prompt("close", "Is the wall thickened?").endswith(
+        "Answer the question using a single word or phrase."
+    )
+    assert question_prompt("open", "Describe the lesion.") == "Describe the lesion. Answer the question concisely."
+    assert REPORT_PROMPT.endswith("Findings: {} Impression: {}.")
+    # the letter a model answers with is read back by the cascade's rules
+    assert score_answer("mcq", "B", "body", options=["cardia", "body"]).correct
+    with pytest.raises(ValueError, match="needs its options"):
+        question_prompt("mcq", "Which site?")

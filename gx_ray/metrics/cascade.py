@@ -1,6 +1,7 @@
 """MedEvalKit's scoring of free-text answers as a cascade: rules first, then similarity, then (optionally) an LLM judge.
 
-A generative model (a VLM) answers in words; each answer is scored by the first stage that can decide it:
+A generative model (a VLM) is asked with MedEvalKit's prompts (:func:`question_prompt`, :data:`REPORT_PROMPT`) and
+answers in words; each answer is scored by the first stage that can decide it:
 
 1. **rule**: a multiple-choice answer that names an option letter (:func:`~gx_ray.metrics.mcq.parse_choice`) or is
    exactly one option's text; a close- or open-ended answer equal to the reference (both normalised: lower case,
@@ -51,6 +52,29 @@ JUDGE_PROMPT = (
 _VERDICT = re.compile(r"<judge>\s*([01])\s*</judge>", re.IGNORECASE)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 CASCADE_METRICS = ("accuracy", "parse_failure_rate", "decided_by_rule", "decided_by_similarity", "decided_by_judge")
+
+
+REPORT_PROMPT = (
+    "You are a helpful assistant. Please generate a report for the given images, including both findings and "
+    "impressions. Return the report in the following format: Findings: {} Impression: {}."
+)
+
+
+def question_prompt(kind: str, question: str, options: Sequence[str] = ()) -> str:
+    """MedEvalKit's prompt for a question of type ``kind`` (its Figure 8; the image tokens and the model's chat
+    template are the model's to add): MCQ with lettered options, close-ended (a word or phrase), open-ended."""
+    if kind not in QUESTION_TYPES:
+        raise ValueError(f"unknown question type {kind!r}; valid: {', '.join(QUESTION_TYPES)}")
+    if kind == "mcq":
+        if not options:
+            raise ValueError("a multiple-choice prompt needs its options")
+        listed = " ".join(f"{string.ascii_uppercase[i]}. {option}" for i, option in enumerate(options))
+        return (
+            f"Question: {question} Options: {listed} Answer with the option's letter from the given choices directly."
+        )
+    if kind == "close":
+        return f"{question} Answer the question using a single word or phrase."
+    return f"{question} Answer the question concisely."
 
 
 def normalise(text: str | None) -> str:
