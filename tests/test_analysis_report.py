@@ -276,7 +276,7 @@ def test_distractor_kinds_are_compared_paired_and_the_ct_bench_check_reads_them(
                 records = _qa_records(kind, schema, seed, skill=None if planted else 0.6)
                 accuracy = 100.0 * np.mean([r["correct"] for r in records])
                 log_metrics(client, run_id, {"test_accuracy": accuracy, "best_val_primary": accuracy}, step=0)
-                log_metrics(client, run_id, {"test_chance": 25.0}, step=0)
+                log_metrics(client, run_id, {"test_chance": 25.0, "test_questions": float(len(records))}, step=0)
                 client.log_dict(run_id, records, "predictions/test.json")
                 client.set_terminated(run_id, "FINISHED")
         report = write_report(server.uri, sweep, tmp_path, None, n_resamples=400)
@@ -289,6 +289,19 @@ def test_distractor_kinds_are_compared_paired_and_the_ct_bench_check_reads_them(
     if planted:
         assert (kinds["diff"] < -15).all() and (kinds["ci_high"] < 0).all() and kinds["significant"].all()
         assert checks == {"the box helps Img2txt": True, "random distractors are easier (image_bbox)": True}
-        assert "## Distractor kinds: each against random ones" in (report.folder / "summary.md").read_text("utf-8")
+        summary = (report.folder / "summary.md").read_text("utf-8")
+        assert "## Distractor kinds: each against random ones" in summary
+        # CT-Bench's overall figure: every family and seed pooled per condition, with Wilson's interval (scipy's)
+        from scipy.stats import binomtest
+
+        for schema in ("image_only", "image_bbox"):
+            right = sum(
+                sum(r["correct"] for r in _qa_records(kind, schema, seed)) for kind in ("random", "appearance")
+                for seed in range(3)
+            )  # fmt: skip
+            interval = binomtest(right, 480).proportion_ci(method="wilson")
+            low, high = 100 * interval.low, 100 * interval.high
+            row = f"| {schema} | {right} / 480 | {100 * right / 480:.1f} [{low:.1f}, {high:.1f}] |"
+            assert row in summary, row
     else:
         assert not kinds["significant"].any() and not any(checks.values())

@@ -269,6 +269,38 @@ def _distractors_markdown(table: pd.DataFrame | None) -> str:
     return "\n\n".join(lines[:2]) + "\n\n" + "\n".join(lines[2:])
 
 
+def _lesion_qa_overall_markdown(runs: pd.DataFrame) -> str:
+    """Lesion QA pooled over its families and seeds, per condition: every test question asked, its accuracy and
+    Wilson 95 % interval (CT-Bench's overall figure); nothing for a sweep without lesion QA."""
+    from gx_ray.metrics.mcq import wilson_interval
+
+    test = runs[(runs["status"] == "FINISHED") & (runs["split"] == "test")]
+    test = test[test["task"].astype(str).str.startswith("lesion_qa.") & test["metric"].isin(["accuracy", "questions"])]
+    if test.empty:
+        return ""
+    trials = test.pivot_table(index=["run_id", "schema"], columns="metric", values="value", aggfunc="first")
+    trials = trials.dropna(subset=[c for c in ("accuracy", "questions") if c in trials]).reset_index()
+    if not {"accuracy", "questions"} <= set(trials.columns) or trials.empty:
+        return ""
+    lines = [
+        "## Lesion QA overall",
+        "Every family and seed pooled, per condition: the test questions asked and answered right, with Wilson's 95 % "
+        "interval (chance 25 %).",
+        "| schema | right / asked | accuracy [95 % CI] |",
+        "|---|---|---|",
+    ]
+    for schema, group in trials.groupby("schema"):
+        right = int((group["accuracy"] * group["questions"] / 100).round().sum())
+        asked = int(group["questions"].sum())
+        if not asked:
+            continue
+        low, high = wilson_interval(right, asked)
+        lines.append(
+            f"| {schema} | {right} / {asked} | {_fmt(100 * right / asked)} [{_fmt(100 * low)}, {_fmt(100 * high)}] |"
+        )
+    return "\n\n".join(lines[:2]) + "\n\n" + "\n".join(lines[2:])
+
+
 def _inputs_markdown(runs: pd.DataFrame) -> str:
     """What each schema gave the model, once per schema (per task where the tasks differ, e.g. detection's cues)."""
     if "inputs" not in runs or runs.empty:
@@ -309,6 +341,7 @@ def _summary(sweep_id: str, runs: pd.DataFrame, report: Report, cohort: str, bas
         "Paired on seeds and test patients; p-values Holm-corrected across every comparison below.",
         _significance_markdown(report.significance, baseline),
         _distractors_markdown(report.distractors),
+        _lesion_qa_overall_markdown(runs),
         "## Figures",
         *(f"![{p.stem}]({p.relative_to(report.folder).as_posix()})" for p in figures),
         "## Tables per task (all metrics)",
