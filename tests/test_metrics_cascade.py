@@ -18,14 +18,13 @@ from gx_ray.metrics.cascade import (
     JudgeCache,
     Scored,
     cascade_metrics,
-    endpoint_judge,
-    local_judge,
     normalise,
     parse_verdict,
     question_prompt,
     score_answer,
     token_f1,
 )
+from gx_ray.models.judge import endpoint_judge, local_judge
 
 OPTIONS = ["Borrmann I", "Borrmann II", "Borrmann III", "Borrmann IV"]
 

@@ -4,13 +4,15 @@ and generated answers go through the scoring cascade to metrics."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 
 from gx_ray.metrics.cascade import cascade_metrics, score_answer
 from gx_ray.modalities.views import ViewRecipe, ct_images
-from gx_ray.models.vlm import LoraSettings, VisionLanguageModel
+from gx_ray.models.vlm import VLM_LORA, VisionLanguageModel
 
 from .vlm_fixtures import FAMILIES
 
@@ -37,7 +39,9 @@ def test_only_the_lora_adapters_train_and_the_loss_falls_on_a_tiny_overfit_set(t
     family, folder = tiny_vlm
     torch.manual_seed(0)
     every_projection = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    model = VisionLanguageModel(folder, LoraSettings(rank=4, alpha=8, dropout=0.0, target_modules=every_projection))
+    model = VisionLanguageModel(
+        folder, replace(VLM_LORA, rank=4, alpha=8, dropout=0.0, target_modules=every_projection)
+    )
     trainable = model.trainable()
     assert trainable and all("lora_" in name for name in trainable), family
     assert not any("vision" in name for name in trainable)  # the vision tower keeps its weights
@@ -60,7 +64,7 @@ def test_only_the_lora_adapters_train_and_the_loss_falls_on_a_tiny_overfit_set(t
 
 def test_generated_answers_go_through_the_cascade_to_metrics(tiny_vlm):
     family, folder = tiny_vlm
-    model = VisionLanguageModel(folder, LoraSettings(rank=4))
+    model = VisionLanguageModel(folder, replace(VLM_LORA, rank=4))
     answers = model.generate(_images(3), [QUESTION] * 3, max_new_tokens=4)
     assert len(answers) == 3 and all(isinstance(a, str) for a in answers)
     options = ["cardia", "body", "antrum", "pylorus"]
@@ -76,7 +80,7 @@ def test_the_vision_tower_and_the_language_model_open_when_asked(tiny_vlm):
     model = VisionLanguageModel(folder, lora=None, train_vision=True)
     names = list(model.trainable())
     assert names and all("vision" in n for n in names)
-    language = VisionLanguageModel(folder, LoraSettings(rank=2), train_language=True).trainable()
+    language = VisionLanguageModel(folder, replace(VLM_LORA, rank=2), train_language=True).trainable()
     assert any("lora_" in n for n in language) and any("lora_" not in n and "vision" not in n for n in language)
 
 
@@ -87,7 +91,7 @@ def test_option_log_likelihoods_agree_with_the_loss_whatever_the_batch_and_give_
     from gx_ray.metrics.classification import classification_metrics
 
     family, folder = tiny_vlm
-    model = VisionLanguageModel(folder, LoraSettings(rank=2)).eval()
+    model = VisionLanguageModel(folder, replace(VLM_LORA, rank=2)).eval()
     stages = ["stage I", "stage II", "stage III", "stage IV"]
     images = _images(4)
     questions = [f"What is the stage? {'(contrast-enhanced)' * i}" for i in range(4)]  # prompts of four lengths

@@ -240,13 +240,15 @@ def _significance_markdown(table: pd.DataFrame | None, baseline: str) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for _, row in table.iterrows():
-        interval = f" [{_fmt(row.get('ci_low'), 2)}, {_fmt(row.get('ci_high'), 2)}]" if "ci_low" in row else ""
-        lines.append(
-            f"| {row['task']} | {row['metric']} | {row['schema_a']} | {_fmt(row['diff'], 2)}{interval} | "
-            f"{row['p_value']:.3g} | {row['p_holm']:.3g} | {'**yes**' if row['significant'] else 'no'} | "
-            f"{row['method']} |"
-        )
+        lines.append(f"| {row['task']} | {row['metric']} | {row['schema_a']} | {_verdict(row)} | {row['method']} |")
     return "\n".join(lines) + caution
+
+
+def _verdict(row: pd.Series) -> str:
+    """A comparison's table cells: difference [95 % CI] | p | p (Holm) | significant."""
+    interval = f" [{_fmt(row.get('ci_low'), 2)}, {_fmt(row.get('ci_high'), 2)}]" if "ci_low" in row else ""
+    significant = "**yes**" if row["significant"] else "no"
+    return f"{_fmt(row['diff'], 2)}{interval} | {row['p_value']:.3g} | {row['p_holm']:.3g} | {significant}"
 
 
 def _distractors_markdown(table: pd.DataFrame | None) -> str:
@@ -261,11 +263,7 @@ def _distractors_markdown(table: pd.DataFrame | None) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for _, row in table.iterrows():
-        interval = f" [{_fmt(row.get('ci_low'), 2)}, {_fmt(row.get('ci_high'), 2)}]" if "ci_low" in row else ""
-        lines.append(
-            f"| {row['task']} | {row['schema']} | {row['metric']} | {row['schema_a']} | {_fmt(row['diff'], 2)}"
-            f"{interval} | {row['p_value']:.3g} | {row['p_holm']:.3g} | {'**yes**' if row['significant'] else 'no'} |"
-        )
+        lines.append(f"| {row['task']} | {row['schema']} | {row['metric']} | {row['schema_a']} | {_verdict(row)} |")
     return "\n\n".join(lines[:2]) + "\n\n" + "\n".join(lines[2:])
 
 

@@ -13,7 +13,9 @@ answers in words; each answer is scored by the first stage that can decide it:
 3. **judge**: an open-ended answer the rules did not match, when a judge is given: an LLM asked with MedEvalKit's
    judge prompt (:data:`JUDGE_PROMPT`, versioned by :data:`JUDGE_PROMPT_VERSION`), answering
    ``<judge>0</judge>`` for correct (its convention) or ``1``. Verdicts are cached by (prompt version, question,
-   reference, answer), so a rerun asks nothing twice. Without a judge an open answer the rules did not match is
+   reference, answer), so a rerun asks nothing twice. The judge is any ``ask(prompt) -> reply``; the backends (a local
+   transformers model, an OpenAI-compatible endpoint) are in :mod:`gx_ray.models.judge`. Without a judge an open
+   answer the rules did not match is
    scored by token F1 as close-ended ones are, and says so (stage ``similarity``).
 
 :func:`cascade_metrics` reports accuracy, the parse-failure rate apart from it (an MCQ answer naming no option, a
@@ -219,55 +221,3 @@ def cascade_metrics(scored: Sequence[Scored]) -> dict[str, float]:
 
 def scored_records(scored: Sequence[Scored]) -> list[Mapping[str, object]]:
     return [asdict(s) for s in scored]
-
-
-def endpoint_judge(url: str, model: str, api_key: str | None = None, timeout_s: float = 120.0) -> Callable[[str], str]:
-    """A judge behind an OpenAI-compatible chat-completions endpoint (vLLM, a hosted API): ``url`` is its base
-    (``http://host:8000``, ``…/v1`` accepted), ``model`` the served model's name; greedy, one reply per prompt."""
-    import urllib.request
-
-    base = url.rstrip("/").removesuffix("/v1")
-
-    def ask(prompt: str) -> str:
-        body = {"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": 512}
-        request = urllib.request.Request(
-            f"{base}/v1/chat/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})},
-        )
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            reply = json.loads(response.read())
-        return reply["choices"][0]["message"]["content"] or ""
-
-    return ask
-
-
-def local_judge(name_or_path: str, max_new_tokens: int = 256, device: str = "cpu") -> Callable[[str], str]:
-    """A judge that is a local transformers causal LM (a hub name or a folder), asked through its chat template where
-    it has one; greedy decoding, the reply without the prompt."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from gx_ray.models.text import quiet_loading
-
-    quiet_loading()
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(name_or_path).to(device).eval()
-
-    def ask(prompt: str) -> str:
-        import torch
-
-        if tokenizer.chat_template:
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-            )
-        else:
-            text = prompt
-        encoded = tokenizer(text, return_tensors="pt")
-        inputs = {k: encoded[k].to(device) for k in ("input_ids", "attention_mask")}  # no BERT-style token types
-        with torch.no_grad():
-            output = model.generate(
-                **inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
-            )
-        return tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-
-    return ask

@@ -30,8 +30,9 @@ class LoraSettings:
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
 
-def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
-    """``model`` with LoRA adapters on ``settings.target_modules``; only the adapters require grad."""
+def apply_lora(model: nn.Module, settings: LoraSettings, exclude: str | None = None) -> nn.Module:
+    """``model`` with LoRA adapters on ``settings.target_modules`` (but none in modules whose full name matches the
+    regular expression ``exclude``); only the adapters require grad."""
     from peft import LoraConfig, get_peft_model  # peft takes about a second to import: only when LoRA is configured
 
     config = LoraConfig(
@@ -39,5 +40,6 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
         target_modules=list(settings.target_modules),
+        exclude_modules=exclude,
     )
     return get_peft_model(model, config)

@@ -2,8 +2,10 @@
 ``AutoProcessor``: LLaVA, PaliGemma, Qwen2-VL, Idefics/SmolVLM, …) from a hub name or a local folder, fine-tuned with
 LoRA through peft.
 
-The base model is frozen; LoRA adapters (rank, alpha, dropout and target modules are search dimensions) train on the
-language model's projections; ``train_vision`` / ``train_language`` open the vision tower or the language model too.
+The base model is frozen; LoRA adapters (:class:`~gx_ray.models.lora.LoraSettings`, the text encoders' settings:
+rank, alpha, dropout and target modules are search dimensions) train on the language model's projections
+(:data:`VLM_LORA`), the vision tower's too with ``lora_vision``; ``train_vision`` / ``train_language`` open the vision
+tower or the language model too.
 A question is put to the model with its images inside the model's own chat template (or, for a model without one,
 the processor's plain prompt), and the answer is taught by cross-entropy on the answer's tokens only (the prompt and
 the image tokens are masked). :meth:`VisionLanguageModel.generate` answers greedily; the answers are then scored by
@@ -14,25 +16,21 @@ ct_images` gives them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from gx_ray.models.lora import LoraSettings, apply_lora
+
 IGNORE = -100
 
 
-@dataclass(frozen=True)
-class LoraSettings:
-    rank: int = 8
-    alpha: int = 16
-    dropout: float = 0.05
-    target_modules: tuple[str, ...] = ("q_proj", "v_proj")
-    """Module names (peft matches their ends) in the language model: attention projections by default."""
-    vision: bool = False
-    """Adapters in the vision tower too (its modules of the same names); by default only the language model's."""
+VLM_LORA = LoraSettings(dropout=0.05, target_modules=("q_proj", "v_proj"))
+"""LoRA on the language model's attention query and value projections (their names in Llama, Gemma, Qwen)."""
+VISION_MODULES = r".*(vision|visual).*"
+"""Full module names of a vision tower (``vision_tower``, ``visual``): no adapters there unless ``lora_vision``."""
 
 
 class VisionLanguageModel(nn.Module):
@@ -42,7 +40,8 @@ class VisionLanguageModel(nn.Module):
     def __init__(
         self,
         name_or_path: str,
-        lora: LoraSettings | None = LoraSettings(),
+        lora: LoraSettings | None = VLM_LORA,
+        lora_vision: bool = False,
         train_vision: bool = False,
         train_language: bool = False,
         dtype: torch.dtype | None = None,
@@ -58,13 +57,7 @@ class VisionLanguageModel(nn.Module):
         model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype)
         model.requires_grad_(False)
         if lora is not None:
-            from peft import LoraConfig, get_peft_model
-
-            targets: list[str] | str = list(lora.target_modules)
-            if not lora.vision:  # a regex over full module names: the language model's projections only
-                targets = rf"^(?!.*(vision|visual)).*\.({'|'.join(lora.target_modules)})$"
-            config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
-            model = get_peft_model(model, config)
+            model = apply_lora(model, lora, exclude=None if lora_vision else VISION_MODULES)
         for name, parameter in model.named_parameters():
             vision = "vision" in name or "visual" in name
             if (vision and train_vision) or (not vision and train_language and "lora_" not in name):

@@ -49,7 +49,7 @@ from gx_ray.modalities.build import imagenet_normalised
 from gx_ray.modalities.views import OVERLAY_COLOUR
 from gx_ray.models.vision import Endoscopy2d
 from gx_ray.tasks.base import Batch, Outputs, Task, TaskMetric
-from gx_ray.tasks.report_generation import IGNORE, ReportMetric, build_decoder, cut_texts, teacher_forced_loss
+from gx_ray.tasks.report_generation import ReportMetric, build_decoder, cut_texts, teacher_forced_loss
 
 FAMILIES: dict[str, tuple[str, ...]] = {"cls": SITES, "reg": REGION_CLASSES, "rec": (), "cap": ()}
 """Family → the classes it chooses among (``rec`` finds a box, ``cap`` writes the caption)."""
@@ -205,19 +205,12 @@ class Endoscopy(Task):
 
     def _caption(self, head: EndoscopyHead, features: torch.Tensor, cases: list[str]) -> Outputs:
         """Teacher-forced logits of the frames' captions; in evaluation also the captions written greedily."""
-        from gx_ray.models.text import tokenize_bucketed  # the models package imports MONAI: only when asked
-
         decoder = head.caption
         captions = [self.frames[c].caption for c in cases]
-        tokens = tokenize_bucketed(decoder.tokenizer, captions, self.caption_tokens, features.device)
-        labels = decoder.to_own(tokens.input_ids.masked_fill(~tokens.attention_mask.bool(), IGNORE))
         memory = features[:, None, :]  # the frame as one token
         memory_mask = torch.ones(memory.shape[:2], dtype=torch.bool, device=memory.device)
-        outputs = {
-            "logits": decoder(tokens.input_ids, tokens.attention_mask, memory, memory_mask),
-            "labels": labels,
-            "asked": cases,
-        }
+        logits, labels = decoder.teach(captions, self.caption_tokens, memory, memory_mask)
+        outputs = {"logits": logits, "labels": labels, "asked": cases}
         if not head.training:
             outputs["generated"] = decoder.generate(memory, memory_mask, max_new_tokens=self.max_new_tokens)
             outputs["references"] = cut_texts(decoder.tokenizer, captions, self.caption_tokens)

@@ -72,6 +72,18 @@ class ReportDecoder(nn.Module):
             use_cache=False,
         ).logits
 
+    def teach(
+        self, texts: Sequence[str | None], max_tokens: int, memory: torch.Tensor, memory_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced logits of ``texts`` (their first ``max_tokens`` tokens) and their labels in the decoder's
+        ids; an empty text (None) is padding only: it teaches nothing."""
+        from gx_ray.models.text import tokenize_bucketed  # the models package imports MONAI: only when asked
+
+        tokens = tokenize_bucketed(self.tokenizer, texts, max_tokens, memory.device)
+        has_text = torch.tensor([bool(t) for t in texts], device=memory.device)
+        labels = self.to_own(tokens.input_ids.masked_fill(~tokens.attention_mask.bool() | ~has_text[:, None], IGNORE))
+        return self(tokens.input_ids, tokens.attention_mask, memory, memory_mask), labels
+
     @functools.cached_property
     def _cache_argument(self) -> str:
         """The decoder's name for its cache: ``cache`` from transformers 5.2x, ``past_key_values`` before (5.17
@@ -181,15 +193,11 @@ class ReportGeneration(Task):
         return float(np.mean([text_generation_metrics(d, test, self.language, [metric])[metric] for d in draws]))
 
     def forward(self, encoder: nn.Module, head: nn.Module, inputs: ModelInputs, batch: Batch) -> Outputs:
-        from gx_ray.models.text import tokenize_bucketed  # the models package imports MONAI: only when asked
-
         encoded = encoder(inputs)
         references = batch[self.column]
-        tokens = tokenize_bucketed(head.tokenizer, references, self.max_report_tokens, encoded.tokens.device)
-        has_report = torch.tensor([bool(r) for r in references], device=encoded.tokens.device)
-        labels = head.to_own(tokens.input_ids.masked_fill(~tokens.attention_mask.bool() | ~has_report[:, None], IGNORE))
+        logits, labels = head.teach(references, self.max_report_tokens, encoded.tokens, encoded.token_mask)
         outputs = {
-            "logits": head(tokens.input_ids, tokens.attention_mask, encoded.tokens, encoded.token_mask),
+            "logits": logits,
             "labels": labels,
             # what the metric scores (evaluation only): the reports as the model is taught them
             "references": references if head.training else self.target_texts(references),
