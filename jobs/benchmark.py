@@ -3,6 +3,7 @@
 python jobs/benchmark.py ingest [--cpus 4] [--consumers 1]     # preprocessing and the Ray Data stream
 python jobs/benchmark.py model --model swin3d --shape 4,64,128,128 --batch 8 [--steps 10] [--amp bf16|off]
                                                                # training samples/s: registry model vs raw MONAI
+python jobs/benchmark.py vlm [--size 2b|tiny] [--batch 8]       # VLM LoRA step: gx-ray's (processor, labels) vs raw
 python jobs/benchmark.py sweep [--space modality_ablation]    # a sweep's wall time: data, start-up, training
 python jobs/benchmark.py cluster [--gpus N] [--budget 540]    # the ablation on every GPU of a node: busy fraction,
                                                                # start-up, DDP scaling, loop/raw, 8-GPU projection
@@ -70,7 +71,27 @@ def main(argv: list[str] | None = None) -> int:
     cluster.add_argument(
         "--ddp-sizes", default="1,2,4", help="GPUs per DDP trial for weak scaling (default 1,2,4; 1 skips DDP)"
     )
+    vlm = commands.add_parser("vlm", help="VLM LoRA training samples/s and peak memory: gx-ray's step vs raw")
+    vlm.add_argument("--size", default="2b", choices=["2b", "tiny"])
+    vlm.add_argument("--batch", type=int, default=8)
+    vlm.add_argument("--steps", type=int, default=10, help="timed steps")
+    vlm.add_argument("--rank", type=int, default=16, help="LoRA rank")
+    vlm.add_argument("--gradient-checkpointing", action="store_true")
+    vlm.add_argument("--device", help="default: cuda when available, else cpu")
     args = parser.parse_args(argv)
+
+    if args.command == "vlm":
+        from gx_ray.models.vlm_benchmark import VlmBenchmarkConfig, format_vlm_result, run_vlm_benchmark
+
+        config = VlmBenchmarkConfig(
+            size=args.size,
+            batch=args.batch,
+            steps=args.steps,
+            rank=args.rank,
+            gradient_checkpointing=args.gradient_checkpointing,
+            device=args.device,
+        )
+        print(format_vlm_result(run_vlm_benchmark(config)))
 
     if args.command == "cluster":
         from gx_ray.sweep.cluster_benchmark import ClusterBenchmarkConfig, format_cluster_result, run_cluster_benchmark
@@ -124,7 +145,6 @@ def main(argv: list[str] | None = None) -> int:
             fusion=args.fusion,
             gradient_checkpointing=args.gradient_checkpointing,
             compile=args.compile,
-            ddp_sizes=tuple(int(n) for n in args.ddp_sizes.split(",")),
         )
         print(format_model_result(run_model_benchmark(config, args.device)))
     return 0

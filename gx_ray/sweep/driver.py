@@ -328,12 +328,17 @@ def run_sweep(options: SweepOptions) -> SweepResult:
             _check_every_node_reaches({"--data": shards, "--storage": state})
             check_shards(shards, verify=options.verify)  # a truncated or altered shard is named before any trial
             record_inputs(output, sweep_inputs(space, shards))
-            if server:  # launched before Ray and the data: only what is left of its start-up is waited for
-                waited = time.perf_counter()
-                server.wait().keep_alive()
-                timings["mlflow_seconds"] = time.perf_counter() - waited
             tracking_uri = options.mlflow_uri or server.uri
-            result = _tune(space, options, shards, sweep_id, output, state, tracking_uri, timings, interrupted)
+
+            def mlflow_ready() -> None:  # launched before Ray, the data and the GPU plan: what is left of its start
+                if server:
+                    waited = time.perf_counter()
+                    server.wait().keep_alive()
+                    timings["mlflow_seconds"] = time.perf_counter() - waited
+
+            result = _tune(
+                space, options, shards, sweep_id, output, state, tracking_uri, timings, interrupted, mlflow_ready
+            )
             if not result.interrupted and result.mlflow_error is None:  # one who pressed Ctrl-C wants out, not a report
                 result.report = _write_report(result, shards)
         finally:
@@ -409,9 +414,29 @@ def _signals_stop_the_sweep() -> Iterator[dict[str, bool]]:
             signal.signal(signum, old)
 
 
-def _tune(space, options, shards, sweep_id, output, state, tracking_uri, timings, interrupted) -> SweepResult:
-    client = MlflowClient(tracking_uri)
+def _tune(
+    space, options, shards, sweep_id, output, state, tracking_uri, timings, interrupted, mlflow_ready
+) -> SweepResult:
     tags = provenance(storage.join(shards, MANIFEST_FILE))
+    # what trials need before any of them starts (lesion QA's question files, the GPU plan's measured steps) is built
+    # while the MLflow server is still starting: the parent run is the first thing that needs it
+    context = {
+        "sweep_id": sweep_id,
+        "space": space.name,
+        "shards": shards,
+        "storage_path": state,
+        # the space's resources section decides what every trial config says about resources
+        "fixed": {**space.resource_keys(), **space.fixed},
+        "overrides": space.overrides,
+        "provenance": tags,
+    }
+    context["questions"] = question_files(space, context, options.storage or str(Path(options.output).resolve()))
+    started = time.perf_counter()
+    context["gpu_plan"] = gpu_plan(space, context, output)
+    if context["gpu_plan"]:
+        timings["gpu_plan_seconds"] = time.perf_counter() - started
+    mlflow_ready()
+    client = MlflowClient(tracking_uri)
     parent = parent_run(
         client,
         EXPERIMENT,
@@ -427,23 +452,7 @@ def _tune(space, options, shards, sweep_id, output, state, tracking_uri, timings
     )
     # the live sweep's context reaches trials through the trainable (tune.with_parameters), never through their
     # saved configs: a resumed sweep's trials log to its own MLflow server and parent run
-    context = {
-        "tracking_uri": tracking_uri,
-        "parent_run_id": parent,
-        "sweep_id": sweep_id,
-        "space": space.name,
-        "shards": shards,
-        "storage_path": state,
-        # the space's resources section decides what every trial config says about resources
-        "fixed": {**space.resource_keys(), **space.fixed},
-        "overrides": space.overrides,
-        "provenance": tags,
-    }
-    context["questions"] = question_files(space, context, options.storage or str(Path(options.output).resolve()))
-    started = time.perf_counter()
-    context["gpu_plan"] = gpu_plan(space, context, output)
-    if context["gpu_plan"]:
-        timings["gpu_plan_seconds"] = time.perf_counter() - started
+    context.update(tracking_uri=tracking_uri, parent_run_id=parent)
     trainable = tune.with_resources(
         tune.with_parameters(run_trial, context=context), functools.partial(trial_resources, context)
     )

@@ -1,0 +1,205 @@
+"""VLM benchmark: LoRA training samples/s and peak memory of :class:`~gx_ray.models.vlm.VisionLanguageModel` on CT
+views, against the raw transformers training step of the very same model in the same run.
+
+No VLM weights reach the GPU machine (it has no network), so the model is built from a realistic config with random
+weights (rates do not depend on weights): ``2b`` is a LLaVA-class model of Qwen2-VL-2B's size, a SigLIP-so400m vision
+tower (384 px, patch 14: 729 image tokens) and a Qwen2-1.5B language model, about 2.0 B parameters; ``tiny`` is a
+one-layer model of the same classes for a CPU check. Its tokenizer is the offline MiniLM one with the image token
+added and the chat template hand-written (as the test fixtures'): neither is the real model's, and neither changes
+the model's step.
+
+Both sides train the LoRA adapters (rank 16 on the language model's q/v projections, the base frozen) with AdamW on
+one fixed batch of MCQ questions on one CT view each (the default :class:`~gx_ray.modalities.views.ViewRecipe`: the
+venous phase's key slice through the lesion): gx-ray's side is what a trial's step does, ``VisionLanguageModel.loss``
+from images and texts (the processor, the chat template and the answer-only labels every step); the raw side calls
+the model on the same batch's tensors, built once and already on the device. Warm-up steps are not timed; the
+device is synchronised before every clock read.
+"""
+
+from __future__ import annotations
+
+import gc
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gx_ray.metrics.cascade import question_prompt
+from gx_ray.modalities.views import ViewRecipe, ct_images
+from gx_ray.models.lora import LoraSettings
+from gx_ray.models.vlm import VLM_LORA, VisionLanguageModel
+
+LLAVA_TEMPLATE_HAND_WRITTEN = (
+    "{% for m in messages %}{{ m['role'] }}: {% for c in m['content'] %}{% if c['type'] == 'image' %}<image>"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %} {% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+)
+SIZES = {
+    # SigLIP-so400m-patch14-384's vision config and Qwen2-1.5B's text config: Qwen2-VL-2B's size class
+    "2b": {
+        "vision": {"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27, "num_attention_heads": 16,
+                   "image_size": 384, "patch_size": 14},
+        "text": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
+                 "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
+                 "rope_theta": 1e6, "tie_word_embeddings": True},
+    },
+    "tiny": {
+        "vision": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                   "image_size": 56, "patch_size": 14},
+        "text": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                 "num_key_value_heads": 1, "vocab_size": 30600, "max_position_embeddings": 2048},
+    },
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class VlmBenchmarkConfig:
+    size: str = "2b"
+    batch: int = 8
+    steps: int = 10
+    warmup: int = 3
+    rank: int = 16
+    gradient_checkpointing: bool = False
+    device: str | None = None
+    """Default: cuda when available (bf16 weights), else cpu (fp32)."""
+
+    def __post_init__(self) -> None:
+        if self.size not in SIZES:
+            raise ValueError(f"unknown VLM size {self.size!r}; valid: {', '.join(SIZES)}")
+
+
+def build_llava(folder: Path, size: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> Path:
+    """A random-weight LLaVA (SigLIP vision tower, Qwen2 language model) of ``size`` with its processor, saved."""
+    from transformers import (
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        Qwen2Config,
+        SiglipImageProcessor,
+        SiglipVisionConfig,
+    )
+
+    from gx_ray.models.text import offline_tokenizer
+
+    base = offline_tokenizer()
+    tokenizer = base.__class__.from_pretrained(base.name_or_path)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    shape = SIZES[size]
+    side = shape["vision"]["image_size"]
+    processor = LlavaProcessor(
+        image_processor=SiglipImageProcessor(size={"height": side, "width": side}),
+        tokenizer=tokenizer,
+        patch_size=shape["vision"]["patch_size"],
+        vision_feature_select_strategy="full",
+        chat_template=LLAVA_TEMPLATE_HAND_WRITTEN,
+        image_token="<image>",
+        num_additional_image_tokens=0,
+    )
+    config = LlavaConfig(
+        vision_config=SiglipVisionConfig(**shape["vision"]),
+        text_config=Qwen2Config(**shape["text"], pad_token_id=tokenizer.pad_token_id),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_select_strategy="full",
+        vision_feature_layer=-1,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):  # random init of 2 B parameters: seconds on a GPU, a minute on CPU
+        model = LlavaForConditionalGeneration(config).to(dtype)
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    del model
+    gc.collect()
+    return folder
+
+
+def benchmark_batch(batch: int, seed: int = 0) -> tuple[list[list[np.ndarray]], list[str], list[str]]:
+    """``batch`` cases' default CT views (one venous key slice through the lesion of a synthetic 64 x 128 x 128 HU
+    volume) with an MCQ question each and its answer letter."""
+    rng = np.random.default_rng(seed)
+    images, questions, answers = [], [], []
+    options = ["gastric body", "gastric antrum", "cardia", "fundus"]
+    for i in range(batch):
+        hu = {"venous": rng.normal(40, 60, (64, 128, 128)).astype(np.float32)}
+        box = [20, 40, 40, 28, 60, 64]
+        views, _ = ct_images(hu, ViewRecipe(), tumour_box=box)
+        images.append(list(views))
+        questions.append(question_prompt("mcq", "Where is the lesion?", options))
+        answers.append("ABCD"[i % 4])
+    return images, questions, answers
+
+
+def run_vlm_benchmark(config: VlmBenchmarkConfig = VlmBenchmarkConfig()) -> dict[str, Any]:
+    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    lora = LoraSettings(rank=config.rank, alpha=2 * config.rank, dropout=VLM_LORA.dropout,
+                        target_modules=VLM_LORA.target_modules)  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="gx-vlm-") as folder:
+        started = time.perf_counter()
+        build_llava(Path(folder), config.size, dtype, device)
+        built = time.perf_counter() - started
+        vlm = VisionLanguageModel(folder, lora=lora, dtype=dtype).to(device)
+    if config.gradient_checkpointing:
+        vlm.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        vlm.model.enable_input_require_grads()
+    vlm.train()
+    parameters = sum(p.numel() for p in vlm.model.parameters())
+    trainable = list(vlm.trainable().values())
+    optimiser = torch.optim.AdamW(trainable, lr=1e-4)
+    images, questions, answers = benchmark_batch(config.batch)
+    inputs, labels = vlm._taught(images, questions, answers)  # the raw side's tensors, built once
+
+    def step(loss_of) -> None:
+        loss_of().backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimiser.step()
+        optimiser.zero_grad(set_to_none=True)
+
+    sides = {
+        "gx_ray": lambda: vlm.loss(images, questions, answers),
+        "raw": lambda: vlm.model(**inputs, labels=labels).loss,
+    }
+    result: dict[str, Any] = {"config": asdict(config), "device": _device_name(device), "dtype": str(dtype)}
+    result.update(parameters=parameters, trainable=sum(p.numel() for p in trainable), build_seconds=built)
+    result["tokens_per_sample"] = int(inputs["attention_mask"].sum() / config.batch)
+    for name, loss_of in sides.items():
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        for i in range(config.warmup + config.steps):
+            if i == config.warmup:
+                _sync(device)
+                start = time.perf_counter()
+            step(loss_of)
+        _sync(device)
+        seconds = time.perf_counter() - start
+        result[name] = {
+            "samples_per_s": config.steps * config.batch / seconds,
+            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan"),
+        }
+    result["ratio"] = result["gx_ray"]["samples_per_s"] / result["raw"]["samples_per_s"]
+    return result
+
+
+def format_vlm_result(result: dict[str, Any]) -> str:
+    c = result["config"]
+    lines = [
+        f"VLM {c['size']} (LLaVA: SigLIP + Qwen2, {result['parameters'] / 1e6:,.1f} M parameters, LoRA rank "
+        f"{c['rank']}: {result['trainable'] / 1e6:.2f} M trainable) on {result['device']}, {result['dtype']}, "
+        f"batch {c['batch']}, {result['tokens_per_sample']} tokens a sample",
+    ]
+    for name in ("gx_ray", "raw"):
+        side = result[name]
+        lines.append(f"  {name:7s} {side['samples_per_s']:8.2f} samples/s   peak {side['peak_gib']:.1f} GiB")
+    lines.append(f"  ratio gx_ray / raw: {result['ratio']:.3f}")
+    return "\n".join(lines)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
