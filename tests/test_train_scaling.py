@@ -49,6 +49,16 @@ def test_gpu_share_on_random_cases_never_overcommits_and_never_wastes_a_slot():
         assert trials == probe.MAX_TRIALS_PER_GPU or (trials + 1) * need > usable
 
 
+def test_auto_packs_every_task_but_the_one_that_waits_on_the_gpu_each_step():
+    from gx_ray.schema import PAPER_TASKS
+    from gx_ray.sweep.driver import _auto_share
+
+    measured = {"peak_bytes": 20 * GIB, "card_bytes": 141 * GIB}
+    shares = {task: _auto_share({"task": task}, measured) for task in PAPER_TASKS}
+    assert shares.pop("lesion_detection") == 1.0  # a whole card: packed, it trained at a ninth of its rate
+    assert all(probe.trials_per_gpu(share) >= 2 for share in shares.values()), shares
+
+
 def test_gpu_share_refuses_nonsense():
     with pytest.raises(ValueError):
         probe.gpu_share(0, 80 * GIB)

@@ -38,6 +38,7 @@ from gx_ray.sweep.plan_cache import measured_plan
 from gx_ray.sweep.resume import check_resumable, record_inputs, sweep_inputs
 from gx_ray.sweep.spaces import SearchSpace, available_presets, load_space
 from gx_ray.sweep.trial import gpu_plan_key, resolve, run_trial, task_options, trial_resources
+from gx_ray.tasks import task_class
 from gx_ray.tracking import (
     check_reachable_from,
     child_runs,
@@ -205,10 +206,17 @@ def gpu_plan(space: SearchSpace, context: dict[str, Any], output: Path) -> dict[
     plan = {}
     for key, flat in settings.items():
         m, gpus = measured[key], flat.get("resources.gpus_per_worker")
-        share = gpu_share(m["peak_bytes"] + CONTEXT_BYTES, m["card_bytes"]) if gpus == AUTO else float(gpus)
+        share = float(gpus) if gpus != AUTO else _auto_share(flat, m)
         plan[key] = {**m, "share": share, "trials_per_gpu": trials_per_gpu(share)}
     path.write_text(json.dumps(plan, indent=1) + "\n", encoding="utf-8")
     return plan
+
+
+def _auto_share(flat: dict[str, Any], measured: dict[str, Any]) -> float:
+    """``auto``'s GPU share: as many trials as the measured peak lets fit, where the task packs well at all."""
+    if not task_class(flat["task"]).shares_a_gpu:
+        return 1.0
+    return gpu_share(measured["peak_bytes"] + CONTEXT_BYTES, measured["card_bytes"])
 
 
 def question_files(space: SearchSpace, context: dict[str, Any], root: str) -> dict[str, str]:

@@ -86,6 +86,10 @@ class Task:
     primary_metric: ClassVar[str]
     mode: ClassVar[str]
     """``"max"`` or ``"min"``: the direction in which :attr:`primary_metric` improves."""
+    shares_a_gpu: ClassVar[bool] = True
+    """Whether ``gpus_per_worker: auto`` may pack this task's trials with others on one GPU. A step that waits on the
+    GPU many times (per-image matching and sampling) loses far more than its share when CUDA time-slices the card
+    between processes: such a task gets whole GPUs."""
     label_options: ClassVar[tuple[str, ...]] = ()
     """Options that make another question of the same task: results are never pooled across them
     (:func:`gx_ray.tasks.task_label`)."""
