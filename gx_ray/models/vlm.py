@@ -16,6 +16,7 @@ ct_images` gives them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,41 @@ VISION_MODULES = r".*(vision|visual).*"
 """Full module names of a vision tower (``vision_tower``, ``visual``): no adapters there unless ``lora_vision``."""
 
 
+@dataclass(frozen=True)
+class VLMConfig:
+    """A trial's vision-language model (its ``vlm.*`` keys, read when ``model.family`` is ``vlm``): every field is a
+    search dimension."""
+
+    name: str = ""
+    """A hub name (``Qwen/Qwen2-VL-2B-Instruct``) or a local folder holding the model and its processor."""
+    lora: bool = True
+    """LoRA adapters on ``lora_targets``; false: none (the model trains only where ``train_*`` opens it)."""
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.05
+    lora_targets: tuple[str, ...] = VLM_LORA.target_modules
+    lora_vision: bool = False
+    """Adapters in the vision tower too (by default it has none)."""
+    train_vision: bool = False
+    train_language: bool = False
+    gradient_checkpointing: bool = False
+    max_new_tokens: int = 16
+    """Tokens an answer may take (VQA, stage); reports take report generation's ``task_options.max_new_tokens``."""
+
+    def __post_init__(self) -> None:
+        if self.lora:
+            self.lora_settings()  # a rank below 1 or no targets fails here, naming the setting
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"vlm.max_new_tokens = {self.max_new_tokens!r} is not valid: a whole number >= 1")
+
+    def lora_settings(self) -> LoraSettings | None:
+        if not self.lora:
+            return None
+        return LoraSettings(
+            rank=self.lora_rank, alpha=self.lora_alpha, dropout=self.lora_dropout, target_modules=self.lora_targets
+        )
+
+
 class VisionLanguageModel(nn.Module):
     """A transformers image-text-to-text model and its processor, frozen but for LoRA adapters (``lora``) and,
     when asked, the vision tower (``train_vision``) or the language model (``train_language``)."""
@@ -45,6 +81,7 @@ class VisionLanguageModel(nn.Module):
         train_vision: bool = False,
         train_language: bool = False,
         dtype: torch.dtype | None = None,
+        gradient_checkpointing: bool = False,
     ):
         super().__init__()
         from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -56,6 +93,10 @@ class VisionLanguageModel(nn.Module):
         self.processor = AutoProcessor.from_pretrained(name_or_path)
         model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype)
         model.requires_grad_(False)
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # with every base weight frozen the checkpointed blocks' inputs must carry grad for the adapters to get one
+            model.enable_input_require_grads()
         if lora is not None:
             model = apply_lora(model, lora, exclude=None if lora_vision else VISION_MODULES)
         for name, parameter in model.named_parameters():
@@ -147,6 +188,17 @@ class VisionLanguageModel(nn.Module):
 
     def trainable(self) -> dict[str, torch.Tensor]:
         return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+
+    @classmethod
+    def from_config(cls, config: VLMConfig, device: torch.device) -> VisionLanguageModel:
+        """The trial's model on ``device``: bf16 weights on a GPU, float32 on the CPU (CPUs lack fast bf16 matmuls)."""
+        if not config.name:
+            raise ValueError("model.family vlm needs vlm.name: a hub name or a local folder")
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        return cls(
+            config.name, config.lora_settings(), config.lora_vision, config.train_vision, config.train_language,
+            dtype, config.gradient_checkpointing,
+        ).to(device)  # fmt: skip
 
 
 def _to_pil(image: np.ndarray) -> Any:
