@@ -47,6 +47,7 @@ class VLMConfig:
     lora_alpha: int = 16
     lora_dropout: float = 0.05
     lora_targets: tuple[str, ...] = VLM_LORA.target_modules
+    """Module names (suffixes) that get adapters; a comma-separated string is read as the same list."""
     lora_vision: bool = False
     """Adapters in the vision tower too (by default it has none)."""
     train_vision: bool = False
@@ -56,6 +57,9 @@ class VLMConfig:
     """Tokens an answer may take (VQA, stage); reports take report generation's ``task_options.max_new_tokens``."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.lora_targets, str):  # "q_proj,v_proj": how a search space samples a set (Optuna takes strs)
+            targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
+            object.__setattr__(self, "lora_targets", targets)
         if self.lora:
             self.lora_settings()  # a rank below 1 or no targets fails here, naming the setting
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -181,7 +185,13 @@ class VisionLanguageModel(nn.Module):
     ) -> list[str]:
         """Greedy answers, without the prompt."""
         n = len(images[0]) if images else 0
-        inputs = self._inputs(images, self.prompts(questions, n))
+        tokenizer = self.processor.tokenizer
+        # padded on the left, prompts of unequal length all end where the answers start
+        side, tokenizer.padding_side = tokenizer.padding_side, "left"
+        try:
+            inputs = self._inputs(images, self.prompts(questions, n))
+        finally:
+            tokenizer.padding_side = side
         inputs.pop("token_type_ids", None)
         output = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
         return self.processor.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
