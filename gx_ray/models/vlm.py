@@ -98,9 +98,9 @@ class VisionLanguageModel(nn.Module):
         model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype)
         model.requires_grad_(False)
         if gradient_checkpointing:
+            # non-reentrant (PyTorch's recommended variant): it needs no block input that requires grad, which a
+            # frozen base model does not give
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            # with every base weight frozen the checkpointed blocks' inputs must carry grad for the adapters to get one
-            model.enable_input_require_grads()
         if lora is not None:
             model = apply_lora(model, lora, exclude=None if lora_vision else VISION_MODULES)
         for name, parameter in model.named_parameters():
