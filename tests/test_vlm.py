@@ -128,3 +128,15 @@ def test_gradient_checkpointing_still_trains_the_adapters_of_a_frozen_model(tiny
     assert all(g.abs().sum() > 0 for n, g in gradients[1].items() if "lora_B" in n), family
     for name, gradient in gradients[0].items():
         torch.testing.assert_close(gradients[1][name], gradient, atol=1e-5, rtol=1e-4)
+
+
+def test_a_batch_of_prompts_of_unequal_length_is_answered_as_each_prompt_alone(tiny_vlm):
+    """Generation pads on the left: each answer starts where its own prompt ends (right padding would have the
+    shorter prompts continue from padding)."""
+    family, folder = tiny_vlm
+    model = VisionLanguageModel(folder, replace(VLM_LORA, rank=2)).eval()
+    images = _images(3)
+    questions = [f"What is the stage? {'(contrast-enhanced) ' * 3 * i}" for i in range(3)]
+    together = model.generate(images, questions, max_new_tokens=4)
+    alone = [model.generate(images[i : i + 1], questions[i : i + 1], max_new_tokens=4)[0] for i in range(3)]
+    assert together == alone, family
