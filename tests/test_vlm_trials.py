@@ -191,6 +191,7 @@ def test_the_vlm_lora_smoke_sweep_trains_generates_and_scores_every_task_on_both
         )  # fmt: skip
         result = run_sweep(options)
         assert (result.finished, result.failed) == (6, 0)
+        assert result.report is not None and "stage_classification" in result.report.read_text(encoding="utf-8")
         client = MlflowClient(server.uri)
         runs = client.search_runs([result.experiment_id], f"tags.`gx_ray.sweep_id` = '{result.sweep_id}'")
         children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
