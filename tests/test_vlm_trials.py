@@ -19,6 +19,7 @@ from gx_ray.metrics import classification_metrics
 from gx_ray.metrics.cascade import question_prompt
 from gx_ray.modalities import resolve_schema
 from gx_ray.modalities.views import ViewsConfig
+from gx_ray.models.lora import LoraSettings
 from gx_ray.schema import BOX_LEVELS, PHASES
 from gx_ray.train.config import TrialConfig
 
@@ -176,7 +177,6 @@ def test_the_vlm_lora_smoke_sweep_trains_generates_and_scores_every_task_on_both
     LLaVA and PaliGemma: every trial finishes; each task's generated answers reach MLflow scored (VQA: accuracy and the
     parse-failure rate; reports: ROUGE-L; stage: the cascade's accuracy and the option likelihoods' AUC); the LoRA
     adapters trained while every frozen weight kept its value."""
-    from gx_ray.models.vlm import VisionLanguageModel
     from gx_ray.sweep.driver import SweepOptions, run_sweep
     from gx_ray.tracking.server import LocalMlflowServer
 
@@ -219,26 +219,35 @@ def test_the_vlm_lora_smoke_sweep_trains_generates_and_scores_every_task_on_both
             )
             predictions = json.loads(Path(records).read_text(encoding="utf-8"))
             assert predictions and all(isinstance(r["prediction"], str) for r in predictions)
-    # the trained state each trial checkpointed: adapters moved away from their zero start, frozen weights unchanged
+    # each trial's checkpoint: the adapters only (the frozen weights are the model folder's), moved from their zero
+    # start; tests/test_vlm.py checks that the frozen weights keep their values
     state_files = sorted((tmp_path / "out").rglob("state.pt"))
     assert len(state_files) >= 6
     for state_file in state_files:
-        state = torch.load(state_file, map_location="cpu", weights_only=True)["model"]
-        fresh = _fresh_state(VisionLanguageModel, vlm_folders, state)
-        lora_b = [k for k in state if "lora_B" in k]
-        assert lora_b and any(state[k].abs().sum() > 0 for k in lora_b), state_file
-        frozen = [k for k in state if "lora_" not in k]
-        assert frozen and all(torch.equal(state[k], fresh[k]) for k in frozen), state_file
+        state = torch.load(state_file, map_location="cpu", weights_only=True)
+        for weights in (state["model"], state["best"]["state"]):
+            assert weights and all("lora_" in k for k in weights), state_file
+            assert any(weights[k].abs().sum() > 0 for k in weights if "lora_B" in k), state_file
 
 
-def _fresh_state(model_class, folders: dict[str, str], state: dict) -> dict:
-    """The untrained model whose parameter names the checkpoint holds (LLaVA's or PaliGemma's), with the same
-    adapters, as a state dict under the task model's names."""
-    from gx_ray.models.lora import LoraSettings
+def test_a_vlm_task_model_keeps_and_loads_what_trains_only(vlm_folders):
+    """The task model's state is its trained parameters: loading it restores them exactly, and a state missing one
+    or naming another parameter is refused."""
+    from gx_ray.models.vlm import VisionLanguageModel
+    from gx_ray.tasks import build_task
+    from gx_ray.tasks.vlm import VisionLanguageTask, VisionLanguageTaskModel
 
-    for folder in folders.values():
-        model = model_class(folder, LoraSettings(rank=4, alpha=8, dropout=0.05, target_modules=("q_proj", "v_proj")))
-        fresh = {f"vlm.{k}": v for k, v in model.state_dict().items()}
-        if set(fresh) == set(state):
-            return fresh
-    raise AssertionError("the checkpoint is neither tiny family's model")
+    schema = resolve_schema("image_only")
+    vlm = VisionLanguageModel(vlm_folders["llava"], LoraSettings(rank=2, target_modules=("q_proj", "v_proj")))
+    model = VisionLanguageTaskModel(
+        VisionLanguageTask(build_task("stage_classification")), vlm, ViewsConfig().recipe(schema), schema
+    )
+    state = model.state_dict()
+    assert set(state) == {f"vlm.model.{n}" for n in vlm.trainable()} and len(state) == 4  # A and B, q and v
+    changed = {k: v + 1 for k, v in state.items()}
+    model.load_state_dict(changed)
+    assert all(torch.equal(model.state_dict()[k], changed[k]) for k in state)
+    with pytest.raises(RuntimeError, match="missing"):
+        model.load_state_dict(dict(list(changed.items())[1:]))
+    with pytest.raises(RuntimeError, match="unknown"):
+        model.load_state_dict({**changed, "vlm.model.extra": torch.zeros(1)})

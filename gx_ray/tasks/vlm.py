@@ -142,6 +142,27 @@ class VisionLanguageTaskModel(nn.Module):
         self.task, self.vlm, self.recipe, self.schema = task, vlm, recipe, schema
         task.bind_tokenizer(vlm.processor.tokenizer)
 
+    def trained_keys(self, prefix: str = "") -> set[str]:
+        return {f"{prefix}vlm.model.{name}" for name in self.vlm.trainable()}
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """What trains (the adapters, and a tower opened by ``vlm.train_*``) only: the frozen weights are the model
+        folder's, and a copy of them in every checkpoint (and in the best epoch's copy the loop keeps on the device)
+        would cost the model's size each time, gigabytes for the hub models."""
+        full = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        trained = self.trained_keys(prefix)
+        for key in [k for k in full if k not in trained]:
+            del full[key]
+        return full
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Loads what :meth:`state_dict` keeps; ``strict``: exactly the trained parameters, no more and no fewer."""
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        missing = sorted(set(result.missing_keys) & self.trained_keys())
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(f"VLM state: trained parameters missing {missing}, unknown {result.unexpected_keys}")
+        return result
+
     def forward(self, batch: Batch) -> Outputs:
         items = self.task.items(batch, self.training)
         if not items:  # nothing asked of this batch: a zero that still reaches the graph (DDP, backward)
