@@ -15,6 +15,7 @@ import torch
 import yaml
 from mlflow.tracking import MlflowClient
 
+from gx_ray.analysis.runs import load_runs
 from gx_ray.metrics import classification_metrics
 from gx_ray.metrics.cascade import question_prompt
 from gx_ray.modalities import resolve_schema
@@ -192,6 +193,9 @@ def test_the_vlm_lora_smoke_sweep_trains_generates_and_scores_every_task_on_both
         result = run_sweep(options)
         assert (result.finished, result.failed) == (6, 0)
         assert result.report is not None and "stage_classification" in result.report.read_text(encoding="utf-8")
+        # the analysis tells the two models apart (its cells are per task, model and schema), not as encoder runs
+        runs = load_runs(server.uri, result.sweep_id)
+        assert set(runs["model"]) == {f"vlm:{folder}" for folder in vlm_folders.values()}
         client = MlflowClient(server.uri)
         runs = client.search_runs([result.experiment_id], f"tags.`gx_ray.sweep_id` = '{result.sweep_id}'")
         children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
