@@ -66,9 +66,10 @@ def test_vlm_keys_reach_the_trial_config_and_its_params_and_encoder_trials_keep_
         ({"views.boxes": "prompt"}, "views.boxes"),
         ({"model.family": "llm"}, "model.family"),
         ({"vlm.lora_rank": 0}, "LoRA rank"),
+        ({"vlm.lora": False}, "nothing trains"),
     ],
     ids=["retrieval", "detection", "no-name", "numeric-table", "box-channels", "endoscopy", "lesion-centre-no-box",
-         "box-prompt-no-box", "family", "rank"],
+         "box-prompt-no-box", "family", "rank", "nothing-trains"],
 )  # fmt: skip
 def test_a_vlm_trial_that_cannot_run_is_refused_naming_the_key(changes, named):
     with pytest.raises(ValueError) as info:

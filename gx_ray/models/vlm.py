@@ -62,6 +62,8 @@ class VLMConfig:
             object.__setattr__(self, "lora_targets", targets)
         if self.lora:
             self.lora_settings()  # a rank below 1 or no targets fails here, naming the setting
+        elif not (self.train_vision or self.train_language):
+            raise ValueError("vlm.lora is false and vlm.train_vision and vlm.train_language are off: nothing trains")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"vlm.max_new_tokens = {self.max_new_tokens!r} is not valid: a whole number >= 1")
 
