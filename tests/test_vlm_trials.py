@@ -256,3 +256,13 @@ def test_a_vlm_task_model_keeps_and_loads_what_trains_only(vlm_folders):
         model.load_state_dict(dict(list(changed.items())[1:]))
     with pytest.raises(RuntimeError, match="unknown"):
         model.load_state_dict({**changed, "vlm.model.extra": torch.zeros(1)})
+
+
+def test_a_vlm_trials_memory_plan_tells_models_and_views_apart():
+    """The GPU plan (one measured step per distinct memory footprint) keys on what decides a VLM trial's memory."""
+    from gx_ray.sweep.trial import gpu_plan_key
+
+    base = {**VLM, "task": "vqa", "seed": 0, "data.effective_batch": 8}
+    for change in ({"vlm.name": "other/vlm"}, {"vlm.lora_rank": 32}, {"views.slices": 9}, {"views.mode": "mip"}):
+        assert gpu_plan_key({**base, **change}) != gpu_plan_key(base), change
+    assert gpu_plan_key({**base, "seed": 1}) == gpu_plan_key(base)
