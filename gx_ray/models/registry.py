@@ -28,7 +28,6 @@ that answers in words (:class:`~gx_ray.models.vlm.VisionLanguageModel`, set by t
 
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str = "encoder"
     vision: str = "resnet18_3d"
     text: str = "bert_tiny"
     fusion: str = "concat"
@@ -46,6 +45,8 @@ class ModelConfig:
     compile: bool = False
     """``torch.compile`` the CT encoder, the step's dominant cost (in place: its state-dict keys stay the same, so
     checkpoints load either way). Costs a compilation in each new process; pays on GPUs over a whole trial."""
+    family: str = "encoder"
+    """:data:`MODEL_FAMILIES`: with ``vlm`` the fields above are unused (the trial's ``vlm.*`` keys name the model)."""
 
     def __post_init__(self) -> None:
         if self.family not in MODEL_FAMILIES:
