@@ -20,7 +20,7 @@ from mlflow.tracking import MlflowClient
 from gx_ray.analysis.runs import headline_metric, load_runs
 from gx_ray.schema import PAPER_TASKS as TASKS
 from gx_ray.sweep.driver import EXPERIMENT, SweepOptions, run_sweep
-from gx_ray.sweep.spaces import SpaceError, available_presets, load_space
+from gx_ray.sweep.spaces import SpaceError, _probe_value, available_presets, load_space
 from gx_ray.tracking import TRIAL_TAG
 from gx_ray.tracking.server import LocalMlflowServer
 from gx_ray.train.config import TrialConfig
@@ -100,8 +100,11 @@ def test_every_shipped_space_and_preset_is_valid():
                 continue
             space = load_space(path.stem, presets)
             assert space.trial_count() >= 1, (path, presets)
+            # sampled keys at a valid value, as load_space checks them (an Optuna space may sample the task itself)
+            probe = {key: _probe_value(spec) for key, spec in space.sample.items()}
             for cell in space.cells()[:3]:  # every key the preset sets is one a trial config takes
-                TrialConfig.from_flat({**space.resource_keys(), **space.resolve(cell), "data.shards": "x"})
+                flat = space.resolve({**probe, **cell})
+                TrialConfig.from_flat({**space.resource_keys(), **flat, "data.shards": "x"})
 
 
 # --- the smoke modality ablation, end to end --------------------------------------------------------------

@@ -108,3 +108,35 @@ def test_option_log_likelihoods_agree_with_the_loss_whatever_the_batch_and_give_
     probabilities = scores.softmax(1).numpy()
     metrics = classification_metrics(probabilities, np.array([0, 1, 2, 3]))
     assert 0 <= metrics["auc"] <= 100
+
+
+def test_gradient_checkpointing_still_trains_the_adapters_of_a_frozen_model(tiny_vlm):
+    """With every base weight frozen, checkpointed blocks get inputs that carry no grad: the adapters must still get
+    gradients, the same as without checkpointing (the recomputed forward is the same forward)."""
+    family, folder = tiny_vlm
+    gradients = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = VisionLanguageModel(
+            folder, replace(VLM_LORA, rank=2, dropout=0.0), gradient_checkpointing=checkpointing
+        ).train()
+        assert any(getattr(m, "gradient_checkpointing", False) for m in model.model.modules()) == checkpointing
+        model.loss(_images(2), [QUESTION] * 2, ["A", "B"]).backward()
+        gradients.append({n: p.grad for n, p in model.trainable().items()})
+    # every adapter gets a gradient (lora_A's is zero at the start: lora_B starts at zero; lora_B's is not)
+    assert gradients[1] and all(g is not None for g in gradients[1].values()), family
+    assert all(g.abs().sum() > 0 for n, g in gradients[1].items() if "lora_B" in n), family
+    for name, gradient in gradients[0].items():
+        torch.testing.assert_close(gradients[1][name], gradient, atol=1e-5, rtol=1e-4)
+
+
+def test_a_batch_of_prompts_of_unequal_length_is_answered_as_each_prompt_alone(tiny_vlm):
+    """Generation pads on the left: each answer starts where its own prompt ends (right padding would have the
+    shorter prompts continue from padding)."""
+    family, folder = tiny_vlm
+    model = VisionLanguageModel(folder, replace(VLM_LORA, rank=2)).eval()
+    images = _images(3)
+    questions = [f"What is the stage? {'(contrast-enhanced) ' * 3 * i}" for i in range(3)]
+    together = model.generate(images, questions, max_new_tokens=4)
+    alone = [model.generate(images[i : i + 1], questions[i : i + 1], max_new_tokens=4)[0] for i in range(3)]
+    assert together == alone, family

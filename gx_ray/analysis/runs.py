@@ -3,7 +3,8 @@
 Columns (:data:`RUN_COLUMNS`): ``sweep_id``, ``run_id``, ``trial`` (the trial's name), ``status`` (MLflow's run
 status), ``stopped_early`` (the scheduler ended the trial before its last epoch: it has validation values, no
 test values), ``start_time`` (ms since the epoch; the order trials began), ``task``, ``schema``, ``model`` (a label
-such as ``swin3d+minilm``), ``vision``, ``text``, ``fusion``, ``seed``, ``inputs`` (what the schema gave the model, in
+such as ``swin3d+minilm``; ``vlm:<vlm.name>`` for a vision-language model, whose ``fusion`` is ``vlm``), ``vision``,
+``text``, ``fusion``, ``seed``, ``inputs`` (what the schema gave the model, in
 words: :func:`inputs_of`), ``split`` (``val``: the best epoch's
 validation value; ``test``: the best checkpoint on the test split), ``metric`` (the task's metric name, e.g.
 ``auc`` or ``image_to_text_recall_at_5``) and ``value`` (NaN where the metric is undefined on the split), then
@@ -148,7 +149,11 @@ def load_runs(tracking_uri: str, sweep_id: str) -> pd.DataFrame:
     rows = []
     for run, param in zip(runs, params, strict=True):
         tags, metrics = run.data.tags, run.data.metrics
-        vision, text = param.get("model.vision"), param.get("model.text")
+        vision, text, fusion = param.get("model.vision"), param.get("model.text"), param.get("model.fusion")
+        model = f"{vision}+{text}"
+        if param.get("model.family") == "vlm":  # one model, named by its hub name or folder; no encoder parts
+            vision, text, fusion = param.get("vlm.name"), None, "vlm"
+            model = f"vlm:{vision}"
         base = {
             "sweep_id": sweep_id,
             "run_id": run.info.run_id,
@@ -158,10 +163,10 @@ def load_runs(tracking_uri: str, sweep_id: str) -> pd.DataFrame:
             "start_time": run.info.start_time,
             "task": _task_label(tags.get("task"), param),
             "schema": tags.get("schema"),
-            "model": f"{vision}+{text}",
+            "model": model,
             "vision": vision,
             "text": text,
-            "fusion": param.get("model.fusion"),
+            "fusion": fusion,
             "seed": int(tags.get("seed", param.get("seed", 0))),
             "inputs": inputs_of(param),
             **{key: param.get(key) for key in searched},

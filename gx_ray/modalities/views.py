@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from gx_ray.modalities.boxes import box_outlines
+from gx_ray.modalities.schemas import ModalitySchema
 
 SOFT_TISSUE: tuple[float, float] = (50.0, 400.0)
 """(centre, width) in HU: CT-Bench's window for its slices."""
@@ -197,3 +198,44 @@ def _draw_rgb(images: np.ndarray, box: np.ndarray | list[int], z_indices: np.nda
         for channel, value in enumerate(OVERLAY_COLOUR):
             images[i, channel][rectangle] = value
     return images
+
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class ViewsConfig:
+    """A trial's 3D-to-2D conversion for a vision-language model (its ``views.*`` keys): the :class:`ViewRecipe`'s
+    fields, each a search dimension, with the phases taken from the trial's modality schema. What the model may see
+    stays the schema's to say (its leakage rules apply unchanged): the tumour box reaches the model only under a
+    schema with a tumour box cue, and the lab table (``schema.table: text``) goes into the prompt as its abnormal-value
+    descriptors."""
+
+    centre: str = AUTO
+    """``lesion`` (the tumour box's key slice: itself a box cue), ``stomach``; ``auto``: the lesion under a schema with
+    a tumour box cue, else the stomach."""
+    slices: int = 1
+    mode: str = "stack"
+    window: tuple[float, float] = SOFT_TISSUE
+    phase_layout: str = "images"
+    boxes: str = AUTO
+    """``drawn``, ``prompt`` or ``off``; ``auto``: drawn under a schema with a tumour box cue, else off."""
+
+    def recipe(self, schema: ModalitySchema) -> ViewRecipe:
+        """The recipe this config gives under ``schema``; refuses a choice that would show the model the tumour box
+        the schema withholds, naming the key."""
+        tumour_cue = schema.boxes != "off" and "tumour" in schema.box_levels
+        centre = self.centre if self.centre != AUTO else ("lesion" if tumour_cue else "stomach")
+        boxes = self.boxes if self.boxes != AUTO else ("drawn" if tumour_cue else "off")
+        if not tumour_cue and (centre == "lesion" or boxes != "off"):
+            key, value = ("views.centre", centre) if centre == "lesion" else ("views.boxes", boxes)
+            raise ValueError(
+                f"{key} = {value!r} shows the model the tumour box, which schema {schema.name!r} does not give "
+                "(set schema.boxes and a tumour box level, or views.centre: stomach and views.boxes: off)"
+            )
+        if len(self.window) != 2:
+            raise ValueError(f"views.window = {list(self.window)} is not valid: [centre, width] in HU")
+        return ViewRecipe(
+            centre=centre, slices=self.slices, mode=self.mode, window=(float(self.window[0]), float(self.window[1])),
+            phases=tuple(schema.phases), phase_layout=self.phase_layout, boxes=boxes,
+        )  # fmt: skip

@@ -21,6 +21,10 @@ from gx_ray.models.lora import LoraSettings, apply_lora
 from gx_ray.models.text import TextEncoder, build_text_encoder, check_text_name, masked_mean
 from gx_ray.models.vision import ENDOSCOPY_ENCODERS, VISION_ENCODERS, build_endoscopy_encoder, build_vision_encoder
 
+MODEL_FAMILIES: tuple[str, ...] = ("encoder", "vlm")
+"""``encoder``: the multimodal encoder with a task head (:class:`MultimodalEncoder`); ``vlm``: a vision-language model
+that answers in words (:class:`~gx_ray.models.vlm.VisionLanguageModel`, set by the trial's ``vlm.*`` keys)."""
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -41,8 +45,12 @@ class ModelConfig:
     compile: bool = False
     """``torch.compile`` the CT encoder, the step's dominant cost (in place: its state-dict keys stay the same, so
     checkpoints load either way). Costs a compilation in each new process; pays on GPUs over a whole trial."""
+    family: str = "encoder"
+    """:data:`MODEL_FAMILIES`: with ``vlm`` the fields above are unused (the trial's ``vlm.*`` keys name the model)."""
 
     def __post_init__(self) -> None:
+        if self.family not in MODEL_FAMILIES:
+            raise ValueError(f"unknown model.family {self.family!r}; valid: {', '.join(MODEL_FAMILIES)}")
         for key, registry in (("vision", VISION_ENCODERS), ("fusion", FUSIONS), ("endoscopy", ENDOSCOPY_ENCODERS)):
             if getattr(self, key) not in registry:
                 raise ValueError(f"unknown {key} model {getattr(self, key)!r}; valid: {', '.join(registry)}")

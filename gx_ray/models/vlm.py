@@ -16,6 +16,7 @@ ct_images` gives them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,47 @@ VISION_MODULES = r".*(vision|visual).*"
 """Full module names of a vision tower (``vision_tower``, ``visual``): no adapters there unless ``lora_vision``."""
 
 
+@dataclass(frozen=True)
+class VLMConfig:
+    """A trial's vision-language model (its ``vlm.*`` keys, read when ``model.family`` is ``vlm``): every field is a
+    search dimension."""
+
+    name: str = ""
+    """A hub name (``Qwen/Qwen2-VL-2B-Instruct``) or a local folder holding the model and its processor."""
+    lora: bool = True
+    """LoRA adapters on ``lora_targets``; false: none (the model trains only where ``train_*`` opens it)."""
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.05
+    lora_targets: tuple[str, ...] = VLM_LORA.target_modules
+    """Module names (suffixes) that get adapters; a comma-separated string is read as the same list."""
+    lora_vision: bool = False
+    """Adapters in the vision tower too (by default it has none)."""
+    train_vision: bool = False
+    train_language: bool = False
+    gradient_checkpointing: bool = False
+    max_new_tokens: int = 16
+    """Tokens an answer may take (VQA, stage); reports take report generation's ``task_options.max_new_tokens``."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora_targets, str):  # "q_proj,v_proj": how a search space samples a set (Optuna takes strs)
+            targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
+            object.__setattr__(self, "lora_targets", targets)
+        if self.lora:
+            self.lora_settings()  # a rank below 1 or no targets fails here, naming the setting
+        elif not (self.train_vision or self.train_language):
+            raise ValueError("vlm.lora is false and vlm.train_vision and vlm.train_language are off: nothing trains")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"vlm.max_new_tokens = {self.max_new_tokens!r} is not valid: a whole number >= 1")
+
+    def lora_settings(self) -> LoraSettings | None:
+        if not self.lora:
+            return None
+        return LoraSettings(
+            rank=self.lora_rank, alpha=self.lora_alpha, dropout=self.lora_dropout, target_modules=self.lora_targets
+        )
+
+
 class VisionLanguageModel(nn.Module):
     """A transformers image-text-to-text model and its processor, frozen but for LoRA adapters (``lora``) and,
     when asked, the vision tower (``train_vision``) or the language model (``train_language``)."""
@@ -45,6 +87,7 @@ class VisionLanguageModel(nn.Module):
         train_vision: bool = False,
         train_language: bool = False,
         dtype: torch.dtype | None = None,
+        gradient_checkpointing: bool = False,
     ):
         super().__init__()
         from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -56,6 +99,10 @@ class VisionLanguageModel(nn.Module):
         self.processor = AutoProcessor.from_pretrained(name_or_path)
         model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype)
         model.requires_grad_(False)
+        if gradient_checkpointing:
+            # non-reentrant (PyTorch's recommended variant): it needs no block input that requires grad, which a
+            # frozen base model does not give
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if lora is not None:
             model = apply_lora(model, lora, exclude=None if lora_vision else VISION_MODULES)
         for name, parameter in model.named_parameters():
@@ -140,13 +187,30 @@ class VisionLanguageModel(nn.Module):
     ) -> list[str]:
         """Greedy answers, without the prompt."""
         n = len(images[0]) if images else 0
-        inputs = self._inputs(images, self.prompts(questions, n))
+        tokenizer = self.processor.tokenizer
+        # padded on the left, prompts of unequal length all end where the answers start
+        side, tokenizer.padding_side = tokenizer.padding_side, "left"
+        try:
+            inputs = self._inputs(images, self.prompts(questions, n))
+        finally:
+            tokenizer.padding_side = side
         inputs.pop("token_type_ids", None)
         output = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
         return self.processor.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
 
     def trainable(self) -> dict[str, torch.Tensor]:
         return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+
+    @classmethod
+    def from_config(cls, config: VLMConfig, device: torch.device) -> VisionLanguageModel:
+        """The trial's model on ``device``: bf16 weights on a GPU, float32 on the CPU (CPUs lack fast bf16 matmuls)."""
+        if not config.name:
+            raise ValueError("model.family vlm needs vlm.name: a hub name or a local folder")
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        return cls(
+            config.name, config.lora_settings(), config.lora_vision, config.train_vision, config.train_language,
+            dtype, config.gradient_checkpointing,
+        ).to(device)  # fmt: skip
 
 
 def _to_pil(image: np.ndarray) -> Any:

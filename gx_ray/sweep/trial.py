@@ -159,7 +159,8 @@ def _fit_torch_trainer(
 
 def gpu_plan_key(flat: dict[str, Any]) -> str:
     """What decides a trial's GPU memory: task, inputs, model, batches and workers (not its seed or learning rate)."""
-    kept = {k: v for k, v in flat.items() if k.split(".")[0] in ("task", "schema", "model", "task_options")}
+    sections = ("task", "schema", "model", "task_options", "vlm", "views")
+    kept = {k: v for k, v in flat.items() if k.split(".")[0] in sections}
     keys = ("data.effective_batch", "data.micro_batch", "data.eval_batch_size", "resources.workers")
     kept.update({k: flat.get(k) for k in keys})
     return json.dumps(kept, sort_keys=True, default=str)

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any, get_args, get_type_hints
 
 from gx_ray.modalities import ModalitySchema, check_leakage, resolve_schema
+from gx_ray.modalities.views import ViewsConfig
 from gx_ray.models.registry import ModelConfig
+from gx_ray.models.vlm import VLMConfig
 from gx_ray.schema import TASKS
 
 
@@ -102,6 +104,10 @@ class TrialConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     data: DataConfig = field(default_factory=DataConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    vlm: VLMConfig = field(default_factory=VLMConfig)
+    """The vision-language model, read when ``model.family`` is ``vlm``."""
+    views: ViewsConfig = field(default_factory=ViewsConfig)
+    """How the CT becomes a VLM's 2D images, read when ``model.family`` is ``vlm``."""
     task_options: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     amp: str = "auto"
@@ -115,6 +121,35 @@ class TrialConfig:
         check_leakage(self.schema, self.task, self.task_options)
         self._check_values()
         self._check_batch()
+        if self.model.family == "vlm":
+            self._check_vlm()
+
+    def _check_vlm(self) -> None:
+        """A VLM trial asks what a VLM can answer, from inputs it can be given: refused here, naming the key."""
+        if self.task not in VLM_TASKS:
+            raise ValueError(
+                f"model.family vlm answers {', '.join(VLM_TASKS)} by generation; task {self.task!r} is not built for "
+                "it (use model.family: encoder)"
+            )
+        if not self.vlm.name:
+            raise ValueError("model.family vlm needs vlm.name: a hub name or a local folder")
+        unsupported = [
+            (key, value)
+            for key, value, given in (
+                ("schema.endoscopy", self.schema.endoscopy, self.schema.endoscopy),
+                ("schema.reports", list(self.schema.reports), self.schema.reports),
+                ("schema.table", self.schema.table, self.schema.table == "numeric"),
+                ("schema.boxes", self.schema.boxes, self.schema.boxes == "channels"),
+            )
+            if given
+        ]
+        if unsupported:
+            key, value = unsupported[0]
+            raise ValueError(
+                f"{key} = {value!r} is not built for model.family vlm (it sees CT views, the tumour box drawn or in "
+                "the prompt, and the lab table as text: schema.table text, schema.boxes overlay or off)"
+            )
+        self.views.recipe(self.schema)  # a view that would leak the withheld tumour box fails here
 
     def _check_values(self) -> None:
         """Numbers that would train on silently and report NaN (a negative learning rate) or fail late, after Ray
@@ -202,12 +237,18 @@ class TrialConfig:
     def to_flat(self) -> dict[str, Any]:
         """Every setting under its dotted key (what MLflow records as params)."""
         flat: dict[str, Any] = {"task": self.task, "seed": self.seed, "amp": self.amp, "schema": self.schema.name}
-        for section in ("schema", "model", "optimiser", "schedule", "data", "resources"):
+        sections = ["schema", "model", "optimiser", "schedule", "data", "resources"]
+        if self.model.family == "vlm":  # an encoder trial's params stay as they were: no unused vlm.* or views.*
+            sections += ["vlm", "views"]
+        for section in sections:
             for key, value in dataclasses.asdict(getattr(self, section)).items():
                 flat[f"{section}.{key}"] = json.dumps(value) if isinstance(value, dict | list | tuple) else value
         flat.update({f"task_options.{k}": v for k, v in self.task_options.items()})
         return flat
 
+
+VLM_TASKS: tuple[str, ...] = ("vqa", "report_generation", "stage_classification")
+"""The tasks a vision-language model answers by generation (``model.family: vlm``)."""
 
 VALUE_RULES = {
     "lr": "a positive finite number",

@@ -213,8 +213,21 @@ def build_trial(
     if type(task).attach_splits is not Task.attach_splits:  # only a task that asks reads the other splits
         splits = {"train": train_rows, **{s: split_rows(config.data.shards, s) for s in ("val", "test")}}
         task.attach_splits(splits, manifest, str(config.data.shards))
+    if config.model.family == "vlm":
+        return (*build_vlm_trial(config, task, device), layout)
     model = TaskModel(task, build_encoder(config.model, config.schema), config.schema).to(device)
     return task, model, layout
+
+
+def build_vlm_trial(config: TrialConfig, task: Task, device: torch.device) -> tuple[Any, torch.nn.Module]:
+    """``model.family: vlm``: the task asked of a vision-language model in words (:mod:`gx_ray.tasks.vlm`); the loop
+    trains, evaluates, logs and checkpoints it as any task model."""
+    from gx_ray.models.vlm import VisionLanguageModel  # transformers and peft load only for a VLM trial
+    from gx_ray.tasks.vlm import VisionLanguageTask, VisionLanguageTaskModel
+
+    asked = VisionLanguageTask(task, config.vlm.max_new_tokens)
+    vlm = VisionLanguageModel.from_config(config.vlm, device)
+    return asked, VisionLanguageTaskModel(asked, vlm, config.views.recipe(config.schema), config.schema)
 
 
 def loss_function(task: Any, config: TrialConfig, device: torch.device) -> Callable[[torch.nn.Module, dict], Any]:

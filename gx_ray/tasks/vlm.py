@@ -1,0 +1,249 @@
+"""Tasks through a vision-language model (``model.family: vlm``): VQA, report generation and stage classification
+asked in words and answered by generation, so the training loop, its MLflow logging and checkpoints run unchanged.
+
+:class:`VisionLanguageTaskModel` is the module the loop trains: from a batch it makes each case's CT views
+(:func:`~gx_ray.modalities.views.ct_images` under the trial's recipe), puts each question with MedEvalKit's prompt
+(:func:`~gx_ray.metrics.cascade.question_prompt`, :data:`~gx_ray.metrics.cascade.REPORT_PROMPT`) inside the model's
+own chat template, and returns the answers' cross-entropy while training and the generated answers while evaluating.
+:class:`VisionLanguageTask` wraps the trial's own task (its ``prepare``, chance level, primary metric and direction
+are the task's) and scores the answers with what exists already:
+
+- **vqa**: each question close-ended (one word or phrase), scored by the cascade (:func:`score_answer`,
+  :func:`cascade_metrics`): ``accuracy``, ``parse_failure_rate`` apart from it, the share each stage decided, and the
+  accuracy per question category;
+- **report_generation**: the CT report (as report generation teaches and scores it: its first
+  ``max_report_tokens``), scored by report generation's own metric (ROUGE-L, BLEU-4; all four with
+  ``full_metrics``);
+- **stage_classification**: a multiple-choice question over the four stage groups, answered with the option's
+  letter; the written answer is scored by the cascade (``accuracy``, ``parse_failure_rate``) and each option letter's
+  log-likelihood as the answer (:meth:`~gx_ray.models.vlm.VisionLanguageModel.option_scores`) gives class
+  probabilities (softmax), hence the ``auc`` (the primary metric, as for the encoder) and ``option_accuracy``.
+
+The lab table (``schema.table: text``) and the box's coordinates (``views.boxes: prompt``) go before the question.
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from gx_ray.data.shards import hounsfield
+from gx_ray.metrics import classification_metrics
+from gx_ray.metrics.cascade import REPORT_PROMPT, Scored, cascade_metrics, question_prompt, score_answer
+from gx_ray.modalities import ModalitySchema
+from gx_ray.modalities.boxes import TARGET_PHASE, tumour_boxes
+from gx_ray.modalities.table import abnormal_text
+from gx_ray.modalities.views import ViewRecipe, ct_images
+from gx_ray.models.vlm import VisionLanguageModel
+from gx_ray.schema import BOX_LEVELS, PHASES, STAGE_GROUPS, VQA_CATEGORIES
+from gx_ray.tasks.base import Batch, Outputs, Task, TaskMetric, concat
+
+STAGE_QUESTION = "What is the overall AJCC stage group of this gastric cancer?"
+STAGE_OPTIONS: tuple[str, ...] = tuple(f"stage {group}" for group in STAGE_GROUPS)
+STAGE_LETTERS: tuple[str, ...] = tuple(string.ascii_uppercase[: len(STAGE_GROUPS)])
+AIR_HU = -1000.0
+"""An absent phase's voxels: below every window, so its image is black (the model still gets one image per phase)."""
+
+
+@dataclass(frozen=True)
+class Item:
+    """One question put to the model: the case it is about (its index in the batch), the prompt, the answer taught
+    and scored, and what scoring needs besides."""
+
+    case: int
+    prompt: str
+    answer: str
+    question: str = ""
+    category: str = ""
+    label: int = -1
+
+
+class VisionLanguageTask:
+    """The trial's task asked of a VLM: what the loop needs of a task (loss, metric, predictions, primary metric and
+    direction, chance level), the questions from the task's batch columns."""
+
+    def __init__(self, task: Task, max_new_tokens: int = 16):
+        self.task = task
+        self.name, self.primary_metric, self.mode = task.name, task.primary_metric, task.mode
+        self.max_new_tokens = max_new_tokens
+        self.column = getattr(task, "column", None)  # VQA's and report generation's batch column
+
+    # --- the task's own parts ---
+
+    def prepare(self, train_rows: Iterable[Mapping[str, Any]]) -> None:
+        self.task.prepare(train_rows)
+
+    def chance_level(self, train_rows: Sequence[Mapping[str, Any]], test_rows: Sequence[Mapping[str, Any]]) -> float:
+        return self.task.chance_level(train_rows, test_rows)
+
+    def bind_tokenizer(self, tokenizer: Any) -> None:
+        """Report generation cuts its targets (and its chance level's) with the model's tokenizer."""
+        if self.name == "report_generation":
+            self.task.tokenizer = tokenizer
+
+    @property
+    def answer_tokens(self) -> int:
+        return self.task.max_new_tokens if self.name == "report_generation" else self.max_new_tokens
+
+    # --- questions ---
+
+    def items(self, batch: Batch, training: bool) -> list[Item]:
+        """The batch's questions: every VQA question of each case (training draws ``max_questions_per_case``), each
+        case's report, each staged case's stage question."""
+        if self.name == "vqa":
+            pairs = self.task._pairs(batch[self.column], training)
+            return [
+                Item(case, question_prompt("close", q["question"]), str(q["answer"]), q["question"], q["category"])
+                for case, q in pairs
+            ]
+        if self.name == "report_generation":
+            reports = self.task.target_texts(batch[self.column])
+            return [Item(case, REPORT_PROMPT, report) for case, report in enumerate(reports) if report]
+        labels = batch["stage_label"].tolist()
+        prompt = question_prompt("mcq", STAGE_QUESTION, STAGE_OPTIONS)
+        return [Item(case, prompt, STAGE_LETTERS[k], label=k) for case, k in enumerate(labels) if k >= 0]
+
+    # --- what the loop calls ---
+
+    def loss(self, outputs: Outputs, batch: Batch) -> torch.Tensor:
+        return outputs["loss"]
+
+    def metric(self) -> TaskMetric:
+        if self.name == "report_generation":
+            return self.task.metric()  # report generation's own: generated vs references
+        return AnswerMetric(stage=self.name == "stage_classification")
+
+    def predict(self, outputs: Outputs, batch: Batch) -> list[dict[str, Any]]:
+        records = []
+        for k, item in enumerate(outputs["items"]):
+            record = {"case_id": batch["case_id"][item.case], "prediction": outputs["generated"][k]}
+            record["target"] = item.answer if self.name != "stage_classification" else STAGE_GROUPS[item.label]
+            if item.question:
+                record.update(question=item.question, category=item.category)
+            if "option_scores" in outputs:
+                probabilities = outputs["option_scores"][k].softmax(-1)
+                record["probabilities"] = [round(float(p), 4) for p in probabilities]
+            records.append(record)
+        return records
+
+
+class VisionLanguageTaskModel(nn.Module):
+    """A VLM and the trial's task: ``forward(batch)`` gives ``loss`` (training) or the generated answers (evaluation:
+    ``generated``, ``references``, and for stage classification ``option_scores``)."""
+
+    def __init__(self, task: VisionLanguageTask, vlm: VisionLanguageModel, recipe: ViewRecipe, schema: ModalitySchema):
+        super().__init__()
+        self.task, self.vlm, self.recipe, self.schema = task, vlm, recipe, schema
+        task.bind_tokenizer(vlm.processor.tokenizer)
+
+    def trained_keys(self, prefix: str = "") -> set[str]:
+        return {f"{prefix}vlm.model.{name}" for name in self.vlm.trainable()}
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """What trains (the adapters, and a tower opened by ``vlm.train_*``) only: the frozen weights are the model
+        folder's, and a copy of them in every checkpoint (and in the best epoch's copy the loop keeps on the device)
+        would cost the model's size each time, gigabytes for the hub models."""
+        full = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        trained = self.trained_keys(prefix)
+        for key in [k for k in full if k not in trained]:
+            del full[key]
+        return full
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Loads what :meth:`state_dict` keeps; ``strict``: exactly the trained parameters, no more and no fewer."""
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        missing = sorted(set(result.missing_keys) & self.trained_keys())
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(f"VLM state: trained parameters missing {missing}, unknown {result.unexpected_keys}")
+        return result
+
+    def forward(self, batch: Batch) -> Outputs:
+        items = self.task.items(batch, self.training)
+        if not items:  # nothing asked of this batch: a zero that still reaches the graph (DDP, backward)
+            zero = sum(p.sum() for p in self.vlm.trainable().values()) * 0.0
+            return {"loss": zero, "items": [], "generated": [], "references": []}
+        images, context = case_views(batch, self.recipe, self.schema)
+        pictures = [images[item.case] for item in items]
+        prompts = [" ".join(p for p in (context[item.case], item.prompt) if p) for item in items]
+        answers = [item.answer for item in items]
+        if self.training:
+            return {"loss": self.vlm.loss(pictures, prompts, answers), "items": items}
+        outputs: Outputs = {
+            "items": items,
+            "generated": self.vlm.generate(pictures, prompts, self.task.answer_tokens),
+            "references": answers,
+        }
+        if self.task.name == "stage_classification":
+            outputs["option_scores"] = self.vlm.option_scores(pictures, prompts, [STAGE_LETTERS] * len(items)).cpu()
+        return outputs
+
+
+def case_views(batch: Batch, recipe: ViewRecipe, schema: ModalitySchema) -> tuple[list[list[np.ndarray]], list[str]]:
+    """Each case's images under ``recipe`` (RGB ``(3, H, W)`` arrays) and the text its prompt starts with (the lab
+    table as descriptors under ``schema.table: text``, the box's coordinates under ``boxes: prompt``). A case without
+    a tumour box is centred on its stomach (else on the middle slice) and gets no box; an absent phase is black."""
+    phases = [PHASES.index(p) for p in recipe.phases]
+    ct = batch["ct"][:, phases].float().cpu().numpy()  # one copy off the device for the batch
+    means, stds = batch["ct_hu_mean"][:, phases].numpy(), batch["ct_hu_std"][:, phases].numpy()
+    tumour, has_tumour = tumour_boxes(batch["boxes"], batch["box_present"])
+    boxes = np.asarray(batch["boxes"]).reshape(-1, len(PHASES), len(BOX_LEVELS), 6)
+    present = np.asarray(batch["box_present"]).reshape(-1, len(PHASES), len(BOX_LEVELS))
+    phase, level = PHASES.index(TARGET_PHASE), BOX_LEVELS.index("stomach")
+    images, context = [], []
+    for i in range(len(ct)):
+        hu = np.nan_to_num(hounsfield(ct[i], means[i], stds[i]), nan=AIR_HU)
+        volumes = dict(zip(recipe.phases, hu, strict=True))
+        # no stomach box: the whole grid, whose middle slice is then the centre
+        stomach = boxes[i, phase, level] if present[i, phase, level] else [0, 0, 0, *hu.shape[1:]]
+        case_recipe = recipe if has_tumour[i] else replace(recipe, centre="stomach", boxes="off")
+        views, box_text = ct_images(volumes, case_recipe, tumour[i].astype(int) if has_tumour[i] else None, stomach)
+        images.append(list(views))
+        table = abnormal_text(batch["lab_abnormal"][i] or [], schema) if schema.table == "text" else ""
+        context.append(" ".join(t for t in (table, box_text) if t))
+    return images, context
+
+
+class AnswerMetric(TaskMetric):
+    """Written answers scored by the cascade (VQA: close-ended; stage: multiple choice), with the accuracy per VQA
+    category, and for stage classification the option log-likelihoods' AUC and accuracy."""
+
+    def __init__(self, stage: bool = False):
+        super().__init__()
+        self.stage = stage
+
+    def update(self, outputs: Outputs, batch: Batch) -> None:
+        scored = []
+        for item, answer in zip(outputs["items"], outputs["generated"], strict=True):
+            if self.stage:
+                scored.append(score_answer("mcq", answer, item.answer, options=STAGE_OPTIONS))
+            else:
+                scored.append(score_answer("close", answer, item.answer, question=item.question))
+        self.add(scored=scored, categories=[item.category for item in outputs["items"]])
+        if self.stage and outputs["items"]:
+            self.add(
+                probabilities=outputs["option_scores"].float().softmax(-1).numpy(),
+                labels=np.array([item.label for item in outputs["items"]], dtype=np.int64),
+            )
+
+    def summarise(self, state: dict[str, list[Any]]) -> dict[str, float]:
+        scored: list[Scored] = [s for part in state.get("scored", []) for s in part]
+        result = cascade_metrics(scored)
+        if self.stage:
+            labels = concat(state.get("labels", [])).astype(np.int64)
+            if len(labels) and len(np.unique(labels)) > 1:
+                options = classification_metrics(concat(state["probabilities"], len(STAGE_GROUPS)), labels)
+                result.update(auc=options["auc"], option_accuracy=options["accuracy"])
+            else:  # one class or none: no AUC can be computed, and the run says so with NaN
+                result.update(auc=float("nan"), option_accuracy=float("nan"))
+            return result
+        categories = [c for part in state.get("categories", []) for c in part]
+        for category in VQA_CATEGORIES:
+            chosen = [bool(s.correct) for s, c in zip(scored, categories, strict=True) if c == category]
+            result[f"accuracy_{category}"] = 100.0 * float(np.mean(chosen)) if chosen else float("nan")
+        return result

@@ -1,0 +1,268 @@
+"""Trials through a vision-language model (``model.family: vlm``, issue 13): the trial-config keys and what they
+refuse, the CT views and prompt text a batch becomes, the scoring of written answers and option log-likelihoods, and
+the ``vlm_lora`` smoke sweep end to end on the tiny LLaVA and PaliGemma models (``tests/vlm_fixtures.py``): real Ray,
+a real MLflow server, LoRA training, generation, the cascade and the metrics logged."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from mlflow.tracking import MlflowClient
+
+from gx_ray.analysis.runs import load_runs
+from gx_ray.metrics import classification_metrics
+from gx_ray.metrics.cascade import question_prompt
+from gx_ray.modalities import resolve_schema
+from gx_ray.modalities.views import ViewsConfig
+from gx_ray.models.lora import LoraSettings
+from gx_ray.schema import BOX_LEVELS, PHASES
+from gx_ray.train.config import TrialConfig
+
+from .vlm_fixtures import FAMILIES
+
+ROOT = Path(__file__).resolve().parents[1]
+VLM = {"model.family": "vlm", "vlm.name": "some/vlm"}
+
+
+# --- trial config ------------------------------------------------------------------------------------------------
+
+
+def test_vlm_keys_reach_the_trial_config_and_its_params_and_encoder_trials_keep_theirs():
+    config = TrialConfig.from_flat(
+        {**VLM, "task": "vqa", "schema": "image_table_bbox", "vlm.lora_rank": "16", "vlm.lora_targets": "q_proj,o_proj",
+         "views.slices": 9, "views.mode": "mip", "views.window": [40, 350], "views.boxes": "prompt"}
+    )  # fmt: skip
+    lora = config.vlm.lora_settings()
+    assert (lora.rank, lora.target_modules) == (16, ("q_proj", "o_proj"))
+    recipe = config.views.recipe(config.schema)
+    assert (recipe.slices, recipe.mode, recipe.window, recipe.boxes, recipe.centre) == (9, "mip", (40, 350), "prompt",
+                                                                                       "lesion")  # fmt: skip
+    assert recipe.phases == config.schema.phases
+    flat = config.to_flat()
+    assert flat["vlm.name"] == "some/vlm" and flat["views.slices"] == 9 and flat["model.family"] == "vlm"
+    encoder = TrialConfig.from_flat({"task": "vqa"}).to_flat()
+    assert encoder["model.family"] == "encoder" and not any(k.startswith(("vlm.", "views.")) for k in encoder)
+    # without a tumour box cue the views are centred on the stomach and show no box
+    plain = ViewsConfig().recipe(resolve_schema("image_only"))
+    assert (plain.centre, plain.boxes) == ("stomach", "off")
+
+
+@pytest.mark.parametrize(
+    "changes, named",
+    [
+        ({"task": "retrieval"}, "task 'retrieval'"),
+        ({"task": "lesion_detection"}, "task 'lesion_detection'"),
+        ({"vlm.name": ""}, "vlm.name"),
+        ({"schema.table": "numeric"}, "schema.table"),
+        ({"schema": "image_bbox", "schema.boxes": "channels"}, "schema.boxes"),
+        ({"schema.endoscopy": True}, "schema.endoscopy"),
+        ({"views.centre": "lesion"}, "views.centre"),
+        ({"views.boxes": "prompt"}, "views.boxes"),
+        ({"model.family": "llm"}, "model.family"),
+        ({"vlm.lora_rank": 0}, "LoRA rank"),
+        ({"vlm.lora": False}, "nothing trains"),
+    ],
+    ids=["retrieval", "detection", "no-name", "numeric-table", "box-channels", "endoscopy", "lesion-centre-no-box",
+         "box-prompt-no-box", "family", "rank", "nothing-trains"],
+)  # fmt: skip
+def test_a_vlm_trial_that_cannot_run_is_refused_naming_the_key(changes, named):
+    with pytest.raises(ValueError) as info:
+        TrialConfig.from_flat({**VLM, "task": "stage_classification", "schema": "image_only", **changes})
+    assert named in str(info.value)
+
+
+# --- views and prompt text ---------------------------------------------------------------------------------------
+
+
+def _batch() -> dict:
+    """Two cases on a 12 x 32 x 32 grid: the first with a tumour box, an abnormal CEA and no delayed phase; the
+    second without a tumour box."""
+    rng = np.random.default_rng(0)
+    ct = torch.from_numpy(rng.normal(size=(2, len(PHASES), 12, 32, 32)).astype(np.float16))
+    boxes = np.zeros((2, len(PHASES), len(BOX_LEVELS), 6), np.int32)
+    present = np.zeros((2, len(PHASES), len(BOX_LEVELS)), bool)
+    boxes[:, :, BOX_LEVELS.index("tumour")] = [2, 8, 8, 5, 16, 16]
+    boxes[:, :, BOX_LEVELS.index("stomach")] = [4, 2, 2, 11, 30, 30]
+    present[0] = True
+    present[1, :, BOX_LEVELS.index("stomach")] = True
+    mean = np.full((2, len(PHASES)), 40.0, np.float32)
+    mean[0, PHASES.index("delayed")] = np.nan
+    return {
+        "case_id": ["a", "b"],
+        "ct": ct,
+        "ct_hu_mean": torch.from_numpy(mean),
+        "ct_hu_std": torch.full((2, len(PHASES)), 100.0),
+        "boxes": torch.from_numpy(boxes),
+        "box_present": torch.from_numpy(present.reshape(2, -1)),
+        "lab_abnormal": [["CEA 12.4 ng/mL, 2.5x above upper limit"], []],
+    }
+
+
+def test_a_batch_becomes_each_cases_views_and_prompt_text_as_the_recipe_and_schema_say():
+    from gx_ray.tasks.vlm import case_views
+
+    schema = resolve_schema("image_table_bbox")
+    images, context = case_views(_batch(), ViewsConfig(slices=5).recipe(schema), schema)
+    assert [len(case) for case in images] == [len(PHASES) * 5] * 2  # every phase's five slices, phase after phase
+    first, second = np.stack(images[0]), np.stack(images[1])
+    red = (first[:, 0] == 1) & (first[:, 1] == 0) & (first[:, 2] == 0)
+    # centred on the tumour's key slice (3): slices 1-5, of which the box (2-4) spans the middle three, in every phase
+    assert red.any(axis=(1, 2)).tolist() == [False, True, True, True, False] * len(PHASES)
+    assert not ((second[:, 0] == 1) & (second[:, 1] == 0)).any()  # the case without a tumour box: no box drawn
+    delayed = slice(PHASES.index("delayed") * 5, PHASES.index("delayed") * 5 + 5)
+    assert not first[delayed].transpose(1, 0, 2, 3)[:, ~red[delayed]].any()  # the absent phase: black but the box
+    assert "CEA 12.4" in context[0] and context[1] == "No abnormal laboratory findings."
+
+    box_in_prompt = ViewsConfig(boxes="prompt", mode="mip", slices=3, phase_layout="channels")
+    three = resolve_schema({**schema.describe(), "phases": ["arterial", "venous", "delayed"]})
+    images, context = case_views(_batch(), box_in_prompt.recipe(three), three)
+    assert [len(case) for case in images] == [1, 1]  # one RGB image: the three phases' MIPs
+    assert "slices 2-4, rows 8-15, columns 8-15" in context[0] and "slices" not in context[1]
+
+
+# --- scoring -----------------------------------------------------------------------------------------------------
+
+
+def test_stage_answers_are_scored_by_the_cascade_and_the_option_likelihoods_give_the_auc():
+    from gx_ray.tasks.vlm import STAGE_LETTERS, AnswerMetric, Item
+
+    labels = [0, 1, 2, 3, 2]
+    items = [Item(i, "q", STAGE_LETTERS[k], label=k) for i, k in enumerate(labels)]
+    written = ["A", "stage II", "D", "the weather is fine", "C."]  # right, right by its text, wrong, unreadable, right
+    scores = torch.log_softmax(torch.tensor(np.random.default_rng(1).normal(size=(5, 4)), dtype=torch.float32), -1)
+    metric = AnswerMetric(stage=True)
+    metric.update({"items": items[:3], "generated": written[:3], "option_scores": scores[:3]}, {})
+    metric.update({"items": items[3:], "generated": written[3:], "option_scores": scores[3:]}, {})
+    result = metric.compute()
+    assert result["accuracy"] == pytest.approx(60.0) and result["parse_failure_rate"] == pytest.approx(20.0)
+    reference = classification_metrics(scores.softmax(-1).numpy(), np.array(labels))
+    assert result["auc"] == pytest.approx(reference["auc"]) and result["option_accuracy"] == reference["accuracy"]
+    lone = AnswerMetric(stage=True)
+    lone.update({"items": items[:1], "generated": written[:1], "option_scores": scores[:1]}, {})
+    assert math.isnan(lone.compute()["auc"])  # one stage: no AUC, and the run says so
+
+
+def test_vqa_answers_are_scored_close_ended_with_the_accuracy_per_category():
+    from gx_ray.tasks.vlm import AnswerMetric, Item
+
+    items = [
+        Item(0, question_prompt("close", "Is it?"), "yes", "Is it?", "yes_no"),
+        Item(0, question_prompt("close", "Where?"), "lower third", "Where?", "localization"),
+        Item(1, question_prompt("close", "Where?"), "upper third", "Where?", "localization"),
+    ]
+    metric = AnswerMetric()
+    metric.update({"items": items, "generated": ["Yes.", "the lower third", "antrum"]}, {})
+    result = metric.compute()
+    assert result["accuracy"] == pytest.approx(200 / 3) and result["parse_failure_rate"] == 0.0
+    assert result["accuracy_yes_no"] == 100.0 and result["accuracy_localization"] == 50.0
+
+
+# --- the smoke sweep, end to end ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vlm_folders(tmp_path_factory) -> dict[str, str]:
+    return {family: str(build(tmp_path_factory.mktemp(family))) for family, build in FAMILIES.items()}
+
+
+@pytest.mark.slow
+def test_the_vlm_lora_smoke_sweep_trains_generates_and_scores_every_task_on_both_families(
+    ray_cluster, demo_prepared, vlm_folders, tmp_path
+):
+    """``python jobs/sweep.py --space vlm_lora --preset smoke`` with the space's models pointed at the tiny offline
+    LLaVA and PaliGemma: every trial finishes; each task's generated answers reach MLflow scored (VQA: accuracy and the
+    parse-failure rate; reports: ROUGE-L; stage: the cascade's accuracy and the option likelihoods' AUC); the LoRA
+    adapters trained while every frozen weight kept its value."""
+    from gx_ray.sweep.driver import SweepOptions, run_sweep
+    from gx_ray.tracking.server import LocalMlflowServer
+
+    document = yaml.safe_load((ROOT / "search_spaces" / "vlm_lora.yaml").read_text(encoding="utf-8"))
+    document["presets"]["smoke"]["grid"]["vlm.name"] = sorted(vlm_folders.values())
+    space = tmp_path / "vlm_lora.yaml"
+    space.write_text(yaml.safe_dump(document), encoding="utf-8")
+    with LocalMlflowServer(tmp_path / "mlflow") as server:
+        options = SweepOptions(
+            space=str(space), output=tmp_path / "out", data=demo_prepared.shard_dir, mlflow_uri=server.uri,
+            presets=("smoke",),
+        )  # fmt: skip
+        result = run_sweep(options)
+        assert (result.finished, result.failed) == (6, 0)
+        assert result.report is not None and "stage_classification" in result.report.read_text(encoding="utf-8")
+        # the analysis tells the two models apart (its cells are per task, model and schema), not as encoder runs
+        runs = load_runs(server.uri, result.sweep_id)
+        assert set(runs["model"]) == {f"vlm:{folder}" for folder in vlm_folders.values()}
+        client = MlflowClient(server.uri)
+        runs = client.search_runs([result.experiment_id], f"tags.`gx_ray.sweep_id` = '{result.sweep_id}'")
+        children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+        assert sorted((r.data.tags["task"], r.data.params["vlm.name"]) for r in children) == sorted(
+            (task, folder)
+            for task in ("vqa", "report_generation", "stage_classification")
+            for folder in vlm_folders.values()
+        )
+        for run in children:
+            metrics, task = run.data.metrics, run.data.tags["task"]
+            assert run.info.status == "FINISHED" and run.data.params["model.family"] == "vlm"
+            assert run.data.params["views.mode"] == "mip" and run.data.params["vlm.lora_rank"] == "4"
+            if task == "report_generation":
+                assert 0 <= metrics["test_rouge_l"] <= 100 and 0 <= metrics["val_rouge_l"] <= 100
+            else:  # written answers through the cascade: every answer right, wrong or unreadable, never more
+                for split in ("val", "test"):
+                    accuracy, failures = metrics[f"{split}_accuracy"], metrics[f"{split}_parse_failure_rate"]
+                    assert 0 <= accuracy <= 100 and 0 <= failures <= 100 and accuracy + failures <= 100
+            if task == "stage_classification":  # the AUC, where the split has two stages (else NaN: said, not faked)
+                assert "val_auc" in metrics and "test_auc" in metrics and "test_option_accuracy" in metrics
+                assert math.isnan(metrics["test_auc"]) or 0 <= metrics["test_auc"] <= 100
+                assert metrics["test_primary"] == metrics["test_auc"] or math.isnan(metrics["test_auc"])
+            records = client.download_artifacts(
+                run.info.run_id, "predictions/test.json", str(tmp_path / run.info.run_id)
+            )
+            predictions = json.loads(Path(records).read_text(encoding="utf-8"))
+            assert predictions and all(isinstance(r["prediction"], str) for r in predictions)
+    # each trial's checkpoint: the adapters only (the frozen weights are the model folder's), moved from their zero
+    # start; tests/test_vlm.py checks that the frozen weights keep their values
+    state_files = sorted((tmp_path / "out").rglob("state.pt"))
+    assert len(state_files) >= 6
+    for state_file in state_files:
+        state = torch.load(state_file, map_location="cpu", weights_only=True)
+        for weights in (state["model"], state["best"]["state"]):
+            assert weights and all("lora_" in k for k in weights), state_file
+            assert any(weights[k].abs().sum() > 0 for k in weights if "lora_B" in k), state_file
+
+
+def test_a_vlm_task_model_keeps_and_loads_what_trains_only(vlm_folders):
+    """The task model's state is its trained parameters: loading it restores them exactly, and a state missing one
+    or naming another parameter is refused."""
+    from gx_ray.models.vlm import VisionLanguageModel
+    from gx_ray.tasks import build_task
+    from gx_ray.tasks.vlm import VisionLanguageTask, VisionLanguageTaskModel
+
+    schema = resolve_schema("image_only")
+    vlm = VisionLanguageModel(vlm_folders["llava"], LoraSettings(rank=2, target_modules=("q_proj", "v_proj")))
+    model = VisionLanguageTaskModel(
+        VisionLanguageTask(build_task("stage_classification")), vlm, ViewsConfig().recipe(schema), schema
+    )
+    state = model.state_dict()
+    assert set(state) == {f"vlm.model.{n}" for n in vlm.trainable()} and len(state) == 4  # A and B, q and v
+    changed = {k: v + 1 for k, v in state.items()}
+    model.load_state_dict(changed)
+    assert all(torch.equal(model.state_dict()[k], changed[k]) for k in state)
+    with pytest.raises(RuntimeError, match="missing"):
+        model.load_state_dict(dict(list(changed.items())[1:]))
+    with pytest.raises(RuntimeError, match="unknown"):
+        model.load_state_dict({**changed, "vlm.model.extra": torch.zeros(1)})
+
+
+def test_a_vlm_trials_memory_plan_tells_models_and_views_apart():
+    """The GPU plan (one measured step per distinct memory footprint) keys on what decides a VLM trial's memory."""
+    from gx_ray.sweep.trial import gpu_plan_key
+
+    base = {**VLM, "task": "vqa", "seed": 0, "data.effective_batch": 8}
+    for change in ({"vlm.name": "other/vlm"}, {"vlm.lora_rank": 32}, {"views.slices": 9}, {"views.mode": "mip"}):
+        assert gpu_plan_key({**base, **change}) != gpu_plan_key(base), change
+    assert gpu_plan_key({**base, "seed": 1}) == gpu_plan_key(base)
