@@ -15,6 +15,7 @@ ct_images` gives them.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -136,7 +137,13 @@ class VisionLanguageModel(nn.Module):
 
     def _inputs(self, images: Sequence[Sequence[np.ndarray]], texts: Sequence[str]) -> dict[str, torch.Tensor]:
         pictures = [[_to_pil(image) for image in case] for case in images]
-        encoded = self.processor(images=pictures, text=list(texts), return_tensors="pt", padding=True)
+        with warnings.catch_warnings():  # some processors pass a max_length the tokenizer then ignores, every call
+            warnings.filterwarnings("ignore", message=".*max_length.* is ignored")
+            # device: a processor with a torch backend resizes and normalises on the GPU (on the CPU, with a thread
+            # per core, it took 0.5-0.8 s a batch of eight on a 64-core host: most of a 2 B model's step)
+            encoded = self.processor(
+                images=pictures, text=list(texts), return_tensors="pt", padding=True, device=self.device
+            )
         # labels are ours to make (the answer's tokens only); a processor's own would teach the prompt too
         return {k: v.to(self.device) for k, v in encoded.items() if isinstance(v, torch.Tensor) and k != "labels"}
 
@@ -144,20 +151,41 @@ class VisionLanguageModel(nn.Module):
         self, images: Sequence[Sequence[np.ndarray]], questions: Sequence[str], answers: Sequence[str]
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """The model's inputs for each question followed by its answer, and labels that keep the answer's tokens (and
-        the end-of-text token after it) only."""
+        the end-of-text token after it) only.
+
+        The prompts (with their images) go through the processor once, exactly as :meth:`generate` puts them; each
+        answer's tokens are appended to its prompt's, so the model is taught to continue the very prompt it is asked
+        with, and the images are processed once a step."""
         n = len(images[0]) if images else 0
-        prompts = self.prompts(questions, n)
-        eos = getattr(self.processor.tokenizer, "eos_token", None) or getattr(self.processor.tokenizer, "sep_token", "")
-        full = self._inputs(images, [p + a + eos for p, a in zip(prompts, answers, strict=True)])
-        prompt_lengths = self._inputs(images, prompts)["attention_mask"].sum(1)
-        labels = full["input_ids"].masked_fill(full["attention_mask"] == 0, IGNORE)
-        padded_left = getattr(self.processor.tokenizer, "padding_side", "right") == "left"
-        for i, length in enumerate(prompt_lengths.tolist()):
-            start = int((full["attention_mask"][i] == 0).sum()) if padded_left else 0
-            labels[i, start : start + length] = IGNORE
-        if "token_type_ids" in full:  # prefix-LM models (PaliGemma) attend fully over the prompt: mark the answer
-            full["token_type_ids"] = (labels != IGNORE).long()
-        return full, labels
+        tokenizer = self.processor.tokenizer
+        side, tokenizer.padding_side = tokenizer.padding_side, "right"
+        try:
+            prompts = self._inputs(images, self.prompts(questions, n))
+        finally:
+            tokenizer.padding_side = side
+        eos = getattr(tokenizer, "eos_token", None) or getattr(tokenizer, "sep_token", None) or ""
+        answer_ids = tokenizer([a + eos for a in answers], add_special_tokens=False)["input_ids"]
+        ids, mask = prompts["input_ids"], prompts["attention_mask"]
+        lengths = mask.sum(1).tolist()
+        width = max(length + len(a) for length, a in zip(lengths, answer_ids, strict=True))
+        per_token = [k for k, v in prompts.items() if v.shape[:2] == ids.shape and k not in ("input_ids", "labels")]
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        inputs = {k: v for k, v in prompts.items() if k not in per_token and k != "input_ids"}
+        rows = {key: [] for key in ("input_ids", "labels", *per_token)}
+        for i, (length, answer) in enumerate(zip(lengths, answer_ids, strict=True)):
+            answer = torch.tensor(answer, dtype=ids.dtype, device=ids.device)
+            fill = width - length - len(answer)
+            spans = (
+                (fill, 0) if side == "left" else (0, fill)
+            )  # the tokenizer's own side: left-padding models expect it
+            rows["input_ids"].append(_joined(ids[i, :length], answer, spans, pad))
+            rows["labels"].append(_joined(ids.new_full((length,), IGNORE), answer, spans, IGNORE))
+            for key in per_token:  # the attention mask is 1 and PaliGemma's token types mark the answer as the suffix
+                value = 1 if key in ("attention_mask", "token_type_ids") else 0
+                rows[key].append(_joined(prompts[key][i, :length], answer.new_full(answer.shape, value), spans, 0))
+        stacked = {key: torch.stack(values) for key, values in rows.items()}
+        labels = stacked.pop("labels")
+        return {**inputs, **stacked}, labels
 
     def loss(self, images: Sequence[Sequence[np.ndarray]], questions: Sequence[str], answers: Sequence[str]):
         """Cross-entropy of the answers' tokens given the images and questions (prompt and images masked)."""
@@ -211,6 +239,14 @@ class VisionLanguageModel(nn.Module):
             config.name, config.lora_settings(), config.lora_vision, config.train_vision, config.train_language,
             dtype, config.gradient_checkpointing,
         ).to(device)  # fmt: skip
+
+
+def _joined(prompt: torch.Tensor, answer: torch.Tensor, spans: tuple[int, int], padding: int) -> torch.Tensor:
+    """One row of a taught batch: padding, the prompt's tokens, the answer's, padding (``spans``: before, after)."""
+    before, after = spans
+    return torch.cat(
+        [prompt.new_full((before,), padding), prompt, answer.to(prompt.dtype), prompt.new_full((after,), padding)]
+    )
 
 
 def _to_pil(image: np.ndarray) -> Any:
