@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -42,4 +43,6 @@ def apply_lora(model: nn.Module, settings: LoraSettings, exclude: str | None = N
         target_modules=list(settings.target_modules),
         exclude_modules=exclude,
     )
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():  # peft asks transformers' deprecated is_gradient_checkpointing: not the user's
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
+        return get_peft_model(model, config)
