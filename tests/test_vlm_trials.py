@@ -145,7 +145,9 @@ def test_stage_answers_are_scored_by_the_cascade_and_the_option_likelihoods_give
     assert result["auc"] == pytest.approx(reference["auc"]) and result["option_accuracy"] == reference["accuracy"]
     lone = AnswerMetric(stage=True)
     lone.update({"items": items[:1], "generated": written[:1], "option_scores": scores[:1]}, {})
-    assert math.isnan(lone.compute()["auc"])  # one stage: no AUC, and the run says so
+    alone = lone.compute()
+    assert math.isnan(alone["auc"])  # one stage: no AUC, and the run says so
+    assert alone["option_accuracy"] == (100.0 if int(scores[0].argmax()) == labels[0] else 0.0)  # but an accuracy
 
 
 def test_vqa_answers_are_scored_close_ended_with_the_accuracy_per_category():

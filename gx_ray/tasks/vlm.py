@@ -236,11 +236,12 @@ class AnswerMetric(TaskMetric):
         result = cascade_metrics(scored)
         if self.stage:
             labels = concat(state.get("labels", [])).astype(np.int64)
-            if len(labels) and len(np.unique(labels)) > 1:
-                options = classification_metrics(concat(state["probabilities"], len(STAGE_GROUPS)), labels)
-                result.update(auc=options["auc"], option_accuracy=options["accuracy"])
-            else:  # one class or none: no AUC can be computed, and the run says so with NaN
-                result.update(auc=float("nan"), option_accuracy=float("nan"))
+            probabilities = concat(state.get("probabilities", []), len(STAGE_GROUPS))
+            chosen = probabilities.argmax(1) == labels if len(labels) else np.zeros(0, bool)
+            # the options' accuracy needs one class only; no AUC can be computed from one class, and the run says so
+            result["option_accuracy"] = 100.0 * float(chosen.mean()) if len(labels) else float("nan")
+            one_class = len(np.unique(labels)) < 2
+            result["auc"] = float("nan") if one_class else classification_metrics(probabilities, labels)["auc"]
             return result
         categories = [c for part in state.get("categories", []) for c in part]
         for category in VQA_CATEGORIES:
