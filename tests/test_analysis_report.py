@@ -17,7 +17,7 @@ from gx_ray.analysis.report import schema_comparisons, write_report
 from gx_ray.analysis.runs import inputs_of, load_runs
 from gx_ray.schema import STAGE_GROUPS
 from gx_ray.sweep.validate import demo_checks
-from gx_ray.tracking import child_run, log_metrics, parent_run
+from gx_ray.tracking import child_run, log_metrics, parent_run, runs_table_url, share_trials_view
 from gx_ray.tracking.server import LocalMlflowServer
 from tests.analysis_fixture import make_runs
 
@@ -162,6 +162,39 @@ def test_the_report_reads_whole_in_mlflow_in_a_real_browser(planted_sweep, tmp_p
     assert tables >= 3  # headline, significance, the task's own
     description = MlflowClient(server.uri).get_run(parent).data.tags["mlflow.note.content"]
     assert "report/summary.html" in description and "| stage_classification |" in description
+
+
+def test_the_printed_runs_link_opens_the_sweeps_trials_with_their_headline_columns_in_a_real_browser(planted_sweep):
+    """The link a sweep prints, opened in MLflow's own UI in headless Chromium: MLflow's default runs table shows the
+    parent run alone and no metric; the sweep's shared view lists its nine trials by name, without the parent, under
+    the headline columns."""
+    from playwright.sync_api import sync_playwright
+
+    server, parent = planted_sweep
+    client = MlflowClient(server.uri)
+    experiment = client.get_run(parent).info.experiment_id
+    view = share_trials_view(client, experiment, SWEEP)
+    trials = sorted(f"trial-{schema}-{seed}" for schema in SKILL for seed in range(3))
+    texts = {}
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=shutil.which("chromium"), args=["--no-sandbox"])
+        try:
+            for name, url in (("plain", runs_table_url(server.uri, experiment)),
+                              ("view", runs_table_url(server.uri, experiment, view))):  # fmt: skip
+                page = browser.new_page(viewport={"width": 1600, "height": 900})
+                page.goto(url, wait_until="load")
+                marker = trials[0] if name == "view" else SWEEP
+                page.get_by_text(marker, exact=True).first.wait_for(timeout=60_000)
+                texts[name] = page.evaluate("document.body.innerText")
+        finally:
+            browser.close()
+    assert "best_val_primary" not in texts["plain"] and trials[0] not in texts["plain"]  # what the link fixes
+    lines = texts["view"].splitlines()
+    assert [line for line in lines if line.startswith("trial-")] == trials  # every trial, by name
+    assert SWEEP not in lines  # not the parent
+    for column in ("task", "schema", "seed", "best_val_primary", "test_chance"):
+        assert column in lines, column
+    assert "Sort: Run Name" in lines
 
 
 def _frame_showing(page, selector: str, timeout_s: float = 60.0):

@@ -21,7 +21,7 @@ from gx_ray.analysis.runs import headline_metric, load_runs
 from gx_ray.schema import PAPER_TASKS as TASKS
 from gx_ray.sweep.driver import EXPERIMENT, SweepOptions, run_sweep
 from gx_ray.sweep.spaces import SpaceError, _probe_value, available_presets, load_space
-from gx_ray.tracking import TRIAL_TAG
+from gx_ray.tracking import SHARED_VIEW_TAG, TRIAL_TAG
 from gx_ray.tracking.server import LocalMlflowServer
 from gx_ray.train.config import TrialConfig
 
@@ -148,6 +148,11 @@ def test_mlflow_holds_one_parent_and_a_child_per_trial_with_metrics(smoke_sweep,
         assert math.isnan(chance) == math.isnan(metric) and (math.isnan(chance) or 0 <= chance <= 100)
         artifacts = {a.path for a in client.list_artifacts(child.info.run_id, "predictions")}
         assert "predictions/test_sample.json" in artifacts
+    # the runs table's link opens a view of this sweep's trials with their headline columns (MLflow's shared views)
+    view = json.loads(client.get_experiment(parent.info.experiment_id).tags[SHARED_VIEW_TAG + smoke_sweep.view])
+    found = client.search_runs([parent.info.experiment_id], view["searchFilter"], max_results=100)
+    assert {r.info.run_id for r in found} == {c.info.run_id for c in children}
+    assert "metrics.`test_primary`" in view["selectedColumns"] and "tags.`schema`" in view["selectedColumns"]
 
 
 def test_every_sweep_ends_with_its_report_on_disk_and_on_the_parent_run(smoke_sweep, mlflow_server):

@@ -48,6 +48,7 @@ from gx_ray.tracking import (
     parent_run,
     provenance,
     runs_table_url,
+    share_trials_view,
 )
 from gx_ray.tracking.server import LocalMlflowServer, free_port
 from gx_ray.train.config import AUTO
@@ -107,6 +108,8 @@ class SweepResult:
     mlflow_error: str | None = None
     """Set when MLflow could not be reached at the sweep's end: the summary and ``sweep.json`` are still written."""
     experiment_id: str = ""
+    view: str | None = None
+    """The key of the MLflow runs-table view of this sweep's trials (:func:`~gx_ray.tracking.share_trials_view`)."""
 
     @property
     def store_uri(self) -> str:
@@ -357,9 +360,9 @@ def run_sweep(options: SweepOptions) -> SweepResult:
     if server:  # its own server has stopped: a UI on a free port, and where its runs table will be
         port = free_port()
         print(f"\nbrowse the runs:  {server.ui_command(port)}")
-        print(f"then open:        {runs_table_url(f'http://127.0.0.1:{port}', result.experiment_id)}")
+        print(f"then open:        {runs_table_url(f'http://127.0.0.1:{port}', result.experiment_id, result.view)}")
     elif result.experiment_id:
-        print(f"\nthe runs:  {runs_table_url(tracking_uri, result.experiment_id)}")
+        print(f"\nthe runs:  {runs_table_url(tracking_uri, result.experiment_id, result.view)}")
     if options.storage:  # the summary and report beside the sweep's state, where the whole team reaches them
         storage.copy_tree(output, storage.join(state, sweep_id, "driver"), skip=("mlflow", "ray"))
     return result
@@ -461,6 +464,8 @@ def _tune(
     # the live sweep's context reaches trials through the trainable (tune.with_parameters), never through their
     # saved configs: a resumed sweep's trials log to its own MLflow server and parent run
     context.update(tracking_uri=tracking_uri, parent_run_id=parent)
+    experiment_id = client.get_run(parent).info.experiment_id
+    view = share_trials_view(client, experiment_id, sweep_id)  # the runs table as the links below open it
     trainable = tune.with_resources(
         tune.with_parameters(run_trial, context=context), functools.partial(trial_resources, context)
     )
@@ -534,7 +539,7 @@ def _tune(
     print(format_summary(best, finished, failed, total, len(stopped)))
     result = SweepResult(
         sweep_id, output, tracking_uri, EXPERIMENT, parent, finished, failed, len(stopped), best, timings,
-        interrupted=interrupted["interrupted"], experiment_id=client.get_run(parent).info.experiment_id,
+        interrupted=interrupted["interrupted"], experiment_id=experiment_id, view=view,
     )  # fmt: skip
     try:
         _close_runs(client, parent, total, stopped, result, timings, host)

@@ -10,6 +10,7 @@ starts when given none lives apart, in :mod:`gx_ray.tracking.server`, so trial p
 from __future__ import annotations
 
 import hashlib
+import json
 import platform
 import subprocess
 import time
@@ -213,10 +214,38 @@ class UnreachableTrackingError(ValueError):
     """A tracking URI that trials on other nodes of the cluster could not reach."""
 
 
-def runs_table_url(tracking_uri: str, experiment_id: str) -> str:
+SHARED_VIEW_TAG = "mlflow.sharedViewState."
+"""The MLflow UI's shared runs-table views: an experiment tag of this prefix and a key holds a view's state as JSON
+(columns, sort, filter), and ``viewStateShareKey=<key>`` in the runs table's URL opens it (MLflow's "share" button
+writes the same; read by MLflow 3.17's UI, checked in a browser by tests/test_analysis_report.py)."""
+TRIAL_COLUMNS = (
+    "tags.`task`", "tags.`schema`", "tags.`seed`", "tags.`gx_ray.primary_metric`",
+    "metrics.`test_primary`", "metrics.`test_chance`", "metrics.`best_val_primary`",
+)  # fmt: skip
+"""The columns a sweep's view shows: what each trial asked (task, inputs, seed) and scored (its primary metric on
+the test split beside the chance level, and on validation)."""
+
+
+def share_trials_view(client: MlflowClient, experiment_id: str, sweep_id: str) -> str:
+    """A view of the runs table that shows one sweep's trials (not its parent, nor other sweeps of the experiment),
+    by name (task, inputs, seed) with :data:`TRIAL_COLUMNS`: MLflow's own default shows no metric at all. Returns the
+    view's key for :func:`runs_table_url`."""
+    key = f"gx-ray-{sweep_id}"
+    state = {
+        "searchFilter": f"tags.`{SWEEP_TAG}` = '{sweep_id}' and tags.`{KIND_TAG}` = 'trial'",
+        "orderByKey": "tags.`mlflow.runName`",
+        "orderByAsc": True,
+        "selectedColumns": list(TRIAL_COLUMNS),
+    }
+    client.set_experiment_tag(experiment_id, SHARED_VIEW_TAG + key, json.dumps(state))
+    return key
+
+
+def runs_table_url(tracking_uri: str, experiment_id: str, view: str | None = None) -> str:
     """The MLflow UI's runs table of an experiment (its ``workflowType`` opens the classic ML view, not the GenAI
-    overview an experiment link lands on in MLflow 3)."""
-    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+    overview an experiment link lands on in MLflow 3), in the shared ``view`` if given."""
+    url = f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+    return f"{url}&viewStateShareKey={view}" if view else url
 
 
 def check_reachable_from(tracking_uri: str, nodes: int) -> None:
