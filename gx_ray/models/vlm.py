@@ -175,9 +175,8 @@ class VisionLanguageModel(nn.Module):
         for i, (length, answer) in enumerate(zip(lengths, answer_ids, strict=True)):
             answer = torch.tensor(answer, dtype=ids.dtype, device=ids.device)
             fill = width - length - len(answer)
-            spans = (
-                (fill, 0) if side == "left" else (0, fill)
-            )  # the tokenizer's own side: left-padding models expect it
+            # padding on the tokenizer's own side: a model that pads on the left expects it there
+            spans = (fill, 0) if side == "left" else (0, fill)
             rows["input_ids"].append(_joined(ids[i, :length], answer, spans, pad))
             rows["labels"].append(_joined(ids.new_full((length,), IGNORE), answer, spans, IGNORE))
             for key in per_token:  # the attention mask is 1 and PaliGemma's token types mark the answer as the suffix
