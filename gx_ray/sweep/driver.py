@@ -516,7 +516,8 @@ def _tune(
     else:
         tuner = tune.Tuner(trainable, param_space=_param_space(space), tune_config=tune_config, run_config=run_config)
     print(
-        f"sweep {sweep_id}: {space.trial_count()} trials, {concurrency} at a time; MLflow {tracking_uri}",
+        f"sweep {sweep_id}: {space.trial_count()} trials, {concurrency} at a time\n"
+        f"watch the runs:  {runs_table_url(tracking_uri, experiment_id, view)}",
         file=sys.stderr,
     )
     tune_started = time.perf_counter()
