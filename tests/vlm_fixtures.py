@@ -11,23 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-LLAVA_TEMPLATE_HAND_WRITTEN = (
-    "{% for m in messages %}{{ m['role'] }}: {% for c in m['content'] %}{% if c['type'] == 'image' %}<image>"
-    "{% else %}{{ c['text'] }}{% endif %}{% endfor %} {% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
-)
+from gx_ray.models.vlm_benchmark import LLAVA_TEMPLATE_HAND_WRITTEN, offline_vlm_tokenizer
+
 SIZE = 32
 INIT = 1.0
 """The language models' weight scale: at the usual 0.02 a random 30k-way output layer, frozen under LoRA, caps every
 logit below ~0.7, so no adapter could fit even four answers (the loss stalls at ln 30k - 0.7)."""
-
-
-def _tokenizer(image_token: str):
-    from gx_ray.models.text import offline_tokenizer
-
-    base = offline_tokenizer()
-    tokenizer = base.__class__.from_pretrained(base.name_or_path)
-    tokenizer.add_special_tokens({"additional_special_tokens": [image_token]})
-    return tokenizer
 
 
 def tiny_llava(folder: Path) -> Path:
@@ -43,7 +32,7 @@ def tiny_llava(folder: Path) -> Path:
     )
 
     torch.manual_seed(0)
-    tokenizer = _tokenizer("<image>")
+    tokenizer = offline_vlm_tokenizer("<image>")
     images = CLIPImageProcessor(size={"shortest_edge": SIZE}, crop_size={"height": SIZE, "width": SIZE})
     processor = LlavaProcessor(
         image_processor=images, tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
@@ -78,7 +67,7 @@ def tiny_paligemma(folder: Path) -> Path:
     )
 
     torch.manual_seed(0)
-    tokenizer = _tokenizer("<image>")
+    tokenizer = offline_vlm_tokenizer("<image>")
     tokenizer.bos_token, tokenizer.eos_token = "[CLS]", "[SEP]"
     images = SiglipImageProcessor(size={"height": SIZE, "width": SIZE})
     images.image_seq_length = (SIZE // 8) ** 2

@@ -180,16 +180,16 @@ def _time_training(
     config: ModelBenchmarkConfig,
     device: torch.device,
 ) -> Timing:
-    with _peak_memory(device) as peak:
+    with peak_memory(device) as peak:
         built = time.perf_counter()
         step = build()
         for _ in range(config.warmup):
             step(loss_of, amp)
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         for _ in range(config.steps):
             loss = step(loss_of, amp)
-        _synchronize(device)
+        synchronize(device)
         seconds = time.perf_counter() - start
     if not torch.isfinite(loss):
         raise FloatingPointError(f"training loss became {loss.item()}")
@@ -200,13 +200,13 @@ def _time_training(
     return Timing(config.steps * config.batch / seconds, peak["bytes"], seconds, start - built)
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 @contextmanager
-def _peak_memory(device: torch.device, interval_s: float = 0.005) -> Iterator[dict[str, int]]:
+def peak_memory(device: torch.device, interval_s: float = 0.005) -> Iterator[dict[str, int]]:
     """Peak allocated GPU memory, or the peak rise of the resident set on the CPU, into ``result["bytes"]``."""
     result = {"bytes": 0}
     if device.type == "cuda":

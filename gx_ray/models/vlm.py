@@ -147,6 +147,18 @@ class VisionLanguageModel(nn.Module):
         # labels are ours to make (the answer's tokens only); a processor's own would teach the prompt too
         return {k: v.to(self.device) for k, v in encoded.items() if isinstance(v, torch.Tensor) and k != "labels"}
 
+    def _prompt_inputs(
+        self, images: Sequence[Sequence[np.ndarray]], questions: Sequence[str], padding_side: str
+    ) -> dict[str, torch.Tensor]:
+        """The questions with their images in the model's prompt, through the processor once, padded on
+        ``padding_side`` (the tokenizer's own setting is left as it was)."""
+        tokenizer = self.processor.tokenizer
+        side, tokenizer.padding_side = tokenizer.padding_side, padding_side
+        try:
+            return self._inputs(images, self.prompts(questions, len(images[0]) if images else 0))
+        finally:
+            tokenizer.padding_side = side
+
     def _taught(
         self, images: Sequence[Sequence[np.ndarray]], questions: Sequence[str], answers: Sequence[str]
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -156,13 +168,14 @@ class VisionLanguageModel(nn.Module):
         The prompts (with their images) go through the processor once, exactly as :meth:`generate` puts them; each
         answer's tokens are appended to its prompt's, so the model is taught to continue the very prompt it is asked
         with, and the images are processed once a step."""
-        n = len(images[0]) if images else 0
+        return self._with_answers(self._prompt_inputs(images, questions, "right"), answers)
+
+    def _with_answers(
+        self, prompts: dict[str, torch.Tensor], answers: Sequence[str]
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Right-padded prompt inputs with each answer's tokens appended, padded on the tokenizer's own side, and the
+        labels (the answers' tokens only)."""
         tokenizer = self.processor.tokenizer
-        side, tokenizer.padding_side = tokenizer.padding_side, "right"
-        try:
-            prompts = self._inputs(images, self.prompts(questions, n))
-        finally:
-            tokenizer.padding_side = side
         eos = getattr(tokenizer, "eos_token", None) or getattr(tokenizer, "sep_token", None) or ""
         answer_ids = tokenizer([a + eos for a in answers], add_special_tokens=False)["input_ids"]
         ids, mask = prompts["input_ids"], prompts["attention_mask"]
@@ -176,7 +189,7 @@ class VisionLanguageModel(nn.Module):
             answer = torch.tensor(answer, dtype=ids.dtype, device=ids.device)
             fill = width - length - len(answer)
             # padding on the tokenizer's own side: a model that pads on the left expects it there
-            spans = (fill, 0) if side == "left" else (0, fill)
+            spans = (fill, 0) if tokenizer.padding_side == "left" else (0, fill)
             rows["input_ids"].append(_joined(ids[i, :length], answer, spans, pad))
             rows["labels"].append(_joined(ids.new_full((length,), IGNORE), answer, spans, IGNORE))
             for key in per_token:  # the attention mask is 1 and PaliGemma's token types mark the answer as the suffix
@@ -198,9 +211,10 @@ class VisionLanguageModel(nn.Module):
         """``(n, K)`` log-likelihoods of each question's ``K`` options as its answer (the sum over the option's tokens
         and the end of text): a closed question's class scores, so that stage classification through a VLM has an
         AUC (softmax over the options) and not only the accuracy of what it writes."""
+        prompts = self._prompt_inputs(images, questions, "right")  # the images processed once for every option
         columns = []
         for k in range(len(options[0])):
-            inputs, labels = self._taught(images, questions, [choices[k] for choices in options])
+            inputs, labels = self._with_answers(prompts, [choices[k] for choices in options])
             logits = self.model(**inputs).logits[:, :-1].float()
             targets = labels[:, 1:]
             taught = targets != IGNORE
@@ -213,14 +227,8 @@ class VisionLanguageModel(nn.Module):
         self, images: Sequence[Sequence[np.ndarray]], questions: Sequence[str], max_new_tokens: int = 32
     ) -> list[str]:
         """Greedy answers, without the prompt."""
-        n = len(images[0]) if images else 0
-        tokenizer = self.processor.tokenizer
         # padded on the left, prompts of unequal length all end where the answers start
-        side, tokenizer.padding_side = tokenizer.padding_side, "left"
-        try:
-            inputs = self._inputs(images, self.prompts(questions, n))
-        finally:
-            tokenizer.padding_side = side
+        inputs = self._prompt_inputs(images, questions, "left")
         inputs.pop("token_type_ids", None)
         output = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
         return self.processor.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)

@@ -30,13 +30,14 @@ import torch
 
 from gx_ray.metrics.cascade import question_prompt
 from gx_ray.modalities.views import ViewRecipe, ct_images
-from gx_ray.models.lora import LoraSettings
-from gx_ray.models.vlm import VLM_LORA, VisionLanguageModel
+from gx_ray.models.benchmark import peak_memory, synchronize
+from gx_ray.models.vlm import VLM_LORA, VisionLanguageModel, VLMConfig
 
 LLAVA_TEMPLATE_HAND_WRITTEN = (
     "{% for m in messages %}{{ m['role'] }}: {% for c in m['content'] %}{% if c['type'] == 'image' %}<image>"
     "{% else %}{{ c['text'] }}{% endif %}{% endfor %} {% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
 )
+"""A chat template of ``role: content`` lines, HAND-WRITTEN (LLaVA's own is not available offline)."""
 SIZES = {
     # SigLIP-so400m-patch14-384's vision config and Qwen2-1.5B's text config: Qwen2-VL-2B's size class
     "2b": {
@@ -71,6 +72,16 @@ class VlmBenchmarkConfig:
             raise ValueError(f"unknown VLM size {self.size!r}; valid: {', '.join(SIZES)}")
 
 
+def offline_vlm_tokenizer(image_token: str) -> Any:
+    """The offline MiniLM (BERT) tokenizer with a VLM's image token added: no real VLM's tokenizer is here."""
+    from gx_ray.models.text import offline_tokenizer
+
+    base = offline_tokenizer()
+    tokenizer = base.__class__.from_pretrained(base.name_or_path)
+    tokenizer.add_special_tokens({"additional_special_tokens": [image_token]})
+    return tokenizer
+
+
 def build_llava(folder: Path, size: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> Path:
     """A random-weight LLaVA (SigLIP vision tower, Qwen2 language model) of ``size`` with its processor, saved."""
     from transformers import (
@@ -82,11 +93,7 @@ def build_llava(folder: Path, size: str, dtype: torch.dtype, device: torch.devic
         SiglipVisionConfig,
     )
 
-    from gx_ray.models.text import offline_tokenizer
-
-    base = offline_tokenizer()
-    tokenizer = base.__class__.from_pretrained(base.name_or_path)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer = offline_vlm_tokenizer("<image>")
     shape = SIZES[size]
     side = shape["vision"]["image_size"]
     processor = LlavaProcessor(
@@ -133,17 +140,18 @@ def benchmark_batch(batch: int, seed: int = 0) -> tuple[list[list[np.ndarray]], 
 
 def run_vlm_benchmark(config: VlmBenchmarkConfig = VlmBenchmarkConfig()) -> dict[str, Any]:
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    lora = LoraSettings(rank=config.rank, alpha=2 * config.rank, dropout=VLM_LORA.dropout,
-                        target_modules=VLM_LORA.target_modules)  # fmt: skip
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as VisionLanguageModel.from_config picks
     with tempfile.TemporaryDirectory(prefix="gx-vlm-") as folder:
         started = time.perf_counter()
         build_llava(Path(folder), config.size, dtype, device)
         built = time.perf_counter() - started
-        vlm = VisionLanguageModel(folder, lora=lora, dtype=dtype).to(device)
-    if config.gradient_checkpointing:
-        vlm.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        vlm.model.enable_input_require_grads()
+        vlm = VisionLanguageModel.from_config(  # as a trial builds it
+            VLMConfig(
+                name=folder, lora_rank=config.rank, lora_alpha=2 * config.rank, lora_dropout=VLM_LORA.dropout,
+                gradient_checkpointing=config.gradient_checkpointing,
+            ),
+            device,
+        )  # fmt: skip
     vlm.train()
     parameters = sum(p.numel() for p in vlm.model.parameters())
     trainable = list(vlm.trainable().values())
@@ -165,19 +173,16 @@ def run_vlm_benchmark(config: VlmBenchmarkConfig = VlmBenchmarkConfig()) -> dict
     result.update(parameters=parameters, trainable=sum(p.numel() for p in trainable), build_seconds=built)
     result["tokens_per_sample"] = int(inputs["attention_mask"].sum() / config.batch)
     for name, loss_of in sides.items():
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        for i in range(config.warmup + config.steps):
-            if i == config.warmup:
-                _sync(device)
-                start = time.perf_counter()
-            step(loss_of)
-        _sync(device)
-        seconds = time.perf_counter() - start
-        result[name] = {
-            "samples_per_s": config.steps * config.batch / seconds,
-            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan"),
-        }
+        with peak_memory(device) as peak:
+            for _ in range(config.warmup):
+                step(loss_of)
+            synchronize(device)
+            start = time.perf_counter()
+            for _ in range(config.steps):
+                step(loss_of)
+            synchronize(device)
+            seconds = time.perf_counter() - start
+        result[name] = {"samples_per_s": config.steps * config.batch / seconds, "peak_gib": peak["bytes"] / 2**30}
     result["ratio"] = result["gx_ray"]["samples_per_s"] / result["raw"]["samples_per_s"]
     return result
 
@@ -194,11 +199,6 @@ def format_vlm_result(result: dict[str, Any]) -> str:
         lines.append(f"  {name:7s} {side['samples_per_s']:8.2f} samples/s   peak {side['peak_gib']:.1f} GiB")
     lines.append(f"  ratio gx_ray / raw: {result['ratio']:.3f}")
     return "\n".join(lines)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _device_name(device: torch.device) -> str:
