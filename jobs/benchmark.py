@@ -5,6 +5,7 @@ python jobs/benchmark.py model --model swin3d --shape 4,64,128,128 --batch 8 [--
                                                                # training samples/s: registry model vs raw MONAI
 python jobs/benchmark.py vlm [--size 2b|tiny] [--batch 8]       # VLM LoRA step: gx-ray's (processor, labels) vs raw
 python jobs/benchmark.py sweep [--space modality_ablation]    # a sweep's wall time: data, start-up, training
+python jobs/benchmark.py loop [--tasks lesion_detection]     # a trial's loop vs its raw step, and what it costs
 python jobs/benchmark.py cluster [--gpus N] [--budget 540]    # the ablation on every GPU of a node: busy fraction,
                                                                # start-up, DDP scaling, loop/raw, 8-GPU projection
 """
@@ -71,6 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     cluster.add_argument(
         "--ddp-sizes", default="1,2,4", help="GPUs per DDP trial for weak scaling (default 1,2,4; 1 skips DDP)"
     )
+    loop = commands.add_parser("loop", help="training loop vs raw step per trial, and which part of the loop costs")
+    loop.add_argument("--tasks", default="lesion_detection,stage_classification", help="comma-separated tasks")
+    loop.add_argument("--schemas", default="image_only", help="comma-separated schemas")
+    loop.add_argument("--variants", help="comma-separated: stream, in_memory, no_shuffle, switch_0.5ms (default all)")
+    loop.add_argument("--steps-per-epoch", type=int, default=10)
+    loop.add_argument("--profile", action="store_true", help="also profile each cell's stream (cProfile)")
+    loop.add_argument("--gpus", type=int, help="GPUs to use (default: all)")
+    loop.add_argument("--output", type=Path, default=Path("outputs/benchmark/loop"))
     vlm = commands.add_parser("vlm", help="VLM LoRA training samples/s and peak memory: gx-ray's step vs raw")
     vlm.add_argument("--size", default="2b", choices=["2b", "tiny"])
     vlm.add_argument("--batch", type=int, default=8)
@@ -92,6 +101,22 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
         )
         print(format_vlm_result(run_vlm_benchmark(config)))
+
+    if args.command == "loop":
+        from gx_ray.sweep.loop_benchmark import VARIANTS, LoopBenchmarkConfig, format_loop_result, run_loop_benchmark
+
+        variants = tuple(args.variants.split(",")) if args.variants else tuple(VARIANTS)
+        if unknown := set(variants) - set(VARIANTS):
+            parser.error(f"--variants: unknown {', '.join(sorted(unknown))} (known: {', '.join(VARIANTS)})")
+        config = LoopBenchmarkConfig(
+            tasks=tuple(args.tasks.split(",")),
+            schemas=tuple(args.schemas.split(",")),
+            variants=variants,
+            steps_per_epoch=args.steps_per_epoch,
+            profile=args.profile,
+            gpus=args.gpus,
+        )
+        print(format_loop_result(run_loop_benchmark(args.output, config)))
 
     if args.command == "cluster":
         from gx_ray.sweep.cluster_benchmark import ClusterBenchmarkConfig, format_cluster_result, run_cluster_benchmark

@@ -38,3 +38,30 @@ def test_the_vlm_benchmark_sides_compute_the_same_loss_and_train_only_lora(tmp_p
         assert result[side]["samples_per_s"] > 0
     assert math.isclose(result["ratio"], result["gx_ray"]["samples_per_s"] / result["raw"]["samples_per_s"])
     assert result["tokens_per_sample"] > (56 // 14) ** 2  # the image's tokens and the question's
+
+
+def test_the_loop_benchmark_runs_a_trials_own_loop_beside_its_raw_step(ray_cluster, demo_prepared):
+    import sys
+
+    from gx_ray.sweep.loop_benchmark import format_loop_result, loop_against_raw
+
+    flat = {
+        "task": "stage_classification", "schema": "image_only", "data.shards": str(demo_prepared.shard_dir),
+        "model.vision": "resnet10_3d", "model.vision_kwargs": {"block_inplanes": [4, 8, 8, 8]},
+        "model.text": "bert_tiny", "model.hidden": 16, "data.micro_batch": 2, "data.effective_batch": 4,
+        "schedule.epochs": 2, "schedule.max_steps_per_epoch": 1,
+    }  # fmt: skip
+    before = sys.getswitchinterval()
+    rows = [
+        loop_against_raw({"cell": "stage/image_only", "variant": variant, "flat": flat, "profile": profile})
+        for variant, profile in (("switch_0.5ms", False), ("stream", True))
+    ]
+    assert sys.getswitchinterval() == before  # the variant's interval lasts only its own run
+    for row in rows:
+        assert len(row["loop_samples_per_s"]) == 2 and min(row["loop_samples_per_s"]) > 0
+        assert row["raw_samples_per_s"] > 0
+        assert math.isclose(row["loop_over_raw"], row["loop_samples_per_s"][-1] / row["raw_samples_per_s"])
+        assert 0 <= row["data_wait_share"] <= 1
+    assert "function calls" in rows[1]["profile"]  # cProfile's statistics of the loop's thread
+    text = format_loop_result({"seconds": 1.0, "rows": rows})
+    assert "stream (profiled)" in text and "switch_0.5ms" in text

@@ -5,6 +5,7 @@ two-worker DDP trial on CPU."""
 from __future__ import annotations
 
 import random
+import time
 
 import numpy as np
 import pytest
@@ -165,6 +166,10 @@ def test_an_in_memory_split_gives_every_epoch_the_streamed_rows_in_a_seeded_orde
         assert rows.keys() == reference.keys()  # the same rows as the stream, nothing dropped or doubled
         assert all(torch.equal(rows[case], reference[case]) for case in rows)  # with the same volumes
         assert list(rows) == list(same_seed)  # reproducible
+        # the epoch's seeded permutation of the share, row for row (each batch is gathered from its row groups)
+        share = [c for p in kept.my_pieces(epoch) for c in real_read(p["path"], row_group=p["row_group"])["case_id"]]
+        permutation = np.random.default_rng(kept.order_seed(epoch)).permutation(len(share))
+        assert list(rows) == [share[i].as_py() for i in permutation]
         orders.append(list(rows))
     assert len({tuple(order) for order in orders}) == 3  # a new order every epoch
     assert len(reads) == 2 * len(row_groups(demo_prepared.shard_dir, "train"))  # each stream read each group once
@@ -173,6 +178,16 @@ def test_an_in_memory_split_gives_every_epoch_the_streamed_rows_in_a_seeded_orde
     for epoch in range(2):
         shares = [set(_epoch(stream, epoch)) for stream in ranks]
         assert not shares[0] & shares[1] and shares[0] | shares[1] == set(orders[0])
+
+
+def test_the_stream_counts_the_time_the_loop_waits_for_its_batches(ray_cluster, demo_prepared):
+    stream = _stream(demo_prepared.shard_dir, True)
+    list(stream.batches(0))
+    quick = stream.waited
+    collate = stream.collate
+    stream.collate = lambda table: time.sleep(0.3) or collate(table)  # a data path slower than the loop
+    batches = len(list(stream.batches(1)))
+    assert 0 <= quick < 0.3 * batches <= stream.waited + 0.3  # every batch but the one collated ahead was waited for
 
 
 # --- accumulation ---------------------------------------------------------------------------------------------

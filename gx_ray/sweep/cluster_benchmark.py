@@ -24,6 +24,7 @@ import json
 import math
 import os
 import shutil
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import ray
 import yaml
 from mlflow.tracking import MlflowClient
@@ -130,7 +132,9 @@ def _run(
     def slice_run() -> dict[str, Any]:
         left = config.budget_s - (time.perf_counter() - started) - ddp_budget - WIND_DOWN_S
         options = SweepOptions(str(slice_space), out / "sweeps", shards, time_budget_s=left, **cluster)
-        return _slice_figures(run_sweep(options), result["raw"], config.eval_rows)
+        with HostCpuSampler() as host:
+            figures = _slice_figures(run_sweep(options), result["raw"], config.eval_rows)
+        return {**figures, "host_cpu": host.summary()}
 
     result["slice"] = _phase(result, "slice", slice_run, {"cells": {}})
     # last: a DDP trial that Tune's time budget stops leaves its TorchTrainer's GPU workers to Ray's placement-group
@@ -152,6 +156,35 @@ def _run(
     result["seconds"]["total"] = time.perf_counter() - started
     (out / "cluster_benchmark.json").write_text(json.dumps(result, indent=1, default=float) + "\n", encoding="utf-8")
     return result
+
+
+class HostCpuSampler:
+    """This host's CPU use every 2 s while a phase runs: how busy its cores were, on average and at the busiest
+    sample (trials that wait on the GPU from Python slow down when the host's cores are all taken)."""
+
+    def __init__(self, interval_s: float = 2.0):
+        self.interval_s, self.samples = interval_s, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="host-cpu", daemon=True)
+
+    def __enter__(self) -> HostCpuSampler:
+        psutil.cpu_percent(percpu=True)  # the first reading starts psutil's interval
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.samples.append(psutil.cpu_percent(percpu=True))
+
+    def summary(self) -> dict[str, float]:
+        if not self.samples:
+            return {"cores": psutil.cpu_count(), "mean_busy": math.nan, "peak_busy": math.nan}
+        busy = [float(np.mean(sample)) / 100 for sample in self.samples]
+        return {"cores": len(self.samples[0]), "mean_busy": float(np.mean(busy)), "peak_busy": max(busy)}
 
 
 def _phase(result: dict[str, Any], name: str, run: Any, empty: Any) -> Any:
@@ -239,49 +272,54 @@ def _raw_rates(shards: Path, space: Path, cells: list[tuple[str, str]]) -> dict[
 
 def raw_step_rate(flat: dict[str, Any], steps: int = 10, warmup: int = 3) -> dict[str, float]:
     """Training samples/s of the trial's own model (built as the loop builds it) on one fixed batch already on the
-    GPU: forward, backward, clipping and AdamW, as the loop's step, with no data path at all. ``warmup_seconds``:
-    the first steps in this process pay kernel selection and compilation, a later cell on the same GPU little."""
+    GPU (the CPU where there is none): forward, backward, clipping and AdamW, as the loop's step, with no data path at
+    all. ``warmup_seconds``: the first steps in this process pay kernel selection and compilation, a later cell on
+    the same GPU little."""
     import gc
 
     import torch
 
+    from gx_ray.models.benchmark import synchronize
     from gx_ray.train import probe
     from gx_ray.train.config import TrialConfig
     from gx_ray.train.loop import build_trial, first_rows, loss_function, on_device
 
     gc.collect()  # the previous cell's model and optimiser state, before this one's peak is measured
-    torch.cuda.empty_cache()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     config = TrialConfig.from_flat(flat)
-    device = torch.device("cuda")
     task, model, layout = build_trial(config, device)
     micro = int(config.data.micro_batch)
     batch = on_device(first_rows(config.data.shards, "train", micro, layout), device)
     loss_of = loss_function(task, config, device)
     optimiser = torch.optim.AdamW(model.parameters(), config.optimiser.lr)
-    torch.cuda.reset_peak_memory_stats(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     built = time.perf_counter()
     for i in range(warmup + steps):
         if i == warmup:
-            torch.cuda.synchronize(device)
+            synchronize(device)
             start = time.perf_counter()
         probe.accumulate(model, loss_of, [batch], 1)
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimiser.grad_clip)
         optimiser.step()
         optimiser.zero_grad(set_to_none=True)
-    torch.cuda.synchronize(device)
+    synchronize(device)
     seconds = time.perf_counter() - start
     return {
         "samples_per_s": steps * micro / seconds,
-        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan,
         "warmup_seconds": start - built,  # the first steps: kernel selection, and compilation where compiled
     }
 
 
 def _epoch_timings(client: MlflowClient, run: Any) -> list[dict[str, float]]:
-    """Per epoch: its seconds, the validation's seconds within them, and the training rate."""
+    """Per epoch: its seconds, the validation's seconds within them, the training rate and the seconds the loop
+    waited for batches."""
     series = {
         key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
-        for key in ("epoch_seconds", "eval_seconds", "train_samples_per_second")
+        for key in ("epoch_seconds", "eval_seconds", "train_samples_per_second", "data_wait_seconds")
     }
     return [
         {"epoch": step, **{key: values.get(step, math.nan) for key, values in series.items()}}
@@ -296,6 +334,13 @@ def _epoch_rate(epochs: list[dict[str, float]], epoch: int = 1) -> float:
         e["train_samples_per_second"] for e in epochs
     ]
     return rates[-1] if rates else math.nan
+
+
+def _data_wait_share(epochs: list[dict[str, float]], epoch: int = 1) -> float:
+    """The share of one epoch's training time (epoch 1, as the rate) the loop spent waiting for its next batch."""
+    for e in [e for e in epochs if e["epoch"] == epoch] or epochs[-1:]:
+        return e["data_wait_seconds"] / (e["epoch_seconds"] - e["eval_seconds"])
+    return math.nan
 
 
 def _warmup_seconds(epochs: list[dict[str, float]]) -> float:
@@ -321,6 +366,7 @@ def _slice_figures(sweep: SweepResult, raw: dict[str, dict[str, float]], eval_ro
             "train_samples_per_s": rate,
             "raw_samples_per_s": raw.get(key, {}).get("samples_per_s", math.nan),
             "loop_over_raw": rate / raw.get(key, {}).get("samples_per_s", math.nan),
+            "data_wait_share": _data_wait_share(epoch_timings),
             "gpu_share": metrics.get("gpu_share", 1.0),
             "micro_batch": metrics.get("micro_batch"),
             "trial_seconds": trial,
@@ -424,15 +470,18 @@ def format_cluster_result(result: dict[str, Any]) -> str:
             f"slice: {s['finished']} of {s['trials']} trials, {s['wall_seconds']:.0f} s; first step after "
             f"{s['first_step_after_seconds'] or math.nan:.1f} s; GPU busy {_pct(s['gpu_busy_fraction'])} (per GPU "
             f"{s['gpu_busy_fraction_per_gpu']}), start-up share {_pct(s['startup_share'])}, "
-            f"{s['trials_per_gpu_hour'] or math.nan:.1f} trials per GPU-hour",
-            f"{'cell':<38}{'share':>6}{'micro':>6}{'loop/s':>8}{'raw/s':>8}{'loop/raw':>9}{'start-up s':>11}"
+            f"{s['trials_per_gpu_hour'] or math.nan:.1f} trials per GPU-hour; host CPUs busy "
+            f"{_pct(s.get('host_cpu', {}).get('mean_busy', math.nan))} (busiest sample "
+            f"{_pct(s.get('host_cpu', {}).get('peak_busy', math.nan))} of {s.get('host_cpu', {}).get('cores', '?')})",
+            f"{'cell':<38}{'share':>6}{'micro':>6}{'loop/s':>8}{'raw/s':>8}{'loop/raw':>9}{'wait':>6}{'start-up s':>11}"
             f"{'warm-up s':>10}{'epoch s (val s)':>24}{'busy':>6}",
         ]
     for key, c in sorted(s.get("cells", {}).items()):
         epochs = " ".join(f"{e['epoch_seconds']:.1f}({e['eval_seconds']:.1f})" for e in c.get("epochs", []))
         lines.append(
             f"{key:<38}{c['gpu_share']:>6.2f}{c['micro_batch'] or 0:>6.0f}{c['train_samples_per_s']:>8.1f}"
-            f"{c['raw_samples_per_s']:>8.1f}{c['loop_over_raw']:>9.2f}{c['startup_seconds']:>11.1f}"
+            f"{c['raw_samples_per_s']:>8.1f}{c['loop_over_raw']:>9.2f}{_pct(c.get('data_wait_share', math.nan)):>6}"
+            f"{c['startup_seconds']:>11.1f}"
             f"{c.get('warmup_seconds', math.nan):>10.1f}{epochs:>24}"
             f"{_pct(c['gpu_busy_fraction']):>6}"
         )

@@ -1,0 +1,151 @@
+"""`python jobs/benchmark.py loop`: the training loop against the raw step of the same model, one trial at a time.
+
+Each (task, schema, variant) runs the trial's own loop (:func:`~gx_ray.train.loop.run_loop`, Ray Data stream and
+all) in one process per GPU (in this process on a machine without one), with no sweep around it, right after the raw
+step of the same model on one batch already on the device (:func:`~gx_ray.sweep.cluster_benchmark.raw_step_rate`).
+Their ratio is the loop's cost alone, apart from packing and start-up; the variants tell which part of the loop
+costs it:
+
+- ``stream``: the trial as configured (Ray Data's stream, shuffle buffer, collation in its prefetch threads);
+- ``in_memory``: row groups read once, collated in one thread of the loop's own (``data.in_memory``);
+- ``no_shuffle``: the stream without its shuffle buffer;
+- ``switch_0.5ms``: the stream with Python's thread switch interval at 0.5 ms instead of 5: a step that waits on the
+  GPU many times hands the interpreter to the data threads at each wait and may wait up to the interval to get it back.
+
+With ``--profile`` each cell's ``stream`` runs once more under cProfile (the loop's own thread; its rate is not
+comparable) and the functions that took longest are printed beside the figures.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from gx_ray.runtime import init_ray, one_process_per_gpu
+from gx_ray.sweep.cluster_benchmark import ClusterBenchmarkConfig, _bench_cohort, _space, raw_step_rate
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "stream": {},
+    "in_memory": {"data.in_memory": True},
+    "no_shuffle": {"data.shuffle_buffer": 0},
+    "switch_0.5ms": {"switch_interval_s": 0.0005},
+}
+
+
+@dataclass(frozen=True)
+class LoopBenchmarkConfig:
+    tasks: tuple[str, ...] = ("lesion_detection", "stage_classification")
+    schemas: tuple[str, ...] = ("image_only",)
+    variants: tuple[str, ...] = tuple(VARIANTS)
+    steps_per_epoch: int = 10
+    epochs: int = 2
+    micro_batch: int = 8
+    effective_batch: int = 32
+    profile: bool = False
+    gpus: int | None = None
+
+
+def run_loop_benchmark(out: Path, config: LoopBenchmarkConfig = LoopBenchmarkConfig()) -> dict[str, Any]:
+    out = Path(out)
+    init_ray(None, num_gpus=config.gpus)
+    cluster = ClusterBenchmarkConfig(
+        steps_per_epoch=config.steps_per_epoch, epochs=config.epochs, micro_batch=config.micro_batch,
+        effective_batch=config.effective_batch, tasks=config.tasks,
+    )  # fmt: skip
+    shards = _bench_cohort(out, cluster)
+    from gx_ray.sweep.spaces import load_space
+
+    space = load_space(str(_space(out / "loop.yaml", cluster, config.schemas, workers=None)))
+    items = []
+    for task in config.tasks:
+        for schema in config.schemas:
+            flat = {**space.resource_keys(), **space.resolve({"task": task, "schema": schema, "seed": 0})}
+            flat["data.shards"] = str(shards)
+            cell = f"{task}/{schema}"
+            items += [{"cell": cell, "variant": v, "flat": flat, "profile": False} for v in config.variants]
+            if config.profile:  # apart: rates under the profiler are not comparable
+                items.append({"cell": cell, "variant": "stream", "flat": flat, "profile": True})
+    started = time.perf_counter()
+    import ray
+
+    on_gpus = ray.cluster_resources().get("GPU", 0) >= 1
+    rows = one_process_per_gpu(loop_against_raw, items) if on_gpus else [loop_against_raw(item) for item in items]
+    result = {"config": asdict(config), "seconds": time.perf_counter() - started, "rows": rows}
+    (out / "loop_benchmark.json").write_text(json.dumps(result, indent=1, default=float) + "\n", encoding="utf-8")
+    return result
+
+
+def loop_against_raw(item: dict[str, Any]) -> dict[str, Any]:
+    """The raw step's rate, then the loop's epochs, of one trial in this process."""
+    import torch
+
+    from gx_ray.runtime import quiet_data_context
+    from gx_ray.train.config import TrialConfig
+    from gx_ray.train.loop import WorkerContext, run_loop
+
+    quiet_data_context()
+    overrides = dict(VARIANTS[item["variant"]])
+    switch = overrides.pop("switch_interval_s", None)
+    flat = {**item["flat"], **overrides}
+    raw = raw_step_rate(flat)
+    epochs: list[dict[str, float]] = []
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ctx = WorkerContext(0, 1, device, lambda metrics, checkpoint=None: epochs.append(metrics), None)
+    before = sys.getswitchinterval()
+    profiler = cProfile.Profile() if item["profile"] else None
+    try:
+        if switch:
+            sys.setswitchinterval(switch)
+        if profiler:
+            profiler.enable()
+        run_loop(TrialConfig.from_flat(flat), ctx)
+    finally:
+        if profiler:
+            profiler.disable()
+        sys.setswitchinterval(before)
+    rates = [e["train_samples_per_second"] for e in epochs]
+    row = {
+        "cell": item["cell"],
+        "variant": item["variant"] + (" (profiled)" if item["profile"] else ""),
+        "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU",
+        "raw_samples_per_s": raw["samples_per_s"],
+        "loop_samples_per_s": rates,
+        "loop_over_raw": rates[-1] / raw["samples_per_s"],
+        "eval_seconds": [e["eval_seconds"] for e in epochs],
+        # of the last epoch's training time: the loop waiting for its next batch
+        "data_wait_share": epochs[-1]["data_wait_seconds"] / (epochs[-1]["epoch_seconds"] - epochs[-1]["eval_seconds"]),
+    }
+    if profiler:
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+        row["profile"] = text.getvalue()
+    return row
+
+
+def format_loop_result(result: dict[str, Any]) -> str:
+    rows = result["rows"]
+    lines = [
+        f"training loop against the raw step, {rows[0]['gpu'] if rows else '?'} ({result['seconds']:.0f} s)",
+        f"{'cell':<36} {'variant':<14} {'raw':>7} {'loop (epoch by epoch)':>24} {'loop/raw':>9} {'wait':>5}",
+    ]
+    for r in rows:
+        loop = " ".join(f"{x:.1f}" for x in r["loop_samples_per_s"])
+        lines.append(
+            f"{r['cell']:<36} {r['variant']:<14} {r['raw_samples_per_s']:>7.1f} {loop:>24} {r['loop_over_raw']:>9.2f}"
+            f" {r['data_wait_share']:>5.0%}"
+        )
+    lines.append(
+        "samples/s; loop/raw from the last epoch (the first pays kernel selection); wait: its share of that epoch's "
+        "training time spent waiting for the next batch"
+    )
+    for r in rows:
+        if "profile" in r:
+            lines += [f"--- profile of {r['cell']} {r['variant']} (loop thread, by own time)", r["profile"]]
+    return "\n".join(lines)
