@@ -3,7 +3,7 @@
 python jobs/benchmark.py ingest [--cpus 4] [--consumers 1]     # preprocessing and the Ray Data stream
 python jobs/benchmark.py model --model swin3d --shape 4,64,128,128 --batch 8 [--steps 10] [--amp bf16|off]
                                                                # training samples/s: registry model vs raw MONAI
-python jobs/benchmark.py vlm [--size 2b|tiny] [--batch 8]       # VLM LoRA step: gx-ray's (processor, labels) vs raw
+python jobs/benchmark.py vlm [--size 2b|tiny] [--batch 8] [--packing] [--varied]  # VLM LoRA step: gx-ray's vs raw
 python jobs/benchmark.py sweep [--space modality_ablation]    # a sweep's wall time: data, start-up, training
 python jobs/benchmark.py loop [--tasks lesion_detection]     # a trial's loop vs its raw step, and what it costs
 python jobs/benchmark.py cluster [--gpus N] [--budget 540]    # the ablation on every GPU of a node: busy fraction,
@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     vlm.add_argument("--steps", type=int, default=10, help="timed steps")
     vlm.add_argument("--rank", type=int, default=16, help="LoRA rank")
     vlm.add_argument("--gradient-checkpointing", action="store_true")
+    vlm.add_argument("--packing", action="store_true", help="vlm.packing: the batch as one row, no padding")
+    vlm.add_argument("--varied", action="store_true", help="questions of different lengths (padding to pack away)")
     vlm.add_argument("--device", help="default: cuda when available, else cpu")
     args = parser.parse_args(argv)
 
@@ -98,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             steps=args.steps,
             rank=args.rank,
             gradient_checkpointing=args.gradient_checkpointing,
+            packing=args.packing,
+            varied=args.varied,
             device=args.device,
         )
         print(format_vlm_result(run_vlm_benchmark(config)))

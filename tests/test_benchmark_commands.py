@@ -40,6 +40,25 @@ def test_the_vlm_benchmark_sides_compute_the_same_loss_and_train_only_lora(tmp_p
     assert result["tokens_per_sample"] > (56 // 14) ** 2  # the image's tokens and the question's
 
 
+def test_the_vlm_benchmark_packs_its_batch_with_the_padded_batchs_loss_and_measures_both(tmp_path, capsys):
+    """``--packing --varied``: the benchmark's LLaVA (a Qwen2 language model) packs questions of different lengths
+    with the padded batch's loss, and the command times the packed steps beside the raw padded one."""
+    folder = build_llava(tmp_path / "llava", "tiny", torch.float32)
+    vlm = VisionLanguageModel(str(folder), packing=True)
+    vlm.eval()
+    images, questions, answers = benchmark_batch(3, varied=True)
+    packed = vlm.loss(images, questions, answers)
+    vlm.packing = False
+    torch.testing.assert_close(packed, vlm.loss(images, questions, answers), rtol=1e-5, atol=1e-6)
+
+    assert main(["vlm", "--size", "tiny", "--batch", "3", "--steps", "1", "--device", "cpu", "--packing",
+                 "--varied"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "packed: one row" in out and "ratio raw packed / raw padded" in out
+    padding = float(out.split("padding would be ")[1].split(" %")[0])
+    assert 10 < padding < 50  # the varied questions' padding, packed away
+
+
 def test_the_loop_benchmark_runs_a_trials_own_loop_beside_its_raw_step(ray_cluster, demo_prepared):
     import sys
 

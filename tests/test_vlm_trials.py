@@ -46,6 +46,9 @@ def test_vlm_keys_reach_the_trial_config_and_its_params_and_encoder_trials_keep_
     assert recipe.phases == config.schema.phases
     flat = config.to_flat()
     assert flat["vlm.name"] == "some/vlm" and flat["views.slices"] == 9 and flat["model.family"] == "vlm"
+    assert flat["vlm.packing"] is False and config.vlm.packing is False  # padded by default
+    packed = TrialConfig.from_flat({**VLM, "task": "vqa", "vlm.packing": True})
+    assert packed.vlm.packing is True and packed.to_flat()["vlm.packing"] is True
     encoder = TrialConfig.from_flat({"task": "vqa"}).to_flat()
     assert encoder["model.family"] == "encoder" and not any(k.startswith(("vlm.", "views.")) for k in encoder)
     # without a tumour box cue the views are centred on the stomach and show no box
@@ -67,9 +70,11 @@ def test_vlm_keys_reach_the_trial_config_and_its_params_and_encoder_trials_keep_
         ({"model.family": "llm"}, "model.family"),
         ({"vlm.lora_rank": 0}, "LoRA rank"),
         ({"vlm.lora": False}, "nothing trains"),
+        ({"vlm.packing": "yes"}, "vlm.packing = 'yes' is not valid: true or false"),
+        ({"vlm.packing": 1}, "vlm.packing = 1 is not valid"),
     ],
     ids=["retrieval", "detection", "no-name", "numeric-table", "box-channels", "endoscopy", "lesion-centre-no-box",
-         "box-prompt-no-box", "family", "rank", "nothing-trains"],
+         "box-prompt-no-box", "family", "rank", "nothing-trains", "packing-str", "packing-int"],
 )  # fmt: skip
 def test_a_vlm_trial_that_cannot_run_is_refused_naming_the_key(changes, named):
     with pytest.raises(ValueError) as info:
@@ -235,6 +240,68 @@ def test_the_vlm_lora_smoke_sweep_trains_generates_and_scores_every_task_on_both
         for weights in (state["model"], state["best"]["state"]):
             assert weights and all("lora_" in k for k in weights), state_file
             assert any(weights[k].abs().sum() > 0 for k in weights if "lora_B" in k), state_file
+
+
+def test_a_packed_batch_teaches_what_the_padded_batch_teaches_with_the_same_loss_and_lora_gradients(vlm_folders):
+    """``vlm.packing`` on the tiny LLaVA: a batch of three samples of different lengths, packed into one row without
+    padding (position ids restarting at 0, no attention mask), gives the padded batch's mean loss over the same taught
+    tokens and the same LoRA gradients (float32, eval mode: no dropout). The same row read as one sequence (with a
+    cache, transformers does not look for packed samples) gives another loss: the comparison sees a leak."""
+    from gx_ray.models.vlm import IGNORE, VisionLanguageModel
+
+    vlm = VisionLanguageModel(
+        vlm_folders["llava"], LoraSettings(rank=2, target_modules=("q_proj", "v_proj")), packing=True
+    )
+    torch.manual_seed(1)
+    for name, parameter in vlm.trainable().items():  # B starts at zero: A's gradients would be zero on both sides
+        if "lora_B" in name:
+            torch.nn.init.normal_(parameter, std=0.5)
+    vlm.eval()
+    rng = np.random.default_rng(0)
+    images = [[rng.random((3, 32, 32)).astype(np.float32)] for _ in range(3)]
+    questions = ["where?", "is the lesion in the lower third of the stomach or above it?", "stage?"]
+    answers = ["the antrum", "no", "stage III, with nodes"]
+    parameters = list(vlm.trainable().values())
+
+    def taught(packed: bool):
+        vlm.packing = packed
+        inputs, labels = vlm._taught(images, questions, answers)
+        loss = vlm.loss(images, questions, answers)
+        return inputs, labels, loss, torch.autograd.grad(loss, parameters)
+
+    padded, padded_labels, padded_loss, padded_grads = taught(False)
+    packed, packed_labels, packed_loss, packed_grads = taught(True)
+    lengths = padded["attention_mask"].sum(1)
+    assert len(set(lengths.tolist())) == 3 and (lengths < padded["input_ids"].shape[1]).any()  # padding to remove
+    assert "attention_mask" not in packed and packed["input_ids"].shape == (1, int(lengths.sum()))
+    starts = (packed["position_ids"][0] == 0).nonzero()[:, 0]
+    assert starts.tolist() == [0, *lengths.cumsum(0)[:-1].tolist()]  # each sample from position 0
+    assert (packed_labels[0, starts] == IGNORE).all()  # nothing predicted across a boundary
+    taught_tokens = [padded["input_ids"][padded_labels != IGNORE], packed["input_ids"][packed_labels != IGNORE]]
+    assert torch.equal(*taught_tokens)  # the very same tokens taught, in the same order
+    torch.testing.assert_close(packed_loss, padded_loss, rtol=1e-5, atol=1e-6)
+    for ours, reference in zip(packed_grads, padded_grads, strict=True):
+        assert reference.abs().sum() > 0
+        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
+    leaked = vlm.model(**{**packed, "use_cache": True}, labels=packed_labels).loss
+    assert not torch.allclose(leaked, padded_loss, rtol=1e-3)
+
+
+@pytest.mark.parametrize("family", ["paligemma", "qwen2_vl"])
+def test_packing_is_refused_for_a_model_whose_attention_or_positions_a_packed_row_would_break(vlm_folders, family):
+    """PaliGemma (prefix-LM attention through token_type_ids: the tiny model, loaded as a trial would) and Qwen2-VL
+    (rotary positions from the images' grids: its config) are refused, naming the key and the model type."""
+    from gx_ray.models.vlm import VisionLanguageModel, VLMConfig, check_packing
+
+    if family == "paligemma":
+        with pytest.raises(ValueError, match=r"vlm\.packing is not supported for model type 'paligemma'.*prefix-LM"):
+            VisionLanguageModel.from_config(VLMConfig(name=vlm_folders[family], packing=True), torch.device("cpu"))
+        VisionLanguageModel.from_config(VLMConfig(name=vlm_folders[family]), torch.device("cpu"))  # padded: fine
+    else:
+        from transformers import Qwen2VLConfig
+
+        with pytest.raises(ValueError, match=r"vlm\.packing is not supported for model type 'qwen2_vl'.*mrope"):
+            check_packing(Qwen2VLConfig())
 
 
 def test_a_vlm_task_model_keeps_and_loads_what_trains_only(vlm_folders):

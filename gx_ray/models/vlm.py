@@ -8,9 +8,10 @@ rank, alpha, dropout and target modules are search dimensions) train on the lang
 tower or the language model too.
 A question is put to the model with its images inside the model's own chat template (or, for a model without one,
 the processor's plain prompt), and the answer is taught by cross-entropy on the answer's tokens only (the prompt and
-the image tokens are masked). :meth:`VisionLanguageModel.generate` answers greedily; the answers are then scored by
-:mod:`gx_ray.metrics.cascade`. Images are RGB ``(3, H, W)`` arrays in [0, 1], as :func:`gx_ray.modalities.views.
-ct_images` gives them.
+the image tokens are masked); with ``packing`` (``vlm.packing``, LLaVA only: :func:`check_packing`) the taught batch
+is one row without padding, its samples told apart by position ids that restart at 0.
+:meth:`VisionLanguageModel.generate` answers greedily; the answers are then scored by :mod:`gx_ray.metrics.cascade`.
+Images are RGB ``(3, H, W)`` arrays in [0, 1], as :func:`gx_ray.modalities.views.ct_images` gives them.
 """
 
 from __future__ import annotations
@@ -33,6 +34,21 @@ VLM_LORA = LoraSettings(dropout=0.05, target_modules=("q_proj", "v_proj"))
 """LoRA on the language model's attention query and value projections (their names in Llama, Gemma, Qwen)."""
 VISION_MODULES = r".*(vision|visual).*"
 """Full module names of a vision tower (``vision_tower``, ``visual``): no adapters there unless ``lora_vision``."""
+PACKABLE = {"llava": ("llama", "qwen2")}
+"""Model types whose taught batch may be packed (``vlm.packing``), with the language models checked in them: a
+decoder-only LLaVA, image tokens in the sequence under plain causal attention and 1D rotary positions, so position ids
+that restart at 0 per sample give each sample its own block-diagonal causal mask (transformers' masking_utils)."""
+MROPE = "its rotary positions are computed from the images' grids (mrope), not from position ids restarting at 0"
+PACKING_REFUSED = {
+    "paligemma": "its prefix-LM attention (token_type_ids: bidirectional over the image and the prompt) is not "
+    "restarted per sample by position ids",
+    "qwen2_vl": MROPE,
+    "qwen2_5_vl": MROPE,
+}
+"""Why a model type may not be packed, where that is known; any other type not in :data:`PACKABLE` is refused too."""
+PACKED_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+"""Attention implementations that read packed samples from the position ids when no attention mask is given
+(masking_utils' packed-sequence mask; flash attention's varlen kernel)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +72,10 @@ class VLMConfig:
     gradient_checkpointing: bool = False
     max_new_tokens: int = 16
     """Tokens an answer may take (VQA, stage); reports take report generation's ``task_options.max_new_tokens``."""
+    packing: bool = False
+    """Padding-free training steps: the taught batch as one row, position ids restarting at 0 per sample and no
+    attention mask (LLaVA only; other models are refused when the model loads). Generation and option scores stay
+    padded."""
 
     def __post_init__(self) -> None:
         if isinstance(self.lora_targets, str):  # "q_proj,v_proj": how a search space samples a set (Optuna takes strs)
@@ -67,6 +87,8 @@ class VLMConfig:
             raise ValueError("vlm.lora is false and vlm.train_vision and vlm.train_language are off: nothing trains")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"vlm.max_new_tokens = {self.max_new_tokens!r} is not valid: a whole number >= 1")
+        if not isinstance(self.packing, bool):
+            raise ValueError(f"vlm.packing = {self.packing!r} is not valid: true or false")
 
     def lora_settings(self) -> LoraSettings | None:
         if not self.lora:
@@ -89,6 +111,7 @@ class VisionLanguageModel(nn.Module):
         train_language: bool = False,
         dtype: torch.dtype | None = None,
         gradient_checkpointing: bool = False,
+        packing: bool = False,
     ):
         super().__init__()
         from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -100,6 +123,9 @@ class VisionLanguageModel(nn.Module):
         self.processor = AutoProcessor.from_pretrained(name_or_path)
         model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype)
         model.requires_grad_(False)
+        if packing:
+            check_packing(model.config)
+        self.packing = packing
         if gradient_checkpointing:
             # non-reentrant (PyTorch's recommended variant): it needs no block input that requires grad, which a
             # frozen base model does not give
@@ -167,14 +193,21 @@ class VisionLanguageModel(nn.Module):
 
         The prompts (with their images) go through the processor once, exactly as :meth:`generate` puts them; each
         answer's tokens are appended to its prompt's, so the model is taught to continue the very prompt it is asked
-        with, and the images are processed once a step."""
-        return self._with_answers(self._prompt_inputs(images, questions, "right"), answers)
+        with, and the images are processed once a step. With ``packing`` the batch is one row
+        (:meth:`_with_answers`)."""
+        return self._with_answers(self._prompt_inputs(images, questions, "right"), answers, self.packing)
 
     def _with_answers(
-        self, prompts: dict[str, torch.Tensor], answers: Sequence[str]
-    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        self, prompts: dict[str, torch.Tensor], answers: Sequence[str], packed: bool = False
+    ) -> tuple[dict[str, Any], torch.Tensor]:
         """Right-padded prompt inputs with each answer's tokens appended, padded on the tokenizer's own side, and the
-        labels (the answers' tokens only)."""
+        labels (the answers' tokens only).
+
+        ``packed``: the samples one after the other in a single row instead, without padding, as transformers'
+        ``DataCollatorWithFlattening`` makes it: position ids restarting at 0 for each sample, the label of each
+        sample's first token ignored (nothing is predicted across a boundary), and no attention mask, from which
+        transformers builds a block-diagonal causal mask (or flash attention's varlen boundaries). The images' tensors
+        are the batch's, in the same order as their image tokens in the row."""
         tokenizer = self.processor.tokenizer
         eos = getattr(tokenizer, "eos_token", None) or getattr(tokenizer, "sep_token", None) or ""
         answer_ids = tokenizer([a + eos for a in answers], add_special_tokens=False)["input_ids"]
@@ -184,6 +217,8 @@ class VisionLanguageModel(nn.Module):
         per_token = [k for k, v in prompts.items() if v.shape[:2] == ids.shape and k not in ("input_ids", "labels")]
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         inputs = {k: v for k, v in prompts.items() if k not in per_token and k != "input_ids"}
+        if packed:
+            return self._packed(inputs, ids, lengths, answer_ids, per_token)
         rows = {key: [] for key in ("input_ids", "labels", *per_token)}
         for i, (length, answer) in enumerate(zip(lengths, answer_ids, strict=True)):
             answer = torch.tensor(answer, dtype=ids.dtype, device=ids.device)
@@ -198,6 +233,30 @@ class VisionLanguageModel(nn.Module):
         stacked = {key: torch.stack(values) for key, values in rows.items()}
         labels = stacked.pop("labels")
         return {**inputs, **stacked}, labels
+
+    def _packed(
+        self,
+        inputs: dict[str, torch.Tensor],
+        ids: torch.Tensor,
+        lengths: Sequence[int],
+        answer_ids: Sequence[Sequence[int]],
+        per_token: Sequence[str],
+    ) -> tuple[dict[str, Any], torch.Tensor]:
+        """The packed row of :meth:`_with_answers` (``ids``: the right-padded prompts, ``lengths`` their lengths)."""
+        from transformers import DataCollatorWithFlattening
+
+        if extra := [key for key in per_token if key != "attention_mask"]:
+            raise ValueError(f"vlm.packing: the processor gives per-token {extra}, which a packed row cannot carry")
+        features = []
+        for i, (length, answer) in enumerate(zip(lengths, answer_ids, strict=True)):
+            prompt = ids[i, :length].tolist()
+            features.append({"input_ids": prompt + list(answer), "labels": [IGNORE] * length + list(answer)})
+        flat = DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE)(features)
+        labels = flat.pop("labels").to(ids.device)
+        packed = {key: value.to(ids.device) for key, value in flat.items()}
+        # use_cache False: with a cache transformers does not look for packed samples in the position ids and every
+        # sample would attend to those before it in the row
+        return {**inputs, **packed, "use_cache": False}, labels
 
     def loss(self, images: Sequence[Sequence[np.ndarray]], questions: Sequence[str], answers: Sequence[str]):
         """Cross-entropy of the answers' tokens given the images and questions (prompt and images masked)."""
@@ -244,8 +303,31 @@ class VisionLanguageModel(nn.Module):
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         return cls(
             config.name, config.lora_settings(), config.lora_vision, config.train_vision, config.train_language,
-            dtype, config.gradient_checkpointing,
+            dtype, config.gradient_checkpointing, config.packing,
         ).to(device)  # fmt: skip
+
+
+def check_packing(config: Any) -> None:
+    """Refuses ``vlm.packing`` for a model whose packed batch would not be each sample alone: any model type but
+    those of :data:`PACKABLE` (with their language models), or an attention implementation that does not read packed
+    samples from the position ids. Raises ``ValueError`` naming the key and the model type."""
+    kind = getattr(config, "model_type", "?")
+    text = getattr(config, "text_config", None)
+    text_kind = getattr(text, "model_type", "?")
+    supported = ", ".join(f"{k} (language model {' or '.join(v)})" for k, v in PACKABLE.items())
+    if kind not in PACKABLE or text_kind not in PACKABLE[kind]:
+        why = PACKING_REFUSED.get(kind, "packing is not verified for it")
+        name = kind if kind not in PACKABLE else f"{kind} with language model {text_kind}"
+        raise ValueError(
+            f"vlm.packing is not supported for model type {name!r}: {why}. Packing is built for {supported}; "
+            "set vlm.packing: false"
+        )
+    attention = getattr(text, "_attn_implementation", None)
+    if attention not in PACKED_ATTENTION:
+        raise ValueError(
+            f"vlm.packing is not supported for model type {kind!r} with attention {attention!r}: "
+            f"packed samples are read from the position ids by {', '.join(PACKED_ATTENTION)} only"
+        )
 
 
 def _joined(prompt: torch.Tensor, answer: torch.Tensor, spans: tuple[int, int], padding: int) -> torch.Tensor:

@@ -14,6 +14,11 @@ venous phase's key slice through the lesion): gx-ray's side is what a trial's st
 from images and texts (the processor, the chat template and the answer-only labels every step); the raw side calls
 the model on the same batch's tensors, built once and already on the device. Warm-up steps are not timed; the
 device is synchronised before every clock read.
+
+``packing`` (``vlm.packing``) packs the taught batch into one row without padding on both sides, and times the raw
+step on the padded batch as well (``raw_padded``): packed against padded within one run. ``varied`` gives the samples
+questions of different lengths (a padded batch of equal questions has no padding to remove); the result tells the
+tokens a sample and the share of a padded batch that is padding.
 """
 
 from __future__ import annotations
@@ -64,6 +69,11 @@ class VlmBenchmarkConfig:
     warmup: int = 3
     rank: int = 16
     gradient_checkpointing: bool = False
+    packing: bool = False
+    """``vlm.packing``: the taught batch as one row without padding (both sides train on the packed tensors)."""
+    varied: bool = False
+    """Questions of different lengths (sample ``i`` has ``i`` lab findings before its question), so that a padded
+    batch has padding to pack away; default: every sample the same question."""
     device: str | None = None
     """Default: cuda when available (bf16 weights), else cpu (fp32)."""
 
@@ -122,9 +132,16 @@ def build_llava(folder: Path, size: str, dtype: torch.dtype, device: torch.devic
     return folder
 
 
-def benchmark_batch(batch: int, seed: int = 0) -> tuple[list[list[np.ndarray]], list[str], list[str]]:
+LAB_FINDING = "CEA 12.4 ng/mL, 2.5x above upper limit."
+"""An abnormal lab finding as ``schema.table: text`` puts it before a question (``varied`` batches)."""
+
+
+def benchmark_batch(
+    batch: int, seed: int = 0, varied: bool = False
+) -> tuple[list[list[np.ndarray]], list[str], list[str]]:
     """``batch`` cases' default CT views (one venous key slice through the lesion of a synthetic 64 x 128 x 128 HU
-    volume) with an MCQ question each and its answer letter."""
+    volume) with an MCQ question each and its answer letter; ``varied``: case ``i``'s question after ``i`` lab
+    findings."""
     rng = np.random.default_rng(seed)
     images, questions, answers = [], [], []
     options = ["gastric body", "gastric antrum", "cardia", "fundus"]
@@ -133,7 +150,8 @@ def benchmark_batch(batch: int, seed: int = 0) -> tuple[list[list[np.ndarray]], 
         box = [20, 40, 40, 28, 60, 64]
         views, _ = ct_images(hu, ViewRecipe(), tumour_box=box)
         images.append(list(views))
-        questions.append(question_prompt("mcq", "Where is the lesion?", options))
+        question = question_prompt("mcq", "Where is the lesion?", options)
+        questions.append(" ".join([LAB_FINDING] * i + [question]) if varied else question)
         answers.append("ABCD"[i % 4])
     return images, questions, answers
 
@@ -148,7 +166,7 @@ def run_vlm_benchmark(config: VlmBenchmarkConfig = VlmBenchmarkConfig()) -> dict
         vlm = VisionLanguageModel.from_config(  # as a trial builds it
             VLMConfig(
                 name=folder, lora_rank=config.rank, lora_alpha=2 * config.rank, lora_dropout=VLM_LORA.dropout,
-                gradient_checkpointing=config.gradient_checkpointing,
+                gradient_checkpointing=config.gradient_checkpointing, packing=config.packing,
             ),
             device,
         )  # fmt: skip
@@ -156,8 +174,9 @@ def run_vlm_benchmark(config: VlmBenchmarkConfig = VlmBenchmarkConfig()) -> dict
     parameters = sum(p.numel() for p in vlm.model.parameters())
     trainable = list(vlm.trainable().values())
     optimiser = torch.optim.AdamW(trainable, lr=1e-4)
-    images, questions, answers = benchmark_batch(config.batch)
-    inputs, labels = vlm._taught(images, questions, answers)  # the raw side's tensors, built once
+    images, questions, answers = benchmark_batch(config.batch, varied=config.varied)
+    inputs, labels = vlm._taught(images, questions, answers)  # the raw side's tensors, built once (packed or padded)
+    padded, padded_labels = vlm._with_answers(vlm._prompt_inputs(images, questions, "right"), answers)
 
     def step(loss_of) -> None:
         loss_of().backward()
@@ -169,9 +188,14 @@ def run_vlm_benchmark(config: VlmBenchmarkConfig = VlmBenchmarkConfig()) -> dict
         "gx_ray": lambda: vlm.loss(images, questions, answers),
         "raw": lambda: vlm.model(**inputs, labels=labels).loss,
     }
+    if config.packing:  # the raw step on the padded batch too: packed against padded within one run
+        sides["raw_padded"] = lambda: vlm.model(**padded, labels=padded_labels).loss
     result: dict[str, Any] = {"config": asdict(config), "device": _device_name(device), "dtype": str(dtype)}
     result.update(parameters=parameters, trainable=sum(p.numel() for p in trainable), build_seconds=built)
-    result["tokens_per_sample"] = int(inputs["attention_mask"].sum() / config.batch)
+    tokens = int(padded["attention_mask"].sum())
+    result["tokens_per_sample"] = tokens / config.batch
+    result["padding_share"] = 1 - tokens / padded["input_ids"].numel()  # of a padded batch, packed or not
+    result["row_tokens"] = inputs["input_ids"].numel()  # what the model is given: the packed row has no padding
     for name, loss_of in sides.items():
         with peak_memory(device) as peak:
             for _ in range(config.warmup):
@@ -184,6 +208,8 @@ def run_vlm_benchmark(config: VlmBenchmarkConfig = VlmBenchmarkConfig()) -> dict
             seconds = time.perf_counter() - start
         result[name] = {"samples_per_s": config.steps * config.batch / seconds, "peak_gib": peak["bytes"] / 2**30}
     result["ratio"] = result["gx_ray"]["samples_per_s"] / result["raw"]["samples_per_s"]
+    if config.packing:
+        result["packed_over_padded"] = result["raw"]["samples_per_s"] / result["raw_padded"]["samples_per_s"]
     return result
 
 
@@ -192,12 +218,16 @@ def format_vlm_result(result: dict[str, Any]) -> str:
     lines = [
         f"VLM {c['size']} (LLaVA: SigLIP + Qwen2, {result['parameters'] / 1e6:,.1f} M parameters, LoRA rank "
         f"{c['rank']}: {result['trainable'] / 1e6:.2f} M trainable) on {result['device']}, {result['dtype']}, "
-        f"batch {c['batch']}, {result['tokens_per_sample']} tokens a sample",
+        f"batch {c['batch']}, {result['tokens_per_sample']:.1f} tokens a sample",
+        f"  {'packed: one row' if c.get('packing') else 'padded'}, {result['row_tokens']} tokens given "
+        f"(padding would be {100 * result['padding_share']:.1f} % of a padded batch)",
     ]
-    for name in ("gx_ray", "raw"):
-        side = result[name]
-        lines.append(f"  {name:7s} {side['samples_per_s']:8.2f} samples/s   peak {side['peak_gib']:.1f} GiB")
+    for name in ("gx_ray", "raw", "raw_padded"):
+        if side := result.get(name):
+            lines.append(f"  {name:10s} {side['samples_per_s']:8.2f} samples/s   peak {side['peak_gib']:.1f} GiB")
     lines.append(f"  ratio gx_ray / raw: {result['ratio']:.3f}")
+    if "packed_over_padded" in result:
+        lines.append(f"  ratio raw packed / raw padded: {result['packed_over_padded']:.3f}")
     return "\n".join(lines)
 
 
