@@ -132,6 +132,8 @@ class PhantomConfig:
     noise_hu: tuple[float, float] = (6.0, 12.0)
     enhancement_jitter: float = 0.15
     """Per-case, per-phase relative variation of contrast enhancement (dose, timing, cardiac output)."""
+    tumour_enhancement_hu: float = 0.0
+    """HU added to the tumour in every contrast phase (0: the tumour enhances about as the gastric wall does)."""
 
 
 @dataclass
@@ -863,6 +865,7 @@ def _phase_tables(rng: np.random.Generator, findings: Findings, config: PhantomC
     base[TISSUE_CODE["tumour"], PHASES.index("delayed")] = (
         TUMOUR_DELAYED_RETAINED_HU if retains else TUMOUR_DELAYED_WASHOUT_HU
     )
+    base[TISSUE_CODE["tumour"], 1:] += config.tumour_enhancement_hu
     tables = {}
     for k, phase in enumerate(PHASES):
         factor = 1 + rng.uniform(-config.enhancement_jitter, config.enhancement_jitter)
