@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from mlflow.tracking import MlflowClient
 
 from gx_ray.sweep.driver import EXPERIMENT
 from gx_ray.tracking import KIND_TAG, SWEEP_TAG, TRIAL_TAG
-from gx_ray.tracking.server import PID_FILE
+from gx_ray.tracking.server import PID_FILE, LocalMlflowServer
 from tests.spaces import small_stage_space
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,6 +178,19 @@ def test_a_trial_worker_killed_mid_epoch_is_retried_from_its_checkpoint(demo_pre
     assert process.wait(timeout=600) == 0, sweep.tail()
     assert_every_cell_finished_once(sweep)
     assert_provenance(sweep, Path(demo_prepared.shard_dir) / "manifest.json")
+
+
+def test_a_server_first_waited_for_past_its_start_timeout_is_still_asked(tmp_path):
+    """The sweep launches its server beside the demo cohort's first preparation (minutes on two cores, a fresh clone's
+    main command), so the first wait may begin after the launch's deadline: the server is asked, not given up on."""
+    server = LocalMlflowServer(tmp_path / "mlflow", start_timeout_s=0.1).launch()
+    try:
+        time.sleep(0.5)  # the deadline has passed before anyone waits
+        server.wait()
+        with urllib.request.urlopen(f"{server.uri}/health", timeout=5) as response:
+            assert response.status == 200
+    finally:
+        server.stop()
 
 
 def test_the_mlflow_server_killed_mid_sweep_is_restarted_and_every_cell_finishes(demo_prepared, tmp_path):

@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 PID_FILE = "server.json"
+WAIT_GRACE_S = 60.0
 """In the store's folder while its server runs: a driver killed with SIGKILL cannot stop its server (a process
 session of its own), so the next server of the same store finds the leftover here and stops it."""
 
@@ -111,8 +112,12 @@ class LocalMlflowServer:
         return self
 
     def wait(self) -> LocalMlflowServer:
-        """Block until the launched server answers its health check."""
-        while time.monotonic() < self._deadline:
+        """Block until the launched server answers its health check: within ``start_timeout_s`` of its launch, and
+        never less than :data:`WAIT_GRACE_S` from now. A server launched beside a long preparation (a fresh clone's
+        demo cohort takes minutes on two cores) has had that time to start, and a wait that began past the deadline
+        would otherwise give up without asking once."""
+        deadline = max(self._deadline, time.monotonic() + WAIT_GRACE_S)
+        while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"mlflow server exited with {self.process.returncode}: {self._log_tail()}")
             try:
