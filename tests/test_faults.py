@@ -200,7 +200,9 @@ def test_the_mlflow_server_killed_mid_sweep_is_restarted_and_every_cell_finishes
     server = _server_record(sweep)["pid"]
     os.killpg(server, signal.SIGKILL)  # the server and its worker
     assert process.wait(timeout=600) == 0, sweep.tail()
-    assert "starting it again" in sweep.tail()
+    # the whole log: a trial whose request the kill cut mid-response fails once and is retried from its checkpoint,
+    # and its traceback can fill the tail (seen on a slow 2-core machine)
+    assert "starting it again" in sweep.log.read_text(errors="replace")
     assert_every_cell_finished_once(sweep)
 
 
