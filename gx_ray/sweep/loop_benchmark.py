@@ -28,8 +28,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import ray
+
 from gx_ray.runtime import init_ray, one_process_per_gpu
-from gx_ray.sweep.cluster_benchmark import ClusterBenchmarkConfig, _bench_cohort, _space, raw_step_rate
+from gx_ray.sweep.cluster_benchmark import (
+    ClusterBenchmarkConfig,
+    _bench_cohort,
+    _data_wait_share,
+    _space,
+    raw_step_rate,
+)
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "stream": {},
@@ -73,8 +81,6 @@ def run_loop_benchmark(out: Path, config: LoopBenchmarkConfig = LoopBenchmarkCon
             if config.profile:  # apart: rates under the profiler are not comparable
                 items.append({"cell": cell, "variant": "stream", "flat": flat, "profile": True})
     started = time.perf_counter()
-    import ray
-
     on_gpus = ray.cluster_resources().get("GPU", 0) >= 1
     rows = one_process_per_gpu(loop_against_raw, items) if on_gpus else [loop_against_raw(item) for item in items]
     result = {"config": asdict(config), "seconds": time.perf_counter() - started, "rows": rows}
@@ -119,8 +125,7 @@ def loop_against_raw(item: dict[str, Any]) -> dict[str, Any]:
         "loop_samples_per_s": rates,
         "loop_over_raw": rates[-1] / raw["samples_per_s"],
         "eval_seconds": [e["eval_seconds"] for e in epochs],
-        # of the last epoch's training time: the loop waiting for its next batch
-        "data_wait_share": epochs[-1]["data_wait_seconds"] / (epochs[-1]["epoch_seconds"] - epochs[-1]["eval_seconds"]),
+        "data_wait_share": _data_wait_share(epochs, epochs[-1]["epoch"]),  # of the last epoch's training time
     }
     if profiler:
         text = io.StringIO()
