@@ -108,7 +108,7 @@ def tolerant_console() -> None:
 
 
 @ray.remote(num_gpus=1, num_cpus=1)
-class _GpuProcess:
+class GpuProcess:
     def run(self, fn: Callable[[Any], Any], item: Any) -> Any:
         return fn(item)
 
@@ -118,7 +118,7 @@ def one_process_per_gpu(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[
     imports, CUDA's start, cuDNN's kernel choice and compilation are paid once a GPU, not once an item (compiled code
     is reused by the next instance of a module in the same process). Results in the order of ``items``."""
     gpus = max(1, min(len(items), int(ray.cluster_resources().get("GPU", 1))))
-    workers = [_GpuProcess.remote() for _ in range(gpus)]
+    workers = [GpuProcess.remote() for _ in range(gpus)]
     try:
         return ray.get([workers[i % gpus].run.remote(fn, item) for i, item in enumerate(items)])
     finally:

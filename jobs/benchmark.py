@@ -5,7 +5,7 @@ python jobs/benchmark.py model --model swin3d --shape 4,64,128,128 --batch 8 [--
                                                                # training samples/s: registry model vs raw MONAI
 python jobs/benchmark.py vlm [--size 2b|tiny] [--batch 8] [--packing] [--varied]  # VLM LoRA step: gx-ray's vs raw
 python jobs/benchmark.py sweep [--space modality_ablation]    # a sweep's wall time: data, start-up, training
-python jobs/benchmark.py loop [--tasks lesion_detection]     # a trial's loop vs its raw step, and what it costs
+python jobs/benchmark.py loop [--tasks lesion_detection] [--neighbours 3]  # a trial's loop vs its raw step
 python jobs/benchmark.py cluster [--gpus N] [--budget 540]    # the ablation on every GPU of a node: busy fraction,
                                                                # start-up, DDP scaling, loop/raw, 8-GPU projection
 """
@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     loop.add_argument("--steps-per-epoch", type=int, default=10)
     loop.add_argument("--profile", action="store_true", help="also profile each cell's stream (cProfile)")
     loop.add_argument("--gpus", type=int, help="GPUs to use (default: all)")
+    loop.add_argument(
+        "--neighbours", type=int, default=0, help="then again beside N trial loops on each other GPU (a full node)"
+    )
     loop.add_argument("--output", type=Path, default=Path("outputs/benchmark/loop"))
     vlm = commands.add_parser("vlm", help="VLM LoRA training samples/s and peak memory: gx-ray's step vs raw")
     vlm.add_argument("--size", default="2b", choices=["2b", "tiny"])
@@ -119,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             steps_per_epoch=args.steps_per_epoch,
             profile=args.profile,
             gpus=args.gpus,
+            neighbours=args.neighbours,
         )
         print(format_loop_result(run_loop_benchmark(args.output, config)))
 

@@ -160,15 +160,18 @@ def _run(
 
 class HostCpuSampler:
     """This host's CPU use every 2 s while a phase runs: how busy its cores were, on average and at the busiest
-    sample (trials that wait on the GPU from Python slow down when the host's cores are all taken)."""
+    sample (trials that wait on the GPU from Python slow down when the host's cores are all taken), the share of time
+    its host took from this virtual machine's cores (steal), and the memory it saw (a microVM's grows as it is used,
+    ~3 s per 8 GiB, stalling whoever touches new pages)."""
 
     def __init__(self, interval_s: float = 2.0):
-        self.interval_s, self.samples = interval_s, []
+        self.interval_s, self.samples, self.steal, self.memory = interval_s, [], [], []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="host-cpu", daemon=True)
 
     def __enter__(self) -> HostCpuSampler:
         psutil.cpu_percent(percpu=True)  # the first reading starts psutil's interval
+        psutil.cpu_times_percent()
         self._thread.start()
         return self
 
@@ -179,12 +182,36 @@ class HostCpuSampler:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.samples.append(psutil.cpu_percent(percpu=True))
+            self.steal.append(getattr(psutil.cpu_times_percent(), "steal", 0.0) / 100)
+            self.memory.append(psutil.virtual_memory().total / 2**30)
 
     def summary(self) -> dict[str, float]:
         if not self.samples:
             return {"cores": psutil.cpu_count(), "mean_busy": math.nan, "peak_busy": math.nan}
         busy = [float(np.mean(sample)) / 100 for sample in self.samples]
-        return {"cores": len(self.samples[0]), "mean_busy": float(np.mean(busy)), "peak_busy": max(busy)}
+        return {
+            "cores": len(self.samples[0]),
+            "mean_busy": float(np.mean(busy)),
+            "peak_busy": max(busy),
+            "mean_steal": float(np.mean(self.steal)),
+            "peak_steal": max(self.steal),
+            "memory_gib_first": self.memory[0],
+            "memory_gib_last": self.memory[-1],
+        }
+
+
+def format_host(host: dict[str, float]) -> str:
+    """A :class:`HostCpuSampler` summary in one phrase."""
+    text = (
+        f"host CPUs busy {_pct(host.get('mean_busy', math.nan))} (busiest sample "
+        f"{_pct(host.get('peak_busy', math.nan))} of {host.get('cores', '?')})"
+    )
+    if "mean_steal" in host:
+        text += (
+            f", steal {_pct(host['mean_steal'])} (peak {_pct(host['peak_steal'])}), memory "
+            f"{host['memory_gib_first']:.0f} → {host['memory_gib_last']:.0f} GiB"
+        )
+    return text
 
 
 def _phase(result: dict[str, Any], name: str, run: Any, empty: Any) -> Any:
@@ -470,9 +497,7 @@ def format_cluster_result(result: dict[str, Any]) -> str:
             f"slice: {s['finished']} of {s['trials']} trials, {s['wall_seconds']:.0f} s; first step after "
             f"{s['first_step_after_seconds'] or math.nan:.1f} s; GPU busy {_pct(s['gpu_busy_fraction'])} (per GPU "
             f"{s['gpu_busy_fraction_per_gpu']}), start-up share {_pct(s['startup_share'])}, "
-            f"{s['trials_per_gpu_hour'] or math.nan:.1f} trials per GPU-hour; host CPUs busy "
-            f"{_pct(s.get('host_cpu', {}).get('mean_busy', math.nan))} (busiest sample "
-            f"{_pct(s.get('host_cpu', {}).get('peak_busy', math.nan))} of {s.get('host_cpu', {}).get('cores', '?')})",
+            f"{s['trials_per_gpu_hour'] or math.nan:.1f} trials per GPU-hour; {format_host(s.get('host_cpu', {}))}",
             f"{'cell':<38}{'share':>6}{'micro':>6}{'loop/s':>8}{'raw/s':>8}{'loop/raw':>9}{'wait':>6}{'start-up s':>11}"
             f"{'warm-up s':>10}{'epoch s (val s)':>24}{'busy':>6}",
         ]

@@ -14,6 +14,12 @@ costs it:
 
 With ``--profile`` each cell's ``stream`` runs once more under cProfile (the loop's own thread; its rate is not
 comparable) and the functions that took longest are printed beside the figures.
+
+With ``--neighbours N`` every (cell, variant) runs a second time (``+ neighbours``) on a card of its own while N
+trial loops train on each of the other cards: the slice's mix of tasks and schemas, each in its own process at a
+1/N GPU share, as a sweep packs them. What a trial loses only when the node is full shows there, and the host's
+CPU use, CPU steal (a virtual machine's cores taken by its host) and memory beside each phase tell which resource
+the neighbours take from it.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import cProfile
 import io
 import json
+import math
 import pstats
 import sys
 import time
@@ -30,12 +37,16 @@ from typing import Any
 
 import ray
 
-from gx_ray.runtime import init_ray, one_process_per_gpu
+from gx_ray.runtime import GpuProcess, init_ray, one_process_per_gpu
+from gx_ray.schema import PAPER_TASKS
 from gx_ray.sweep.cluster_benchmark import (
+    SLICE_SCHEMAS,
     ClusterBenchmarkConfig,
+    HostCpuSampler,
     _bench_cohort,
     _data_wait_share,
     _space,
+    format_host,
     raw_step_rate,
 )
 
@@ -58,6 +69,10 @@ class LoopBenchmarkConfig:
     effective_batch: int = 32
     profile: bool = False
     gpus: int | None = None
+    neighbours: int = 0
+    """Trial loops training on each other GPU while every cell runs a second time (0: no second run)."""
+    neighbours_ready_s: float = 240.0
+    """How long the neighbours may take to finish their first epoch before the cells run beside them anyway."""
 
 
 def run_loop_benchmark(out: Path, config: LoopBenchmarkConfig = LoopBenchmarkConfig()) -> dict[str, Any]:
@@ -81,11 +96,75 @@ def run_loop_benchmark(out: Path, config: LoopBenchmarkConfig = LoopBenchmarkCon
             if config.profile:  # apart: rates under the profiler are not comparable
                 items.append({"cell": cell, "variant": "stream", "flat": flat, "profile": True})
     started = time.perf_counter()
-    on_gpus = ray.cluster_resources().get("GPU", 0) >= 1
-    rows = one_process_per_gpu(loop_against_raw, items) if on_gpus else [loop_against_raw(item) for item in items]
-    result = {"config": asdict(config), "seconds": time.perf_counter() - started, "rows": rows}
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    with HostCpuSampler() as host:
+        rows = one_process_per_gpu(loop_against_raw, items) if gpus else [loop_against_raw(item) for item in items]
+    hosts = {"alone": host.summary()}
+    if config.neighbours and gpus >= 2:
+        flats = [
+            {**space.resource_keys(), **space.resolve({"task": t, "schema": s, "seed": 0}), "data.shards": str(shards)}
+            for t in PAPER_TASKS
+            for s in SLICE_SCHEMAS
+        ]  # fmt: skip
+        measured = [item for item in items if not item["profile"]]
+        beside, hosts["neighbours"] = beside_neighbours(measured, flats, config.neighbours, gpus, config)
+        rows += beside
+    result = {"config": asdict(config), "seconds": time.perf_counter() - started, "rows": rows, "host": hosts}
     (out / "loop_benchmark.json").write_text(json.dumps(result, indent=1, default=float) + "\n", encoding="utf-8")
     return result
+
+
+@ray.remote(max_concurrency=2)
+class Neighbour:
+    """A trial loop that trains until it is killed, counting its epochs (asked from a second thread)."""
+
+    def __init__(self) -> None:
+        self.epochs = 0
+
+    def train(self, flat: dict[str, Any]) -> None:
+        import torch
+
+        from gx_ray.runtime import quiet_data_context
+        from gx_ray.train.config import TrialConfig
+        from gx_ray.train.loop import WorkerContext, run_loop
+
+        quiet_data_context()
+
+        def count(metrics: dict, checkpoint: Any = None) -> None:
+            self.epochs += 1
+
+        config = TrialConfig.from_flat({**flat, "schedule.epochs": 10_000})
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        run_loop(config, WorkerContext(0, 1, device, count, None))
+
+    def epochs_done(self) -> int:
+        return self.epochs
+
+
+def beside_neighbours(
+    items: list[dict[str, Any]], flats: list[dict[str, Any]], per_gpu: int, gpus: int, config: LoopBenchmarkConfig
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Every item again in one process holding a card of its own, once ``per_gpu`` neighbour loops (``flats`` in
+    turn) train on each of the other cards; with the host's use over that phase."""
+    measured = GpuProcess.remote()
+    ray.get(measured.run.remote(len, ()))  # its whole card is held before any neighbour is placed
+    share = math.floor(10_000 / per_gpu) / 10_000  # Ray counts GPUs in 1e-4: N shares must fit one card
+    neighbours = [Neighbour.options(num_gpus=share, num_cpus=1).remote() for _ in range((gpus - 1) * per_gpu)]
+    training = [n.train.remote(flats[i % len(flats)]) for i, n in enumerate(neighbours)]
+    try:
+        deadline = time.monotonic() + config.neighbours_ready_s
+        while time.monotonic() < deadline and min(ray.get([n.epochs_done.remote() for n in neighbours])) < 1:
+            ready, _ = ray.wait(training, timeout=5)
+            if ready:
+                ray.get(ready)  # a neighbour that failed says why
+        with HostCpuSampler() as host:
+            rows = ray.get([measured.run.remote(loop_against_raw, item) for item in items])
+    finally:
+        for actor in [measured, *neighbours]:
+            ray.kill(actor)
+    for row in rows:
+        row["variant"] += f" + {len(neighbours)} neighbours"
+    return rows, host.summary()
 
 
 def loop_against_raw(item: dict[str, Any]) -> dict[str, Any]:
@@ -138,18 +217,19 @@ def format_loop_result(result: dict[str, Any]) -> str:
     rows = result["rows"]
     lines = [
         f"training loop against the raw step, {rows[0]['gpu'] if rows else '?'} ({result['seconds']:.0f} s)",
-        f"{'cell':<36} {'variant':<14} {'raw':>7} {'loop (epoch by epoch)':>24} {'loop/raw':>9} {'wait':>5}",
+        f"{'cell':<36} {'variant':<26} {'raw':>7} {'loop (epoch by epoch)':>24} {'loop/raw':>9} {'wait':>5}",
     ]
     for r in rows:
         loop = " ".join(f"{x:.1f}" for x in r["loop_samples_per_s"])
         lines.append(
-            f"{r['cell']:<36} {r['variant']:<14} {r['raw_samples_per_s']:>7.1f} {loop:>24} {r['loop_over_raw']:>9.2f}"
+            f"{r['cell']:<36} {r['variant']:<26} {r['raw_samples_per_s']:>7.1f} {loop:>24} {r['loop_over_raw']:>9.2f}"
             f" {r['data_wait_share']:>5.0%}"
         )
     lines.append(
         "samples/s; loop/raw from the last epoch (the first pays kernel selection); wait: its share of that epoch's "
         "training time spent waiting for the next batch"
     )
+    lines += [f"{phase}: {format_host(host)}" for phase, host in result.get("host", {}).items()]
     for r in rows:
         if "profile" in r:
             lines += [f"--- profile of {r['cell']} {r['variant']} (loop thread, by own time)", r["profile"]]
