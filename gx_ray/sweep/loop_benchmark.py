@@ -71,8 +71,8 @@ class LoopBenchmarkConfig:
     gpus: int | None = None
     neighbours: int = 0
     """Trial loops training on each other GPU while every cell runs a second time (0: no second run)."""
-    neighbours_ready_s: float = 240.0
-    """How long the neighbours may take to finish their first epoch before the cells run beside them anyway."""
+    neighbours_ready_s: float = 150.0
+    """How long the neighbours may take to finish their first (10-step) epoch before the cells run beside them."""
 
 
 def run_loop_benchmark(out: Path, config: LoopBenchmarkConfig = LoopBenchmarkConfig()) -> dict[str, Any]:
@@ -101,6 +101,7 @@ def run_loop_benchmark(out: Path, config: LoopBenchmarkConfig = LoopBenchmarkCon
         rows = one_process_per_gpu(loop_against_raw, items) if gpus else [loop_against_raw(item) for item in items]
     hosts = {"alone": host.summary()}
     if config.neighbours and gpus >= 2:
+        print("\n".join(map(format_row, rows)), flush=True)  # what a run cut by its time limit still shows
         flats = [
             {**space.resource_keys(), **space.resolve({"task": t, "schema": s, "seed": 0}), "data.shards": str(shards)}
             for t in PAPER_TASKS
@@ -133,7 +134,8 @@ class Neighbour:
         def count(metrics: dict, checkpoint: Any = None) -> None:
             self.epochs += 1
 
-        config = TrialConfig.from_flat({**flat, "schedule.epochs": 10_000})
+        # short epochs: the first ends (and the measured cells start) soon after the neighbour trains at all
+        config = TrialConfig.from_flat({**flat, "schedule.epochs": 10_000, "schedule.max_steps_per_epoch": 10})
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         run_loop(config, WorkerContext(0, 1, device, count, None))
 
@@ -157,13 +159,15 @@ def beside_neighbours(
             ready, _ = ray.wait(training, timeout=5)
             if ready:
                 ray.get(ready)  # a neighbour that failed says why
+        rows = []
         with HostCpuSampler() as host:
-            rows = ray.get([measured.run.remote(loop_against_raw, item) for item in items])
+            for item in items:
+                rows.append(ray.get(measured.run.remote(loop_against_raw, item)))
+                rows[-1]["variant"] += f" + {len(neighbours)} neighbours"
+                print(format_row(rows[-1]), flush=True)
     finally:
         for actor in [measured, *neighbours]:
             ray.kill(actor)
-    for row in rows:
-        row["variant"] += f" + {len(neighbours)} neighbours"
     return rows, host.summary()
 
 
@@ -213,18 +217,21 @@ def loop_against_raw(item: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def format_row(r: dict[str, Any]) -> str:
+    loop = " ".join(f"{x:.1f}" for x in r["loop_samples_per_s"])
+    return (
+        f"{r['cell']:<36} {r['variant']:<26} {r['raw_samples_per_s']:>7.1f} {loop:>24} {r['loop_over_raw']:>9.2f}"
+        f" {r['data_wait_share']:>5.0%}"
+    )
+
+
 def format_loop_result(result: dict[str, Any]) -> str:
     rows = result["rows"]
     lines = [
         f"training loop against the raw step, {rows[0]['gpu'] if rows else '?'} ({result['seconds']:.0f} s)",
         f"{'cell':<36} {'variant':<26} {'raw':>7} {'loop (epoch by epoch)':>24} {'loop/raw':>9} {'wait':>5}",
     ]
-    for r in rows:
-        loop = " ".join(f"{x:.1f}" for x in r["loop_samples_per_s"])
-        lines.append(
-            f"{r['cell']:<36} {r['variant']:<26} {r['raw_samples_per_s']:>7.1f} {loop:>24} {r['loop_over_raw']:>9.2f}"
-            f" {r['data_wait_share']:>5.0%}"
-        )
+    lines += [format_row(r) for r in rows]
     lines.append(
         "samples/s; loop/raw from the last epoch (the first pays kernel selection); wait: its share of that epoch's "
         "training time spent waiting for the next batch"
