@@ -71,7 +71,7 @@ class LoopBenchmarkConfig:
     gpus: int | None = None
     neighbours: int = 0
     """Trial loops training on each other GPU while every cell runs a second time (0: no second run)."""
-    neighbours_ready_s: float = 150.0
+    neighbours_ready_s: float = 90.0
     """How long the neighbours may take to finish their first (10-step) epoch before the cells run beside them."""
 
 
@@ -183,10 +183,17 @@ def loop_against_raw(item: dict[str, Any]) -> dict[str, Any]:
     overrides = dict(VARIANTS[item["variant"]])
     switch = overrides.pop("switch_interval_s", None)
     flat = {**item["flat"], **overrides}
+    name = f"{item['cell']} {item['variant']}"
     raw = raw_step_rate(flat)
+    print(f"{name}: raw step {raw['samples_per_s']:.1f} samples/s", flush=True)  # progress of a long cell
     epochs: list[dict[str, float]] = []
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    ctx = WorkerContext(0, 1, device, lambda metrics, checkpoint=None: epochs.append(metrics), None)
+
+    def report(metrics: dict[str, float], checkpoint: Any = None) -> None:
+        epochs.append(metrics)
+        print(f"{name}: epoch {metrics['epoch']} {metrics['train_samples_per_second']:.1f} samples/s", flush=True)
+
+    ctx = WorkerContext(0, 1, device, report, None)
     before = sys.getswitchinterval()
     profiler = cProfile.Profile() if item["profile"] else None
     try:
