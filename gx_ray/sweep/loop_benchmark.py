@@ -133,6 +133,8 @@ class Neighbour:
 
         def count(metrics: dict, checkpoint: Any = None) -> None:
             self.epochs += 1
+            rate = metrics["train_samples_per_second"]
+            print(f"neighbour {flat['task']}/{flat['schema']}: epoch {self.epochs} {rate:.1f} samples/s", flush=True)
 
         # short epochs: the first ends (and the measured cells start) soon after the neighbour trains at all
         config = TrialConfig.from_flat({**flat, "schedule.epochs": 10_000, "schedule.max_steps_per_epoch": 10})
