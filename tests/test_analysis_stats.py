@@ -270,3 +270,23 @@ def test_seed_comparisons_headline_only(monkeypatch):
     assert {c["metric"] for c in comparisons} == {"image_to_text_recall_at_5"}
     assert {c["schema_a"] for c in comparisons} == {"image_table", "image_bbox", "image_table_bbox"}
     assert seed_comparisons(runs, baseline="missing") == []
+
+
+def test_paired_bootstraps_spread_over_processes_equal_one_process():
+    """The report's comparisons run in joblib's processes: each gives what it gives alone, in order, and a comparison
+    without predictions stays None."""
+    from gx_ray.analysis.cases import CaseScorer, paired_bootstrap_of, paired_bootstraps
+
+    rng = np.random.default_rng(0)
+    cases = [f"case-{i}" for i in range(30)]
+
+    def arm(shift: float) -> CaseScorer:
+        values = rng.normal(shift, 1.0, len(cases))
+        return CaseScorer(cases, lambda indices, v=values: float(v[indices].mean()))
+
+    jobs = [[[arm(shift), arm(shift)], [arm(0.0), arm(0.0)]] for shift in (0.0, 0.5, 1.5)]
+    jobs.append([[arm(1.0), None], [arm(0.0), arm(0.0)]])
+    spread = paired_bootstraps(jobs, 300)
+    assert spread == [paired_bootstrap_of(job, 300) for job in jobs]
+    assert spread[3] is None
+    assert spread[2]["diff"] > spread[1]["diff"] > spread[0]["diff"] - 0.5 and spread[2]["p_value"] < 0.01

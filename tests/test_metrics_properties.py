@@ -40,7 +40,7 @@ from gx_ray.metrics import (
     retrieval_metrics,
     text_generation_metrics,
 )
-from gx_ray.metrics.detection import match_detections, summarise_matches
+from gx_ray.metrics.detection import average_precision_of_matches, match_detections, summarise_matches
 from gx_ray.metrics.text import _NoStemming, _NoSynonyms
 
 SEED = 20260
@@ -459,6 +459,9 @@ def test_detection_equals_brute_force_coco_on_random_3d_cases():
         )
         for name in DETECTION_METRICS:
             assert _same(resampled[name], direct[name]), (case, name)
+        for name, threshold in (("ap_50", 0.5), ("ap_75", 0.75)):  # the bootstrap's one-threshold headline
+            alone = average_precision_of_matches([matches[i] for i in draw], threshold, max_detections)
+            assert _same(alone, direct[name]), (case, name, alone, direct[name])
     assert compared["images"] >= 1000 and compared["empty images"] >= 100
     assert compared["images without predictions"] >= 100 and compared["no target anywhere (NaN)"] >= 5
     assert compared["no prediction anywhere"] >= 5 and compared["0 < AP50 < 100"] >= 100

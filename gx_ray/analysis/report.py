@@ -22,7 +22,7 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from gx_ray.analysis import plots, reference, search_views, stats, tables
-from gx_ray.analysis.cases import CaseScorer, case_scorer
+from gx_ray.analysis.cases import CaseScorer, case_scorer, paired_bootstraps
 from gx_ray.analysis.runs import headline_metric, higher_is_better, load_runs, test_records
 
 REPORT_FOLDER = "report"
@@ -131,10 +131,13 @@ def schema_comparisons(
         records = test_records(tracking_uri, run_id)
         return case_scorer(task, records, metric) if records else None
 
+    pairs = list(stats.paired_arms(runs, baseline, headline_only=True))
+    jobs = [
+        [[scorer(run_id, cell["task"], cell["metric"]) for run_id in frame["run_id"]] for frame in (arm, base)]
+        for cell, arm, base in pairs
+    ]
     comparisons = []
-    for cell, arm, base in stats.paired_arms(runs, baseline, headline_only=True):
-        arms = [[scorer(run_id, cell["task"], cell["metric"]) for run_id in frame["run_id"]] for frame in (arm, base)]
-        result = _paired_bootstrap(arms, n_resamples)
+    for (cell, arm, base), result in zip(pairs, paired_bootstraps(jobs, n_resamples), strict=True):
         if result is None:
             result = stats.wilcoxon_over_seeds(arm["value"].to_numpy(), base["value"].to_numpy())
         comparisons.append({**cell, **result})
@@ -162,7 +165,7 @@ def distractor_comparisons(runs: pd.DataFrame, tracking_uri: str, n_resamples: i
         options.map(lambda o: f"lesion_qa.{o['family']}"),
         options.map(lambda o: o["distractors"]),
     )
-    comparisons = []
+    cells, jobs = [], []
     keys = ["family", "schema", "model", "fusion", "metric"]
     for (family, schema, model, fusion, metric), group in test.groupby(keys, dropna=False):
         if metric != headline_metric(family + ".random"):
@@ -175,24 +178,14 @@ def distractor_comparisons(runs: pd.DataFrame, tracking_uri: str, n_resamples: i
             if not seeds:
                 continue
             pair = [arms[kind].loc[seeds], arms["random"].loc[seeds]]
-            scorers = [[scorer(run_id, family, metric) for run_id in frame["run_id"]] for frame in pair]
-            result = _paired_bootstrap(scorers, n_resamples) or stats.wilcoxon_over_seeds(
-                pair[0]["value"].to_numpy(), pair[1]["value"].to_numpy()
-            )
+            jobs.append([[scorer(run_id, family, metric) for run_id in frame["run_id"]] for frame in pair])
             cell = {"task": family, "schema": schema, "model": model, "fusion": fusion, "metric": metric}
-            comparisons.append({**cell, "schema_a": kind, "schema_b": "random", **result})
+            cells.append(({**cell, "schema_a": kind, "schema_b": "random"}, pair))
+    comparisons = []
+    for (cell, pair), result in zip(cells, paired_bootstraps(jobs, n_resamples), strict=True):
+        result = result or stats.wilcoxon_over_seeds(pair[0]["value"].to_numpy(), pair[1]["value"].to_numpy())
+        comparisons.append({**cell, **result})
     return comparisons
-
-
-def _paired_bootstrap(arms: list[list[CaseScorer | None]], n_resamples: int) -> dict | None:
-    """The paired bootstrap on the test patients every trial scored; None without predictions or patients."""
-    if any(s is None for arm in arms for s in arm):
-        return None
-    common = sorted(set.intersection(*(set(s.case_ids) for arm in arms for s in arm)))
-    if len(common) < 2:
-        return None
-    score_a, score_b = ([s.aligned(common) for s in arm] for arm in arms)
-    return stats.paired_bootstrap(score_a, score_b, len(common), n_resamples=n_resamples)
 
 
 def _fmt(value: float, digits: int = 1) -> str:
