@@ -32,6 +32,7 @@ from gx_ray.analysis.report import CELLS_FILE, CHANCE
 from gx_ray.analysis.runs import headline_metric, higher_is_better
 from gx_ray.data.demo.cohort import DemoConfig
 from gx_ray.data.demo.findings import SignalStrength
+from gx_ray.data.demo.phantom import PhantomConfig
 from gx_ray.data.prepare import PrepareConfig, prepare_data
 from gx_ray.runtime import init_ray
 from gx_ray.sweep.driver import SweepOptions, run_sweep
@@ -75,6 +76,12 @@ class CohortCheck:
         )
 
 
+KNOWN_ANSWER_PHANTOM = PhantomConfig(tumour_enhancement_hu=0.0)
+"""The tumour drawn as these checks' answers were set on: as bright as the wall it thickens. The main demo plants it
+brighter so that a detector trained for minutes finds it; here that would hand the image alone what the checks plant
+elsewhere (the stage in the lab table, the lesion's place in its box)."""
+
+
 def planted_signal(output: Path, cases: int = 160, seed: int = 0, address: str | None = None) -> list[CohortCheck]:
     """Prepare both cohorts under ``output``, sweep each, and check what the reports conclude."""
     init_ray(address)
@@ -84,7 +91,7 @@ def planted_signal(output: Path, cases: int = 160, seed: int = 0, address: str |
             "demo",
             Path(output) / name,
             PrepareConfig(),
-            DemoConfig(cases=cases, seed=seed, signal=signal),
+            DemoConfig(cases=cases, seed=seed, signal=signal, phantom=KNOWN_ANSWER_PHANTOM),
             address=address,
         )
         print(f"{name}: {data.summary()}")
@@ -174,7 +181,7 @@ def ct_bench(output: Path, cases: int = CT_BENCH_CASES, seed: int = 0, address: 
         "demo",
         Path(output) / "cohort",
         PrepareConfig(),
-        DemoConfig(cases=cases, seed=seed),
+        DemoConfig(cases=cases, seed=seed, phantom=KNOWN_ANSWER_PHANTOM),
         address=address,
     )
     print(data.summary())
