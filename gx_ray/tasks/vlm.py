@@ -97,7 +97,7 @@ class VisionLanguageTask:
         """The batch's questions: every VQA question of each case (training draws ``max_questions_per_case``), each
         case's report, each staged case's stage question."""
         if self.name == "vqa":
-            pairs = self.task._pairs(batch[self.column], training)
+            pairs = self.task.question_pairs(batch[self.column], training)
             return [
                 Item(case, question_prompt("close", q["question"]), str(q["answer"]), q["question"], q["category"])
                 for case, q in pairs

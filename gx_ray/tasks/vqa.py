@@ -82,7 +82,9 @@ class VisualQuestionAnswering(Task):
             raise RuntimeError("the VQA answer vocabulary is not fitted: call prepare(train_rows) first")
         return AnswerHead(dim, len(self.answers) - 1, self.dropout)  # no logit for <unk>
 
-    def _pairs(self, items: list[list[dict]], training: bool) -> list[tuple[int, dict]]:
+    def question_pairs(self, items: list[list[dict]], training: bool) -> list[tuple[int, dict]]:
+        """``(case index in the batch, question)`` for every question asked this step: all of them when evaluating, at
+        most ``max_questions_per_case`` a case (drawn with the task's seeded generator) when training."""
         pairs = []
         for case, questions in enumerate(items):
             questions = list(questions or ())
@@ -93,7 +95,7 @@ class VisualQuestionAnswering(Task):
         return pairs
 
     def forward(self, encoder: nn.Module, head: nn.Module, inputs: ModelInputs, batch: Batch) -> Outputs:
-        pairs = self._pairs(batch[self.column], head.training)
+        pairs = self.question_pairs(batch[self.column], head.training)
         case_index = torch.tensor([case for case, _ in pairs], dtype=torch.long)
         questions = [q["question"] for _, q in pairs]
         if pairs:
