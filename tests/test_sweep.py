@@ -340,7 +340,7 @@ def test_the_summary_leaves_out_trials_a_time_budget_never_started():
 
     done = {"schema": "image_only", "error": None, "completed": True, "trial": "t0", "chosen": {}}
     rows = [
-        {**done, "task": "stage_classification", "val_primary": 70.0, "test_primary": 60.0},
+        {**done, "task": "stage_classification", "val_primary": 70.0, "test_primary": 60.0, "test_chance": 50.0},
         {**done, "task": "stage_classification", "val_primary": 80.0, "test_primary": 64.0, "trial": "t1"},
         {**done, "task": None, "completed": False, "val_primary": None, "test_primary": None, "trial": "t2"},
     ]
@@ -352,6 +352,11 @@ def test_the_summary_leaves_out_trials_a_time_budget_never_started():
         "t1",
     )
     assert cell["test_mean"] == pytest.approx(62.0)
+    assert cell["chance"] == pytest.approx(50.0)  # the one trial that logged it (the other predates test_chance)
+    from gx_ray.sweep.driver import format_summary
+
+    header, row = format_summary([cell], 2, 0, 3).splitlines()[-2:]
+    assert "chance" in header and row.split()[-4:] == ["50.0", "80.0", "→", "64.0"]
 
 
 def test_the_progress_bar_counts_a_trial_the_time_budget_ended_as_stopped_not_finished(capsys):

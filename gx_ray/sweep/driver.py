@@ -628,6 +628,7 @@ def _result_rows(grid: Any, context: dict[str, Any]) -> list[dict[str, Any]]:
                 "chosen": {k: v for k, v in params.items() if k not in ("task", "schema", "seed")},
                 "val_primary": metrics.get("best_val_primary"),
                 "test_primary": metrics.get("test_primary"),
+                "test_chance": metrics.get("test_chance"),
                 "completed": "best_epoch" in metrics,  # the loop reports it with the test metrics, at its end
                 # Tune marks the result at which the scheduler stopped a trial done; a trial that ran to its end
                 # (or was interrupted) returned after its last report, which is not marked
@@ -659,6 +660,8 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         done = [m for m in members if not m["error"] and m["completed"]]
         tests = np.array([m["test_primary"] for m in done], dtype=float)
         tests = tests[np.isfinite(tests)]  # a metric undefined on a split (one-class AUC) counts as no value
+        chances = np.array([m.get("test_chance") for m in done], dtype=float)
+        chances = chances[np.isfinite(chances)]
         best = max(done, key=lambda m: _finite(m["val_primary"]), default=None)
         summary.append(
             {
@@ -669,6 +672,8 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "failed": len(members) - len(done),
                 "test_mean": float(tests.mean()) if len(tests) else None,
                 "test_sd": float(tests.std(ddof=1)) if len(tests) > 1 else None,
+                # the bar the mean must clear: a predictor that never looks at the patient (seeds share the test split)
+                "chance": float(chances.mean()) if len(chances) else None,
                 "best_trial": best and best["trial"],
                 "best_val": best and best["val_primary"],
                 "best_test": best and best["test_primary"],
@@ -692,14 +697,19 @@ def format_summary(
         + (f", {unfinished} unfinished (resume with --resume)" if unfinished else ""),
     ]
     width = max([22, *(len(cell["task"]) + 1 for cell in summary)])  # lesion QA's tasks carry their family
-    lines.append(f"{'task':<{width}} {'schema':<18} {'metric':<26} {'test mean ± sd (n)':<24} best val → test")
+    lines.append(
+        f"{'task':<{width}} {'schema':<18} {'metric':<26} {'test mean ± sd (n)':<24} {'chance':>6}   best val → test"
+    )
     for cell in summary:
         n = cell["trials"] - cell["failed"]
         mean = "—" if cell["test_mean"] is None else f"{cell['test_mean']:.1f}"
         sd = "" if cell["test_sd"] is None else f" ± {cell['test_sd']:.1f}"
+        chance = "—" if cell.get("chance") is None else f"{cell['chance']:.1f}"
         best = "—" if cell["best_val"] is None else f"{cell['best_val']:.1f} → {cell['best_test']:.1f}"
         test = mean + sd + f" ({n})"
-        lines.append(f"{cell['task']:<{width}} {cell['schema']:<18} {cell['metric']:<26} {test:<24} {best}")
+        lines.append(
+            f"{cell['task']:<{width}} {cell['schema']:<18} {cell['metric']:<26} {test:<24} {chance:>6}   {best}"
+        )
     return "\n".join(lines)
 
 

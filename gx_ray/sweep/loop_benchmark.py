@@ -145,6 +145,13 @@ class Neighbour:
         return self.epochs
 
 
+def _fewest_epochs(neighbours: list[Any], timeout_s: float = 10.0) -> int:
+    """The fewest epochs any neighbour has finished; 0 while one is not answering yet (not yet placed, or starting)."""
+    asked = [n.epochs_done.remote() for n in neighbours]
+    answered, _ = ray.wait(asked, num_returns=len(asked), timeout=timeout_s)
+    return min(ray.get(answered)) if len(answered) == len(asked) else 0
+
+
 def _warm(_: Any) -> None:
     import torch
 
@@ -168,7 +175,7 @@ def beside_neighbours(
     training = [n.train.remote(flats[i % len(flats)]) for i, n in enumerate(neighbours)]
     try:
         deadline = time.monotonic() + config.neighbours_ready_s
-        while time.monotonic() < deadline and min(ray.get([n.epochs_done.remote() for n in neighbours])) < 1:
+        while time.monotonic() < deadline and _fewest_epochs(neighbours) < 1:
             ready, _ = ray.wait(training, timeout=5)
             if ready:
                 ray.get(ready)  # a neighbour that failed says why
