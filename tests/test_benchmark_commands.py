@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from gx_ray.models.vlm import VisionLanguageModel
@@ -84,3 +85,24 @@ def test_the_loop_benchmark_runs_a_trials_own_loop_beside_its_raw_step(ray_clust
     assert "function calls" in rows[1]["profile"]  # cProfile's statistics of the loop's thread
     text = format_loop_result({"seconds": 1.0, "rows": rows})
     assert "stream (profiled)" in text and "switch_0.5ms" in text
+
+
+def test_the_host_sampler_reads_this_machines_cores_steal_and_memory():
+    """What the cluster and loop benchmarks print beside each phase: real readings of this host."""
+    import time
+
+    import psutil
+
+    from gx_ray.sweep.cluster_benchmark import HostCpuSampler, format_host
+
+    with HostCpuSampler(interval_s=0.05) as host:
+        sum(i * i for i in range(3_000_000))  # some work of this process's own to see
+        time.sleep(0.2)
+    summary = host.summary()
+    assert len(host.samples) >= 3 and summary["cores"] == psutil.cpu_count()
+    assert 0 < summary["peak_busy"] <= 1 and 0 <= summary["mean_busy"] <= summary["peak_busy"]
+    assert 0 <= summary["mean_steal"] <= summary["peak_steal"] <= 1
+    assert summary["memory_gib_first"] == pytest.approx(psutil.virtual_memory().total / 2**30, rel=0.5)
+    text = format_host(summary)
+    assert text.startswith("host CPUs busy") and "steal" in text and "GiB" in text
+    assert "steal" not in format_host(HostCpuSampler().summary())  # no samples: no figures to give
