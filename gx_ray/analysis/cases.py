@@ -134,6 +134,7 @@ def _retrieval(records: Records, metric: str) -> CaseScorer | None:
 
 def _detection(records: Records, metric: str) -> CaseScorer | None:
     from gx_ray.metrics.detection import (
+        AP_IOU_THRESHOLDS,
         DETECTION_METRICS,
         average_precision_of_matches,
         match_detections,
@@ -152,8 +153,8 @@ def _detection(records: Records, metric: str) -> CaseScorer | None:
     matches = match_detections(predictions, targets)  # once: a resample of cases only re-accumulates
 
     def score(indices: np.ndarray) -> float:
-        if metric in ("ap_50", "ap_75"):  # the headline: one IoU threshold's accumulation, not all ten
-            return average_precision_of_matches([matches[i] for i in indices], int(metric[-2:]) / 100)
+        if metric in AP_IOU_THRESHOLDS:  # the headline: one IoU threshold's accumulation, not all ten
+            return average_precision_of_matches([matches[i] for i in indices], AP_IOU_THRESHOLDS[metric])
         return summarise_matches([matches[i] for i in indices])[metric]
 
     return CaseScorer([r["case_id"] for r in known], score)

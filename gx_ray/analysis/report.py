@@ -15,6 +15,7 @@ import html
 import math
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,11 +127,7 @@ def schema_comparisons(
     predictions, else the comparison falls back to a Wilcoxon test over seeds.
     """
 
-    @functools.cache  # the baseline's trials take part in every comparison of their task: read and score them once
-    def scorer(run_id: str, task: str, metric: str) -> CaseScorer | None:
-        records = test_records(tracking_uri, run_id)
-        return case_scorer(task, records, metric) if records else None
-
+    scorer = _trial_scorers(tracking_uri)
     pairs = list(stats.paired_arms(runs, baseline, headline_only=True))
     jobs = [
         [[scorer(run_id, cell["task"], cell["metric"]) for run_id in frame["run_id"]] for frame in (arm, base)]
@@ -155,11 +152,7 @@ def distractor_comparisons(runs: pd.DataFrame, tracking_uri: str, n_resamples: i
     if test.empty:
         return []
 
-    @functools.cache  # the random arm takes part in every comparison of its cell: read and score its trials once
-    def scorer(run_id: str, task: str, metric: str) -> CaseScorer | None:
-        records = test_records(tracking_uri, run_id)
-        return case_scorer(task, records, metric) if records else None
-
+    scorer = _trial_scorers(tracking_uri)
     options = test["task"].map(label_options)
     test["family"], test["kind"] = (
         options.map(lambda o: f"lesion_qa.{o['family']}"),
@@ -186,6 +179,18 @@ def distractor_comparisons(runs: pd.DataFrame, tracking_uri: str, n_resamples: i
         result = result or stats.wilcoxon_over_seeds(pair[0]["value"].to_numpy(), pair[1]["value"].to_numpy())
         comparisons.append({**cell, **result})
     return comparisons
+
+
+def _trial_scorers(tracking_uri: str) -> Callable[[str, str, str], CaseScorer | None]:
+    """``scorer(run_id, task, metric)``: a trial's test metric as a function of its patients, read from its predictions
+    once (a baseline's or the random arm's trials take part in several comparisons); None without predictions."""
+
+    @functools.cache
+    def scorer(run_id: str, task: str, metric: str) -> CaseScorer | None:
+        records = test_records(tracking_uri, run_id)
+        return case_scorer(task, records, metric) if records else None
+
+    return scorer
 
 
 def _fmt(value: float, digits: int = 1) -> str:

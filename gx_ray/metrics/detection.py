@@ -34,6 +34,8 @@ import numpy as np
 DETECTION_METRICS: tuple[str, ...] = ("ap_50", "ap_75", "f1_50", "map_50_95", "loc_acc_50")
 # As pycocotools builds them (np.linspace with a rounded count): both back ends compare IoUs to identical floats.
 COCO_IOU_THRESHOLDS = np.linspace(0.5, 0.95, int(np.round((0.95 - 0.5) / 0.05)) + 1, endpoint=True)
+AP_IOU_THRESHOLDS: dict[str, float] = {"ap_50": 0.5, "ap_75": 0.75}
+"""The metrics that are AP at one IoU threshold, and that threshold."""
 
 
 def detection_metrics(
@@ -170,8 +172,7 @@ def _summarise(
     if sum(num_targets) == 0:
         return dict.fromkeys(DETECTION_METRICS, np.nan)
     precision = _coco_precision(per_image, max_detections)  # [IoU threshold, recall point]
-    at_50 = int(np.flatnonzero(COCO_IOU_THRESHOLDS == 0.5)[0])
-    at_75 = int(np.flatnonzero(COCO_IOU_THRESHOLDS == 0.75)[0])
+    at_50, at_75 = (int(np.flatnonzero(AP_IOU_THRESHOLDS[k] == COCO_IOU_THRESHOLDS)[0]) for k in ("ap_50", "ap_75"))
     # per image: was each kept prediction (in descending score order) a true positive at IoU 0.5
     hits = [np.asarray(e["dtMatches"])[at_50] > 0 if e else np.zeros(0, bool) for e in per_image]
     scores = [np.asarray(e["dtScores"], dtype=np.float64) if e else np.zeros(0) for e in per_image]

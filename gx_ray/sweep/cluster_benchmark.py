@@ -283,10 +283,7 @@ def _raw_rates(shards: Path, space: Path, cells: list[tuple[str, str]]) -> dict[
     from gx_ray.sweep.spaces import load_space
 
     loaded = load_space(str(space))
-    flats = [
-        {**loaded.resource_keys(), **loaded.resolve({"task": t, "schema": s, "seed": 0}), "data.shards": str(shards)}
-        for t, s in cells
-    ]
+    flats = [cell_flat(loaded, t, s, shards) for t, s in cells]
     compiled = [flat.get("model.compile", False) for flat in flats]
     eager = [{**flat, "model.compile": False} for flat, on in zip(flats, compiled, strict=True) if on]
     rates = one_process_per_gpu(raw_step_rate, flats + eager)  # every cell compiles the same 3D encoder
@@ -295,6 +292,12 @@ def _raw_rates(shards: Path, space: Path, cells: list[tuple[str, str]]) -> dict[
         f"{t}/{s}": {**rate, **({"eager": next(eager_rates)} if on else {})}
         for (t, s), rate, on in zip(cells, rates[: len(flats)], compiled, strict=True)
     }
+
+
+def cell_flat(space: Any, task: str, schema: str, shards: Path) -> dict[str, Any]:
+    """One (task, schema) cell of a loaded bench space at seed 0, as a trial's flat config on ``shards``."""
+    chosen = space.resolve({"task": task, "schema": schema, "seed": 0})
+    return {**space.resource_keys(), **chosen, "data.shards": str(shards)}
 
 
 def raw_step_rate(flat: dict[str, Any], steps: int = 10, warmup: int = 3) -> dict[str, float]:

@@ -46,6 +46,7 @@ from gx_ray.sweep.cluster_benchmark import (
     _bench_cohort,
     _data_wait_share,
     _space,
+    cell_flat,
     format_host,
     raw_step_rate,
 )
@@ -89,8 +90,7 @@ def run_loop_benchmark(out: Path, config: LoopBenchmarkConfig = LoopBenchmarkCon
     items = []
     for task in config.tasks:
         for schema in config.schemas:
-            flat = {**space.resource_keys(), **space.resolve({"task": task, "schema": schema, "seed": 0})}
-            flat["data.shards"] = str(shards)
+            flat = cell_flat(space, task, schema, shards)
             cell = f"{task}/{schema}"
             items += [{"cell": cell, "variant": v, "flat": flat, "profile": False} for v in config.variants]
             if config.profile:  # apart: rates under the profiler are not comparable
@@ -102,11 +102,7 @@ def run_loop_benchmark(out: Path, config: LoopBenchmarkConfig = LoopBenchmarkCon
     hosts = {"alone": host.summary()}
     if config.neighbours and gpus >= 2:
         print("\n".join(map(format_row, rows)), flush=True)  # what a run cut by its time limit still shows
-        flats = [
-            {**space.resource_keys(), **space.resolve({"task": t, "schema": s, "seed": 0}), "data.shards": str(shards)}
-            for t in PAPER_TASKS
-            for s in SLICE_SCHEMAS
-        ]  # fmt: skip
+        flats = [cell_flat(space, t, s, shards) for t in PAPER_TASKS for s in SLICE_SCHEMAS]
         measured = [item for item in items if not item["profile"]]
         beside, hosts["neighbours"] = beside_neighbours(measured, flats, config.neighbours, gpus, config)
         rows += beside
