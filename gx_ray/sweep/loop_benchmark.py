@@ -187,8 +187,23 @@ def beside_neighbours(
     return rows, host.summary()
 
 
+def sync_round_trip_us(device: Any, repeats: int = 2000) -> float:
+    """Microseconds for one tiny kernel and the read of its result back to the host: what each of detection's
+    hundreds of small GPU reads a step pays, apart from the work itself."""
+    import torch
+
+    x = torch.zeros((), device=device)
+    for _ in range(50):  # CUDA's lazy start, the allocator's first block
+        (x + 1).item()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        (x + 1).item()
+    return (time.perf_counter() - started) / repeats * 1e6
+
+
 def loop_against_raw(item: dict[str, Any]) -> dict[str, Any]:
-    """The raw step's rate, then the loop's epochs, of one trial in this process."""
+    """The round trip of one small GPU read, the raw step's rate, then the loop's epochs, of one trial in this
+    process."""
     import torch
 
     from gx_ray.runtime import quiet_data_context
@@ -200,10 +215,12 @@ def loop_against_raw(item: dict[str, Any]) -> dict[str, Any]:
     switch = overrides.pop("switch_interval_s", None)
     flat = {**item["flat"], **overrides}
     name = f"{item['cell']} {item['variant']}"
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    round_trip = sync_round_trip_us(device)
+    print(f"{name}: one small GPU read {round_trip:.0f} us", flush=True)
     raw = raw_step_rate(flat)
     print(f"{name}: raw step {raw['samples_per_s']:.1f} samples/s", flush=True)  # progress of a long cell
     epochs: list[dict[str, float]] = []
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def report(metrics: dict[str, float], checkpoint: Any = None) -> None:
         epochs.append(metrics)
@@ -227,6 +244,7 @@ def loop_against_raw(item: dict[str, Any]) -> dict[str, Any]:
         "cell": item["cell"],
         "variant": item["variant"] + (" (profiled)" if item["profile"] else ""),
         "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU",
+        "sync_round_trip_us": round_trip,
         "raw_samples_per_s": raw["samples_per_s"],
         "loop_samples_per_s": rates,
         "loop_over_raw": rates[-1] / raw["samples_per_s"],
@@ -244,7 +262,7 @@ def format_row(r: dict[str, Any]) -> str:
     loop = " ".join(f"{x:.1f}" for x in r["loop_samples_per_s"])
     return (
         f"{r['cell']:<36} {r['variant']:<26} {r['raw_samples_per_s']:>7.1f} {loop:>24} {r['loop_over_raw']:>9.2f}"
-        f" {r['data_wait_share']:>5.0%}"
+        f" {r['data_wait_share']:>5.0%} {r.get('sync_round_trip_us', math.nan):>6.0f}"
     )
 
 
@@ -252,12 +270,14 @@ def format_loop_result(result: dict[str, Any]) -> str:
     rows = result["rows"]
     lines = [
         f"training loop against the raw step, {rows[0]['gpu'] if rows else '?'} ({result['seconds']:.0f} s)",
-        f"{'cell':<36} {'variant':<26} {'raw':>7} {'loop (epoch by epoch)':>24} {'loop/raw':>9} {'wait':>5}",
+        f"{'cell':<36} {'variant':<26} {'raw':>7} {'loop (epoch by epoch)':>24} {'loop/raw':>9} {'wait':>5}"
+        f" {'read':>6}",
     ]
     lines += [format_row(r) for r in rows]
     lines.append(
         "samples/s; loop/raw from the last epoch (the first pays kernel selection); wait: its share of that epoch's "
-        "training time spent waiting for the next batch"
+        "training time spent waiting for the next batch; read: microseconds for one tiny kernel and the read of its "
+        "result (each of detection's many small GPU reads a step pays it)"
     )
     lines += [f"{phase}: {format_host(host)}" for phase, host in result.get("host", {}).items()]
     for r in rows:
