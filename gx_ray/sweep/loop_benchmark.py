@@ -30,7 +30,9 @@ import json
 import math
 import pstats
 import sys
+import threading
 import time
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -178,7 +180,7 @@ def beside_neighbours(
         rows = []
         with HostCpuSampler() as host:
             for item in items:
-                rows.append(ray.get(measured.run.remote(loop_against_raw, item)))
+                rows.append(ray.get(measured.run.remote(loop_against_raw, {**item, "sample_stacks": True})))
                 rows[-1]["variant"] += f" + {len(neighbours)} neighbours"
                 print(format_row(rows[-1]), flush=True)
     finally:
@@ -199,6 +201,52 @@ def sync_round_trip_us(device: Any, repeats: int = 2000) -> float:
     for _ in range(repeats):
         (x + 1).item()
     return (time.perf_counter() - started) / repeats * 1e6
+
+
+class StackSampler(threading.Thread):
+    """Where each thread of this process is, sampled every ``interval_s``: a sample is taken only when the sampler
+    gets the interpreter, so a thread that holds it shows up in the Python code it runs, and the others where they
+    gave it up (a blocking call) or wait for it."""
+
+    IDLE = ("threading.py:wait", "queue.py:get", "selectors.py:select", "threading.py:_wait_for", "thread.py:_worker")
+
+    def __init__(self, interval_s: float = 0.02, depth: int = 3) -> None:
+        super().__init__(daemon=True, name="stack-sampler")
+        self.interval_s, self.depth = interval_s, depth
+        self.counts: dict[str, Counter] = defaultdict(Counter)
+        self.samples = 0
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval_s):
+            names = {t.ident: t.name for t in threading.enumerate()}
+            self.samples += 1
+            for ident, frame in sys._current_frames().items():
+                if ident == self.ident:
+                    continue
+                where = []
+                while frame is not None and len(where) < self.depth:
+                    where.append(f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}:{frame.f_lineno}")
+                    frame = frame.f_back
+                name = names.get(ident, "?").rstrip("0123456789_-")  # pool threads counted together
+                self.counts[name][" < ".join(where)] += 1
+
+    def __enter__(self) -> StackSampler:
+        self.start()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self._stop_event.set()
+        self.join()
+
+    def summary(self, top: int = 4) -> str:
+        lines = [f"{self.samples} samples, every {self.interval_s * 1000:.0f} ms; each thread's busiest places"]
+        for name, counts in sorted(self.counts.items()):
+            busy = [(k, n) for k, n in counts.most_common() if not k.startswith(self.IDLE)]
+            idle = sum(n for k, n in counts.items() if k.startswith(self.IDLE))
+            lines.append(f"  {name}: idle (waiting on a lock or queue) {idle}")
+            lines += [f"    {n:>5}  {k}" for k, n in busy[:top]]
+        return "\n".join(lines)
 
 
 def loop_against_raw(item: dict[str, Any]) -> dict[str, Any]:
@@ -229,13 +277,19 @@ def loop_against_raw(item: dict[str, Any]) -> dict[str, Any]:
     ctx = WorkerContext(0, 1, device, report, None)
     before = sys.getswitchinterval()
     profiler = cProfile.Profile() if item["profile"] else None
+    sampler = StackSampler() if item.get("sample_stacks") else None
     try:
         if switch:
             sys.setswitchinterval(switch)
         if profiler:
             profiler.enable()
+        if sampler:
+            sampler.start()
         run_loop(TrialConfig.from_flat(flat), ctx)
     finally:
+        if sampler:
+            sampler.__exit__()
+            print(f"{name}: threads\n{sampler.summary()}", flush=True)
         if profiler:
             profiler.disable()
         sys.setswitchinterval(before)
