@@ -8,6 +8,7 @@ import random
 import time
 
 import numpy as np
+import psutil
 import pytest
 import torch
 import yaml
@@ -18,7 +19,7 @@ from gx_ray.sweep.driver import EXPERIMENT, SweepOptions, run_sweep
 from gx_ray.tracking import PARENT_TAG
 from gx_ray.tracking.server import LocalMlflowServer
 from gx_ray.train import loop, probe
-from gx_ray.train.config import TrialConfig
+from gx_ray.train.config import IN_MEMORY_SHARE_OF_HOST, TrialConfig
 from gx_ray.train.loop import build_trial, first_rows, loss_function, optimiser_steps
 
 GIB = 2**30
@@ -138,7 +139,7 @@ def test_ranks_read_disjoint_parts_that_cover_the_split_in_a_seeded_order_per_ep
     assert len(orders) > 1 or len(pieces) < 3  # a new order per epoch
 
 
-def _stream(shards, in_memory: bool, rank: int = 0, world: int = 1, seed: int = 3) -> loop.SplitStream:
+def _stream(shards, in_memory: bool | str, rank: int = 0, world: int = 1, seed: int = 3) -> loop.SplitStream:
     config = TrialConfig.from_flat(
         {"task": "stage_classification", "data.shards": str(shards), "data.in_memory": in_memory, "seed": seed}
     )
@@ -178,6 +179,22 @@ def test_an_in_memory_split_gives_every_epoch_the_streamed_rows_in_a_seeded_orde
     for epoch in range(2):
         shares = [set(_epoch(stream, epoch)) for stream in ranks]
         assert not shares[0] & shares[1] and shares[0] | shares[1] == set(orders[0])
+
+
+def test_auto_keeps_a_share_in_memory_only_while_it_fits_a_sixteenth_of_the_hosts_available_memory(
+    ray_cluster, demo_prepared
+):
+    pieces = row_groups(demo_prepared.shard_dir, "train")
+    for piece in pieces:  # a row group's footer size is what keeping it costs (Arrow's buffers, within 5 %)
+        kept = loop.read_shard(piece["path"], row_group=piece["row_group"]).nbytes
+        assert 0.95 < kept / piece["bytes"] < 1.05
+    auto, kept = _stream(demo_prepared.shard_dir, "auto"), _stream(demo_prepared.shard_dir, True)
+    assert auto.in_memory and list(_epoch(auto, 0)) == list(_epoch(kept, 0))  # the demo cohort fits: the same rows
+    budget = IN_MEMORY_SHARE_OF_HOST * psutil.virtual_memory().available
+    half, double = [{**pieces[0], "bytes": budget / 2}], [{**pieces[0], "bytes": budget}] * 2
+    assert loop.keeps_in_memory("auto", half) and not loop.keeps_in_memory("auto", double)  # the paper's full crop
+    assert loop.keeps_in_memory(True, double) and not loop.keeps_in_memory(False, half)  # set: as set
+    assert not _stream(demo_prepared.shard_dir, False).in_memory
 
 
 def test_the_stream_counts_the_time_the_loop_waits_for_its_batches(ray_cluster, demo_prepared):
@@ -289,6 +306,10 @@ def test_a_two_worker_ddp_trial_trains_each_rank_on_its_own_rows(ray_cluster, de
         )
         metrics = child.data.metrics
         assert child.info.status == "FINISHED" and child.data.params["resources.workers"] == "2"
+        # `auto` kept each rank's share of the tiny cohort in memory, and the run says so split by split
+        assert {s: child.data.tags[f"gx_ray.in_memory.{s}"] for s in ("train", "val", "test")} == dict.fromkeys(
+            ("train", "val", "test"), "true"
+        )
         assert (metrics["micro_batch"], metrics["accumulation"], metrics["effective_batch"]) == (1, 2, 4)
         assert np.isfinite(metrics["train_loss"]) and "test_accuracy" in metrics
         losses = [m.step for m in client.get_metric_history(child.info.run_id, "train_loss")]

@@ -366,8 +366,8 @@ def list_tensor(column: pa.ChunkedArray | pa.Array, dtype: np.dtype) -> np.ndarr
 
 
 def row_groups(shard_dir: Path | str, split: str) -> list[dict[str, Any]]:
-    """Every Parquet row group of a split in file order: ``{"path", "row_group", "rows"}`` (the unit a read task reads,
-    a rank owns and an epoch orders)."""
+    """Every Parquet row group of a split in file order: ``{"path", "row_group", "rows", "bytes"}`` (the unit a read
+    task reads, a rank owns and an epoch orders; ``bytes`` uncompressed, from the file's footer)."""
     files = split_files(shard_dir, split)
     if not files:
         raise ValueError(f"{shard_dir} has no {split} shards")
@@ -375,7 +375,12 @@ def row_groups(shard_dir: Path | str, split: str) -> list[dict[str, Any]]:
     for f in files:
         metadata = open_shard(f).metadata
         pieces += [
-            {"path": str(f), "row_group": i, "rows": metadata.row_group(i).num_rows}
+            {
+                "path": str(f),
+                "row_group": i,
+                "rows": metadata.row_group(i).num_rows,
+                "bytes": metadata.row_group(i).total_byte_size,  # uncompressed: what holding it in memory costs
+            }
             for i in range(metadata.num_row_groups)
         ]
     return pieces

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pyarrow as pa
 import torch
 import torch.distributed as dist
@@ -52,7 +53,7 @@ from gx_ray.runtime import quiet_data_context
 from gx_ray.tasks import Task, TaskModel, build_task, gather_state
 from gx_ray.tracking import TrialTracker
 from gx_ray.train import probe
-from gx_ray.train.config import AUTO, TrialConfig
+from gx_ray.train.config import AUTO, IN_MEMORY_SHARE_OF_HOST, TrialConfig
 
 CHECKPOINT_FILE = "state.pt"
 
@@ -105,6 +106,7 @@ class SplitStream:
         self._kept: dict[tuple[str, int], pa.Table] = {}
         """Row groups already read, with ``data.in_memory``."""
         self.waited = 0.0
+        self.in_memory = keeps_in_memory(config.data.in_memory, self.my_pieces(0))
         self._collator = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"collate-{split}")
         """With ``data.in_memory``: collates (and pins) the next batch while the loop trains on this one, as Ray's
         prefetch threads do for a stream."""
@@ -122,7 +124,7 @@ class SplitStream:
 
     def _iterator(self, epoch: int) -> Iterator[dict]:
         data = self.config.data
-        if data.in_memory:
+        if self.in_memory:
             return self._kept_batches(epoch)
         dataset = read_split(
             data.shards, self.split, num_cpus=data.read_cpus, concurrency=data.read_concurrency,
@@ -194,6 +196,14 @@ class SplitStream:
             yield current
             current = upcoming
         yield current
+
+
+def keeps_in_memory(setting: bool | str, pieces: list[dict[str, Any]]) -> bool:
+    """``data.in_memory`` for a rank's share of a split: as set, or with ``auto`` whether the share (uncompressed)
+    is at most :data:`IN_MEMORY_SHARE_OF_HOST` of the host memory available now."""
+    if setting != AUTO:
+        return bool(setting)
+    return sum(p["bytes"] for p in pieces) <= IN_MEMORY_SHARE_OF_HOST * psutil.virtual_memory().available
 
 
 def on_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -299,6 +309,8 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
     eval_size = config.data.eval_batch_size or micro
     streams = {split: SplitStream(config, split, layout, ctx, micro if split == "train" else eval_size)
                for split in ("train", "val", "test")}  # fmt: skip
+    if ctx.tracker:  # with `auto`, which way each split went (a share too large for the host streams)
+        ctx.tracker.set_tags({f"gx_ray.in_memory.{split}": str(s.in_memory).lower() for split, s in streams.items()})
     train = streams["train"]
     optimiser = torch.optim.AdamW(
         param_groups(model, config.optimiser.lr, config.optimiser.weight_decay, config.optimiser.text_lr_multiplier)
