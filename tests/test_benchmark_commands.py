@@ -61,6 +61,7 @@ def test_the_vlm_benchmark_packs_its_batch_with_the_padded_batchs_loss_and_measu
 
 
 def test_the_loop_benchmark_runs_a_trials_own_loop_beside_its_raw_step(ray_cluster, demo_prepared):
+    import itertools
     import sys
 
     from gx_ray.sweep.loop_benchmark import format_loop_result, loop_against_raw
@@ -73,18 +74,49 @@ def test_the_loop_benchmark_runs_a_trials_own_loop_beside_its_raw_step(ray_clust
     }  # fmt: skip
     before = sys.getswitchinterval()
     rows = [
-        loop_against_raw({"cell": "stage/image_only", "variant": variant, "flat": flat, "profile": profile})
+        loop_against_raw({"cell": "stage/image_only", "variant": variant, "flat": flat, "profile": profile,
+                          "sample_stacks": not profile})
         for variant, profile in (("switch_0.5ms", False), ("stream", True))
-    ]
+    ]  # fmt: skip
     assert sys.getswitchinterval() == before  # the variant's interval lasts only its own run
     for row in rows:
         assert len(row["loop_samples_per_s"]) == 2 and min(row["loop_samples_per_s"]) > 0
-        assert row["raw_samples_per_s"] > 0
-        assert math.isclose(row["loop_over_raw"], row["loop_samples_per_s"][-1] / row["raw_samples_per_s"])
+        assert row["raw_samples_per_s"] > 0 and 0 < row["loop_over_raw"] < math.inf
         assert 0 <= row["data_wait_share"] <= 1
+        assert 0 < row["sync_round_trip_us"] < 10_000  # one tiny op and its read back (CPU here: microseconds)
+    # the sampled stacks: the loop's own thread at work in the trial, and the Ray Data stream's threads beside it
+    lines = rows[0]["threads"].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("  MainThread:")) + 1
+    main_thread = list(itertools.takewhile(lambda line: line.startswith("    "), lines[start:]))
+    assert any(f in line for line in main_thread for f in ("loop.py", "probe.py", "module.py"))
+    assert "StreamingExecutor" in rows[0]["threads"] and "threads" not in rows[1]
     assert "function calls" in rows[1]["profile"]  # cProfile's statistics of the loop's thread
     text = format_loop_result({"seconds": 1.0, "rows": rows})
     assert "stream (profiled)" in text and "switch_0.5ms" in text
+
+
+def test_the_stack_sampler_finds_a_busy_thread_where_it_spins():
+    import threading
+    import time
+
+    from gx_ray.sweep.loop_benchmark import StackSampler
+
+    stop = threading.Event()
+
+    def spin_in_python() -> None:
+        while not stop.is_set():
+            sum(i * i for i in range(1000))
+
+    busy = threading.Thread(target=spin_in_python, name="busy-1")
+    with StackSampler(interval_s=0.005) as sampler:
+        busy.start()
+        time.sleep(0.5)
+        stop.set()
+        busy.join()
+    places = sampler.counts["busy"]  # pool-style numbering dropped
+    spinning = sum(n for where, n in places.items() if "spin_in_python" in where)
+    assert sampler.samples > 10 and spinning > 0.5 * sum(places.values())
+    assert "busy: idle" in sampler.summary() and "spin_in_python" in sampler.summary()
 
 
 def test_the_host_sampler_reads_this_machines_cores_steal_and_memory():

@@ -293,7 +293,6 @@ def loop_against_raw(item: dict[str, Any]) -> dict[str, Any]:
     finally:
         if sampler:
             sampler.__exit__()
-            print(f"{name}: threads\n{sampler.summary()}", flush=True)
         if profiler:
             profiler.disable()
         sys.setswitchinterval(before)
@@ -309,6 +308,9 @@ def loop_against_raw(item: dict[str, Any]) -> dict[str, Any]:
         "eval_seconds": [e["eval_seconds"] for e in epochs],
         "data_wait_share": _data_wait_share(epochs, epochs[-1]["epoch"]),  # of the last epoch's training time
     }
+    if sampler:
+        row["threads"] = sampler.summary()
+        print(f"{name}: threads\n{row['threads']}", flush=True)
     if profiler:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
