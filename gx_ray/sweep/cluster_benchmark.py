@@ -397,6 +397,7 @@ def _slice_figures(sweep: SweepResult, raw: dict[str, dict[str, float]], eval_ro
             "raw_samples_per_s": raw.get(key, {}).get("samples_per_s", math.nan),
             "loop_over_raw": rate / raw.get(key, {}).get("samples_per_s", math.nan),
             "data_wait_share": _data_wait_share(epoch_timings),
+            "in_memory": run.data.tags.get("gx_ray.in_memory.train"),  # data.in_memory auto's choice: kept or streamed
             "gpu_share": metrics.get("gpu_share", 1.0),
             "micro_batch": metrics.get("micro_batch"),
             "trial_seconds": trial,
@@ -489,6 +490,11 @@ def _nodes(result: dict[str, Any]) -> str:
     return f"{nodes} Ray node{'s' if nodes > 1 else ''}" + (f", {off}" if off else "")
 
 
+def _data_path(in_memory: str | None) -> str:
+    """How a cell's training split reached its loop: kept in memory, streamed through Ray Data, or not said."""
+    return {"true": "memory", "false": "stream"}.get(in_memory or "", "?")
+
+
 def format_cluster_result(result: dict[str, Any]) -> str:
     s, seconds = result["slice"], result["seconds"]
     lines = [
@@ -501,15 +507,15 @@ def format_cluster_result(result: dict[str, Any]) -> str:
             f"{s['first_step_after_seconds'] or math.nan:.1f} s; GPU busy {_pct(s['gpu_busy_fraction'])} (per GPU "
             f"{s['gpu_busy_fraction_per_gpu']}), start-up share {_pct(s['startup_share'])}, "
             f"{s['trials_per_gpu_hour'] or math.nan:.1f} trials per GPU-hour; {format_host(s.get('host_cpu', {}))}",
-            f"{'cell':<38}{'share':>6}{'micro':>6}{'loop/s':>8}{'raw/s':>8}{'loop/raw':>9}{'wait':>6}{'start-up s':>11}"
-            f"{'warm-up s':>10}{'epoch s (val s)':>24}{'busy':>6}",
+            f"{'cell':<38}{'share':>6}{'micro':>6}{'loop/s':>8}{'raw/s':>8}{'loop/raw':>9}{'wait':>6}{'data':>7}"
+            f"{'start-up s':>11}{'warm-up s':>10}{'epoch s (val s)':>24}{'busy':>6}",
         ]
     for key, c in sorted(s.get("cells", {}).items()):
         epochs = " ".join(f"{e['epoch_seconds']:.1f}({e['eval_seconds']:.1f})" for e in c.get("epochs", []))
         lines.append(
             f"{key:<38}{c['gpu_share']:>6.2f}{c['micro_batch'] or 0:>6.0f}{c['train_samples_per_s']:>8.1f}"
             f"{c['raw_samples_per_s']:>8.1f}{c['loop_over_raw']:>9.2f}{_pct(c.get('data_wait_share', math.nan)):>6}"
-            f"{c['startup_seconds']:>11.1f}"
+            f"{_data_path(c.get('in_memory')):>7}{c['startup_seconds']:>11.1f}"
             f"{c.get('warmup_seconds', math.nan):>10.1f}{epochs:>24}"
             f"{_pct(c['gpu_busy_fraction']):>6}"
         )
