@@ -135,6 +135,8 @@ def test_the_host_sampler_reads_this_machines_cores_steal_and_memory():
     assert 0 < summary["peak_busy"] <= 1 and 0 <= summary["mean_busy"] <= summary["peak_busy"]
     assert 0 <= summary["mean_steal"] <= summary["peak_steal"] <= 1
     assert summary["memory_gib_first"] == pytest.approx(psutil.virtual_memory().total / 2**30, rel=0.5)
+    in_use = (psutil.virtual_memory().total - psutil.virtual_memory().available) / 2**30
+    assert 0 < summary["used_gib_peak"] < summary["memory_gib_first"] and summary["used_gib_peak"] > 0.5 * in_use
     text = format_host(summary)
     assert text.startswith("host CPUs busy") and "steal" in text and "GiB" in text
     assert "steal" not in format_host(HostCpuSampler().summary())  # no samples: no figures to give

@@ -161,11 +161,11 @@ def _run(
 class HostCpuSampler:
     """This host's CPU use every 2 s while a phase runs: how busy its cores were, on average and at the busiest
     sample (trials that wait on the GPU from Python slow down when the host's cores are all taken), the share of time
-    its host took from this virtual machine's cores (steal), and the memory it saw (a microVM's grows as it is used,
-    ~3 s per 8 GiB, stalling whoever touches new pages)."""
+    its host took from this virtual machine's cores (steal), the memory in use at the fullest sample, and the memory
+    the machine has (a microVM's grows as it is used, ~3 s per 8 GiB, stalling whoever touches new pages)."""
 
     def __init__(self, interval_s: float = 2.0):
-        self.interval_s, self.samples, self.steal, self.memory = interval_s, [], [], []
+        self.interval_s, self.samples, self.steal, self.memory, self.used = interval_s, [], [], [], []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="host-cpu", daemon=True)
 
@@ -183,7 +183,9 @@ class HostCpuSampler:
         while not self._stop.wait(self.interval_s):
             self.samples.append(psutil.cpu_percent(percpu=True))
             self.steal.append(getattr(psutil.cpu_times_percent(), "steal", 0.0) / 100)
-            self.memory.append(psutil.virtual_memory().total / 2**30)
+            memory = psutil.virtual_memory()
+            self.memory.append(memory.total / 2**30)
+            self.used.append((memory.total - memory.available) / 2**30)
 
     def summary(self) -> dict[str, float]:
         if not self.samples:
@@ -197,6 +199,7 @@ class HostCpuSampler:
             "peak_steal": max(self.steal),
             "memory_gib_first": self.memory[0],
             "memory_gib_last": self.memory[-1],
+            "used_gib_peak": max(self.used),
         }
 
 
@@ -208,8 +211,9 @@ def format_host(host: dict[str, float]) -> str:
     )
     if "mean_steal" in host:
         text += (
-            f", steal {_pct(host['mean_steal'])} (peak {_pct(host['peak_steal'])}), memory "
-            f"{host['memory_gib_first']:.0f} → {host['memory_gib_last']:.0f} GiB"
+            f", steal {_pct(host['mean_steal'])} (peak {_pct(host['peak_steal'])}), memory in use at most "
+            f"{host.get('used_gib_peak', math.nan):.0f} GiB of the VM's {host['memory_gib_first']:.0f}"
+            + (f" → {host['memory_gib_last']:.0f}" if host["memory_gib_last"] != host["memory_gib_first"] else "")
         )
     return text
 
