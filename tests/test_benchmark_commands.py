@@ -95,6 +95,30 @@ def test_the_loop_benchmark_runs_a_trials_own_loop_beside_its_raw_step(ray_clust
     assert "stream (profiled)" in text and "switch_0.5ms" in text
 
 
+def test_a_neighbour_that_stopped_training_is_named_with_what_it_died_of(ray_cluster):
+    import time
+
+    import ray
+
+    from gx_ray.sweep.loop_benchmark import _ended, format_loop_result
+
+    @ray.remote(num_cpus=0)
+    def out_of_memory() -> None:
+        raise MemoryError("CUDA out of memory. Tried to allocate 10.52 GiB")
+
+    @ray.remote(num_cpus=0)
+    def training() -> None:
+        time.sleep(30)
+
+    refs = [out_of_memory.remote(), training.remote()]
+    ray.wait(refs[:1])
+    (reason,) = _ended(refs)  # the one still training is not counted
+    assert "MemoryError" in reason and "10.52 GiB" in reason
+    host = {"neighbours": {"neighbours": 2, "neighbours_ended": [reason]}}
+    assert "1 neighbour(s) stopped training early: " in format_loop_result({"seconds": 1.0, "rows": [], "host": host})
+    ray.cancel(refs[1], force=True)
+
+
 def test_the_stack_sampler_finds_a_busy_thread_where_it_spins():
     import threading
     import time

@@ -185,12 +185,30 @@ def beside_neighbours(
         with HostCpuSampler() as host:
             for item in items:
                 rows.append(ray.get(measured.run.remote(loop_against_raw, {**item, "sample_stacks": True})))
-                rows[-1]["variant"] += f" + {len(neighbours)} neighbours"
+                training_now = len(neighbours) - len(_ended(training))  # one out of memory, say, stops early
+                rows[-1]["variant"] += f" + {len(neighbours)} neighbours" + (
+                    f" ({training_now} training)" if training_now < len(neighbours) else ""
+                )
+                rows[-1]["neighbours_training"] = training_now
                 print(format_row(rows[-1]), flush=True)
+        summary = {**host.summary(), "neighbours": len(neighbours), "neighbours_ended": _ended(training)}
     finally:
         for actor in [measured, *neighbours]:
             ray.kill(actor)
-    return rows, host.summary()
+    return rows, summary
+
+
+def _ended(training: list[Any]) -> list[str]:
+    """Why each neighbour that is no longer training ended (it trains until killed, so any end is a failure)."""
+    ended, _ = ray.wait(training, num_returns=len(training), timeout=0)
+    reasons = []
+    for ref in ended:
+        try:
+            ray.get(ref)
+            reasons.append("returned")
+        except Exception as err:  # what the neighbour died of, in one line
+            reasons.append(f"{type(err).__name__}: {str(err).splitlines()[-1][:160]}")
+    return reasons
 
 
 def sync_round_trip_us(device: Any, repeats: int = 2000) -> float:
@@ -340,6 +358,9 @@ def format_loop_result(result: dict[str, Any]) -> str:
         "result (each of detection's many small GPU reads a step pays it)"
     )
     lines += [f"{phase}: {format_host(host)}" for phase, host in result.get("host", {}).items()]
+    ended = result.get("host", {}).get("neighbours", {}).get("neighbours_ended", [])
+    if ended:  # the cells beside them had fewer neighbours than asked for, from then on
+        lines.append(f"{len(ended)} neighbour(s) stopped training early: " + "; ".join(sorted(set(ended))))
     for r in rows:
         if "profile" in r:
             lines += [f"--- profile of {r['cell']} {r['variant']} (loop thread, by own time)", r["profile"]]
