@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 from collections import Counter, defaultdict
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -181,17 +182,17 @@ def beside_neighbours(
             ready, _ = ray.wait(training, timeout=5)
             if ready:
                 ray.get(ready)  # a neighbour that failed says why
-        rows = []
+        rows, ended = [], []
         with HostCpuSampler() as host:
             for item in items:
                 rows.append(ray.get(measured.run.remote(loop_against_raw, {**item, "sample_stacks": True})))
-                training_now = len(neighbours) - len(_ended(training))  # one out of memory, say, stops early
+                ended = _ended(training)  # one out of memory, say, stops early
+                rows[-1]["neighbours_training"] = len(neighbours) - len(ended)
                 rows[-1]["variant"] += f" + {len(neighbours)} neighbours" + (
-                    f" ({training_now} training)" if training_now < len(neighbours) else ""
+                    f" ({len(neighbours) - len(ended)} training)" if ended else ""
                 )
-                rows[-1]["neighbours_training"] = training_now
                 print(format_row(rows[-1]), flush=True)
-        summary = {**host.summary(), "neighbours": len(neighbours), "neighbours_ended": _ended(training)}
+        summary = {**host.summary(), "neighbours": len(neighbours), "neighbours_ended": ended}
     finally:
         for actor in [measured, *neighbours]:
             ray.kill(actor)
@@ -299,21 +300,17 @@ def loop_against_raw(item: dict[str, Any]) -> dict[str, Any]:
     ctx = WorkerContext(0, 1, device, report, None)
     before = sys.getswitchinterval()
     profiler = cProfile.Profile() if item["profile"] else None
-    sampler = StackSampler() if item.get("sample_stacks") else None
-    try:
-        if switch:
-            sys.setswitchinterval(switch)
-        if profiler:
-            profiler.enable()
-        if sampler:
-            sampler.start()
-        run_loop(TrialConfig.from_flat(flat), ctx)
-    finally:
-        if sampler:
-            sampler.__exit__()
-        if profiler:
-            profiler.disable()
-        sys.setswitchinterval(before)
+    with StackSampler() if item.get("sample_stacks") else nullcontext() as sampler:
+        try:
+            if switch:
+                sys.setswitchinterval(switch)
+            if profiler:
+                profiler.enable()
+            run_loop(TrialConfig.from_flat(flat), ctx)
+        finally:
+            if profiler:
+                profiler.disable()
+            sys.setswitchinterval(before)
     rates = [e["train_samples_per_second"] for e in epochs]
     row = {
         "cell": item["cell"],
