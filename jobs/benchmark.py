@@ -4,6 +4,7 @@ python jobs/benchmark.py ingest [--cpus 4] [--consumers 1]     # preprocessing a
 python jobs/benchmark.py model --model swin3d --shape 4,64,128,128 --batch 8 [--steps 10] [--amp bf16|off]
                                                                # training samples/s: registry model vs raw MONAI
 python jobs/benchmark.py vlm [--size 2b|tiny] [--batch 8] [--packing] [--varied]  # VLM LoRA step: gx-ray's vs raw
+    [--trials stage_classification,vqa]                        # then whole trials through the sweep
 python jobs/benchmark.py sweep [--space modality_ablation]    # a sweep's wall time: data, start-up, training
 python jobs/benchmark.py loop [--tasks lesion_detection] [--neighbours 3]  # a trial's loop vs its raw step
 python jobs/benchmark.py cluster [--gpus N] [--budget 540]    # the ablation on every GPU of a node: busy fraction,
@@ -92,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     vlm.add_argument("--packing", action="store_true", help="vlm.packing: the batch as one row, no padding")
     vlm.add_argument("--varied", action="store_true", help="questions of different lengths (padding to pack away)")
     vlm.add_argument("--device", help="default: cuda when available, else cpu")
+    vlm.add_argument("--trials", help="then whole trials through the sweep, a task each (stage_classification,vqa)")
+    vlm.add_argument("--cases", type=int, default=160, help="demo cases for --trials")
+    vlm.add_argument("--output", type=Path, default=Path("outputs/benchmarks/vlm"))
     args = parser.parse_args(argv)
 
     if args.command == "vlm":
@@ -107,7 +111,14 @@ def main(argv: list[str] | None = None) -> int:
             varied=args.varied,
             device=args.device,
         )
-        print(format_vlm_result(run_vlm_benchmark(config)))
+        step = run_vlm_benchmark(config)
+        print(format_vlm_result(step))
+        if args.trials:
+            from gx_ray.sweep.vlm_trials_benchmark import format_vlm_trials, run_vlm_trials
+
+            tasks = tuple(args.trials.split(","))
+            rows = run_vlm_trials(args.size, tasks, args.output, args.gradient_checkpointing, demo_cases=args.cases)
+            print(format_vlm_trials(rows, step))
 
     if args.command == "loop":
         from gx_ray.sweep.loop_benchmark import VARIANTS, LoopBenchmarkConfig, format_loop_result, run_loop_benchmark

@@ -164,3 +164,24 @@ def test_the_host_sampler_reads_this_machines_cores_steal_and_memory():
     text = format_host(summary)
     assert text.startswith("host CPUs busy") and "steal" in text and "GiB" in text
     assert "steal" not in format_host(HostCpuSampler().summary())  # no samples: no figures to give
+
+
+@pytest.mark.slow
+def test_the_vlm_trials_benchmark_runs_the_bench_preset_on_the_model_it_built(ray_cluster, demo_prepared, tmp_path):
+    """``vlm --trials``: a trial per task through the sweep, on the random model the benchmark built (not the preset's
+    hub name), its epochs' rates read back from MLflow and set beside the step's."""
+    from gx_ray.sweep.vlm_trials_benchmark import format_vlm_trials, run_vlm_trials
+
+    short = {"schedule.epochs": 2, "schedule.max_steps_per_epoch": 2, "data.effective_batch": 2,
+             "data.micro_batch": 1, "data.eval_batch_size": 2, "vlm.max_new_tokens": 2}  # fmt: skip
+    rows = run_vlm_trials(
+        "tiny", ("stage_classification", "vqa"), tmp_path, False, demo_prepared.shard_dir, fixed=short
+    )
+    assert [row["task"] for row in rows] == ["stage_classification", "vqa"]
+    for row in rows:
+        assert row["status"] == "FINISHED" and row["model"].startswith("/") and "gx-vlm-trials-" in row["model"]
+        assert len(row["samples_per_s"]) == 2 and all(rate > 0 for rate in row["samples_per_s"])
+        assert row["eval_seconds"] > 0 and row["trial_seconds"] > row["eval_seconds"]
+    step = {"gx_ray": {"samples_per_s": rows[0]["samples_per_s"][-1]}, "raw": {"samples_per_s": 1.0}}
+    text = format_vlm_trials(rows, step)
+    assert "stage_classification   FINISHED" in text and "last / step 1.00" in text and "cases/s" in text

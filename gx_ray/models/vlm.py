@@ -261,7 +261,9 @@ class VisionLanguageModel(nn.Module):
     def loss(self, images: Sequence[Sequence[np.ndarray]], questions: Sequence[str], answers: Sequence[str]):
         """Cross-entropy of the answers' tokens given the images and questions (prompt and images masked)."""
         inputs, labels = self._taught(images, questions, answers)
-        return self.model(**inputs, labels=labels).loss
+        # no cache in a forward that generates nothing (with gradient checkpointing transformers turns it off
+        # itself, warning every step)
+        return self.model(**{**inputs, "use_cache": False}, labels=labels).loss
 
     @torch.no_grad()
     def option_scores(
@@ -274,7 +276,7 @@ class VisionLanguageModel(nn.Module):
         columns = []
         for k in range(len(options[0])):
             inputs, labels = self._with_answers(prompts, [choices[k] for choices in options])
-            logits = self.model(**inputs).logits[:, :-1].float()
+            logits = self.model(**{**inputs, "use_cache": False}).logits[:, :-1].float()
             targets = labels[:, 1:]
             taught = targets != IGNORE
             log_probs = logits.log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
