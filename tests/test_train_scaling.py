@@ -139,10 +139,13 @@ def test_ranks_read_disjoint_parts_that_cover_the_split_in_a_seeded_order_per_ep
     assert len(orders) > 1 or len(pieces) < 3  # a new order per epoch
 
 
-def _stream(shards, in_memory: bool | str, rank: int = 0, world: int = 1, seed: int = 3) -> loop.SplitStream:
+def _stream(
+    shards, in_memory: bool | str, rank: int = 0, world: int = 1, seed: int = 3, shuffle_buffer: int = 16
+) -> loop.SplitStream:
     config = TrialConfig.from_flat(
-        {"task": "stage_classification", "data.shards": str(shards), "data.in_memory": in_memory, "seed": seed}
-    )
+        {"task": "stage_classification", "data.shards": str(shards), "data.in_memory": in_memory, "seed": seed,
+         "data.shuffle_buffer": shuffle_buffer}
+    )  # fmt: skip
     manifest = read_manifest(shards)
     layout = TensorLayout(tuple(manifest["ct_shape"]), tuple(manifest["endoscopy_shape"]), tuple(manifest["lab_names"]))
     ctx = loop.WorkerContext(rank, world, torch.device("cpu"), lambda *args, **kwargs: None, None)
@@ -179,6 +182,47 @@ def test_an_in_memory_split_gives_every_epoch_the_streamed_rows_in_a_seeded_orde
     for epoch in range(2):
         shares = [set(_epoch(stream, epoch)) for stream in ranks]
         assert not shares[0] & shares[1] and shares[0] | shares[1] == set(orders[0])
+
+
+def test_an_in_memory_splits_first_epoch_flows_as_its_row_groups_are_read_shuffled_within_a_window(
+    ray_cluster, demo_prepared
+):
+    """While the share is being read (its first epoch), each batch waits for its own row groups only: rows come in
+    the epoch's row-group order, permuted within windows of ``data.shuffle_buffer`` rows as the stream shuffles; from
+    the next epoch, every group kept, the whole share is permuted."""
+    small, again = (_stream(demo_prepared.shard_dir, True, shuffle_buffer=1) for _ in range(2))  # a window: a batch
+    pieces = small.my_pieces(0)
+    groups = [[c.as_py() for c in loop.read_shard(p["path"], row_group=p["row_group"])["case_id"]] for p in pieces]
+    assert len(groups) >= 2 and len(groups[0]) >= small.batch_size
+    rows = list(_epoch(small, 0))
+    assert rows == list(_epoch(again, 0)) and sorted(rows) == sorted(c for group in groups for c in group)
+    assert set(rows[: small.batch_size]) <= set(groups[0])  # the first batch from the first group read, alone
+    assert small.in_memory and len(small._kept) == len(pieces)
+    whole = list(_epoch(small, 1))  # every group kept: the whole share permuted with the epoch's seed
+    share = [c for p in small.my_pieces(1) for c in small._kept[p["path"], p["row_group"]].result()["case_id"]]
+    permutation = np.random.default_rng(small.order_seed(1)).permutation(len(share))
+    assert whole == [share[i].as_py() for i in permutation]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_first_epochs_windows_hold_every_row_once_near_its_groups_place(seed):
+    """The windowed order over many random row-group layouts: every row exactly once, full batches but the last,
+    each row within a window (and a batch's carry) of where its group comes, reproducible, unshuffled when the
+    split does not shuffle."""
+    rng = np.random.default_rng(seed)
+    batch, buffer = int(rng.integers(1, 9)), int(rng.integers(0, 33))
+    sizes = [int(n) for n in rng.integers(1, 12, size=int(rng.integers(1, 30)))]
+    stream = loop.SplitStream.__new__(loop.SplitStream)  # the ordering alone: no shards needed
+    stream.batch_size, stream.shuffle = batch, buffer
+    chunks = stream._windowed_order(sizes, np.random.default_rng(seed))
+    order = [tuple(row) for chunk in chunks for row in chunk]
+    everything = [(g, r) for g, n in enumerate(sizes) for r in range(n)]
+    assert sorted(order) == everything and all(len(chunk) == batch for chunk in chunks[:-1])
+    reach = max(buffer, batch) + max(sizes) + batch
+    assert all(abs(order.index(row) - k) < reach for k, row in enumerate(everything))
+    again = stream._windowed_order(sizes, np.random.default_rng(seed))
+    assert all(np.array_equal(a, b) for a, b in zip(chunks, again, strict=True))
+    assert [tuple(row) for chunk in stream._windowed_order(sizes, None) for row in chunk] == everything
 
 
 def test_auto_keeps_a_share_in_memory_only_while_it_fits_a_sixteenth_of_the_hosts_available_memory(
