@@ -434,3 +434,29 @@ def test_a_trial_process_imports_none_of_the_drivers_machinery():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+class _StoppedByTheScheduler(Exception):
+    """What a scheduler's stop looks like to the loop: its report never returns."""
+
+
+def test_the_run_ends_before_the_last_report_which_a_scheduler_may_stop_the_trial_at(ray_cluster, demo_prepared):
+    """ASHA stops every trial at the report of its last epoch, and nothing after that report runs: the hook that
+    ends the trial's run (status, telemetry) is called once the test split is scored, before that report."""
+    config = TrialConfig.from_flat(
+        {"task": "stage_classification", "data.shards": str(demo_prepared.shard_dir), "schedule.epochs": 2,
+         "schedule.max_steps_per_epoch": 1, "data.effective_batch": 2, "model.vision": "resnet10_3d",
+         "model.vision_kwargs": {"block_inplanes": [8, 16, 32, 64]}, "model.text": "bert_tiny",
+         "model.fusion": "concat", "model.hidden": 32}
+    )  # fmt: skip
+    calls = []
+
+    def report(metrics: dict, checkpoint=None) -> None:
+        calls.append(("report", "test_primary" in metrics))
+        if "test_primary" in metrics:
+            raise _StoppedByTheScheduler
+
+    ctx = loop.WorkerContext(0, 1, torch.device("cpu"), report, None, before_final_report=lambda: calls.append("end"))
+    with pytest.raises(_StoppedByTheScheduler):
+        loop.run_loop(config, ctx)
+    assert calls == [("report", False), "end", ("report", True)]

@@ -75,6 +75,17 @@ def run_trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     if plan:
         tracker.log_metrics({"gpu_share": plan["share"], "probe_peak_gib": plan["peak_bytes"] / 2**30}, 0)
     sampler = GpuSampler(visible_gpu_uuids()).start() if config.resources.use_gpu else None
+    ended = False
+
+    def end_run() -> None:
+        """The run's end, written before the trial's last report (a scheduler may stop the trial at it)."""
+        nonlocal ended
+        if not ended:
+            ended = True
+            tracker.log_metrics({"trial_seconds": time.perf_counter() - trial_started}, step=0)
+            _log_gpu(tracker, sampler)
+            client.set_terminated(run_id, "FINISHED")
+
     try:
         if config.resources.workers == 1 and not config.resources.torch_trainer:
             torch.set_num_threads(max(1, int(config.resources.cpus_per_worker)))
@@ -83,7 +94,7 @@ def run_trial(params: dict[str, Any], context: dict[str, Any]) -> None:
                 torch.cuda.set_per_process_memory_fraction(plan["share"], torch.cuda.current_device())
             worker = WorkerContext(
                 0, 1, device, tune.report, tune.get_checkpoint(), tracker, plan.get("micro_batch"),
-                {"trial_start_seconds": time.perf_counter() - trial_started},
+                {"trial_start_seconds": time.perf_counter() - trial_started}, end_run,
             )  # fmt: skip
             try:
                 run_loop(config, worker)
@@ -95,11 +106,10 @@ def run_trial(params: dict[str, Any], context: dict[str, Any]) -> None:
                     torch.cuda.empty_cache()
         else:
             _fit_torch_trainer(config, flat, context, run, trial, plan.get("micro_batch"))
-        tracker.log_metrics({"trial_seconds": time.perf_counter() - trial_started}, step=0)
-        _log_gpu(tracker, sampler)
-        client.set_terminated(run_id, "FINISHED")
+        end_run()
     except Exception as err:
-        _log_gpu(tracker, sampler)
+        if not ended:
+            _log_gpu(tracker, sampler)
         set_tags(client, run_id, {"gx_ray.error": f"{type(err).__name__}: {err}"[:5000]})
         client.log_text(run_id, traceback.format_exc(), "error.txt")
         client.set_terminated(run_id, "FAILED")

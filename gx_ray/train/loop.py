@@ -75,6 +75,10 @@ class WorkerContext:
     """The micro-batch measured for this trial before it started (``gpus_per_worker: auto``), or None."""
     timing: dict[str, float] = field(default_factory=dict)
     """Start-up seconds measured before the loop (added to the loop's own timing metrics)."""
+    before_final_report: Callable[[], None] | None = None
+    """Called once the test split is scored, just before the last report: a scheduler that stops the trial at that
+    report (ASHA stops every trial that reaches its last epoch) ends the trial there, so the run's own end (its
+    status, GPU telemetry) must be written first."""
 
 
 def seed_everything(seed: int) -> None:
@@ -442,6 +446,8 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
             if ctx.tracker:
                 ctx.tracker.log_metrics(final, step=epoch)
                 ctx.tracker.log_predictions(records, task)
+            if ctx.before_final_report:
+                ctx.before_final_report()
         else:
             timing["train_seconds"] += time.perf_counter() - started
         _report(ctx, metrics, model, optimiser, scheduler, epoch, best)
