@@ -217,6 +217,10 @@ class VisionLanguageModel(nn.Module):
         per_token = [k for k, v in prompts.items() if v.shape[:2] == ids.shape and k not in ("input_ids", "labels")]
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         inputs = {k: v for k, v in prompts.items() if k not in per_token and k != "input_ids"}
+        # no KV cache in a forward that generates nothing: with gradient checkpointing transformers would turn it off
+        # itself, warning every step; with a cache it does not look for packed samples in the position ids, and every
+        # packed sample would attend to those before it in the row
+        inputs["use_cache"] = False
         if packed:
             return self._packed(inputs, ids, lengths, answer_ids, per_token)
         rows = {key: [] for key in ("input_ids", "labels", *per_token)}
@@ -254,16 +258,12 @@ class VisionLanguageModel(nn.Module):
         flat = DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE)(features)
         labels = flat.pop("labels").to(ids.device)
         packed = {key: value.to(ids.device) for key, value in flat.items()}
-        # use_cache False: with a cache transformers does not look for packed samples in the position ids and every
-        # sample would attend to those before it in the row
-        return {**inputs, **packed, "use_cache": False}, labels
+        return {**inputs, **packed}, labels
 
     def loss(self, images: Sequence[Sequence[np.ndarray]], questions: Sequence[str], answers: Sequence[str]):
         """Cross-entropy of the answers' tokens given the images and questions (prompt and images masked)."""
         inputs, labels = self._taught(images, questions, answers)
-        # no cache in a forward that generates nothing (with gradient checkpointing transformers turns it off
-        # itself, warning every step)
-        return self.model(**{**inputs, "use_cache": False}, labels=labels).loss
+        return self.model(**inputs, labels=labels).loss
 
     @torch.no_grad()
     def option_scores(
@@ -276,7 +276,7 @@ class VisionLanguageModel(nn.Module):
         columns = []
         for k in range(len(options[0])):
             inputs, labels = self._with_answers(prompts, [choices[k] for choices in options])
-            logits = self.model(**{**inputs, "use_cache": False}).logits[:, :-1].float()
+            logits = self.model(**inputs).logits[:, :-1].float()
             targets = labels[:, 1:]
             taught = targets != IGNORE
             log_probs = logits.log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]

@@ -348,7 +348,7 @@ def raw_step_rate(flat: dict[str, Any], steps: int = 10, warmup: int = 3) -> dic
     }
 
 
-def _epoch_timings(client: MlflowClient, run: Any) -> list[dict[str, float]]:
+def run_epochs(client: MlflowClient, run: Any) -> list[dict[str, float]]:
     """Per epoch: its seconds, the validation's seconds within them, the training rate and the seconds the loop
     waited for batches."""
     series = {
@@ -390,7 +390,7 @@ def _slice_figures(sweep: SweepResult, raw: dict[str, dict[str, float]], eval_ro
     for run in child_runs(client, sweep.parent_run_id):
         params, metrics = run.data.params, run.data.metrics
         key = f"{params['task']}/{params['schema']}"
-        epoch_timings = _epoch_timings(client, run)
+        epoch_timings = run_epochs(client, run)
         rate = _epoch_rate(epoch_timings)
         trial = metrics.get("trial_seconds", math.nan)
         train = metrics.get("train_seconds", math.nan)
@@ -440,7 +440,7 @@ def _ddp_figures(sweep: SweepResult) -> dict[str, Any]:
     client = MlflowClient(sweep.store_uri)
     rates = {}
     for run in child_runs(client, sweep.parent_run_id):
-        rates[int(run.data.params["resources.workers"])] = _epoch_rate(_epoch_timings(client, run))
+        rates[int(run.data.params["resources.workers"])] = _epoch_rate(run_epochs(client, run))
     one = rates.get(1, math.nan)
     return {"samples_per_s": rates, "speed_up": {n: r / one for n, r in sorted(rates.items())}}
 

@@ -18,6 +18,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from gx_ray.models.vlm_benchmark import build_llava
+from gx_ray.sweep.cluster_benchmark import run_epochs
 from gx_ray.sweep.driver import SweepOptions, run_sweep
 from gx_ray.sweep.spaces import space_path
 from gx_ray.tracking import child_runs
@@ -60,11 +61,7 @@ def run_vlm_trials(
                 "task": run.data.tags["task"],
                 "status": run.info.status,
                 "model": run.data.params["vlm.name"],
-                "samples_per_s": [
-                    m.value for m in sorted(
-                        client.get_metric_history(run.info.run_id, "train_samples_per_second"), key=lambda m: m.step
-                    )
-                ],
+                "samples_per_s": [epoch["train_samples_per_second"] for epoch in run_epochs(client, run)],
                 "eval_seconds": metrics.get("eval_seconds"),
                 "trial_seconds": metrics.get("trial_seconds"),
                 "process_peak_gib": metrics.get("gpu_process_memory_peak_gib"),

@@ -112,9 +112,10 @@ class SplitStream:
         self.waited = 0.0
         self.in_memory = keeps_in_memory(config.data.in_memory, self.my_pieces(0))
         self._collator = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"collate-{split}")
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"read-{split}")
         """With ``data.in_memory``: collates (and pins) the next batch while the loop trains on this one, as Ray's
         prefetch threads do for a stream."""
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"read-{split}")
+        """With ``data.in_memory``: reads the row groups, in the order an epoch first asks for them."""
 
     def order_seed(self, epoch: int) -> int | None:
         return self.config.seed * 1000 + epoch if self.split == "train" else None
@@ -146,19 +147,21 @@ class SplitStream:
         return iter(batches)
 
     def _kept_batches(self, epoch: int) -> Iterator[dict]:
-        """``data.in_memory``: the epoch's row groups (each read once, pages verified) in its order. Once every group is
-        kept, their rows are permuted with the epoch's seed when training shuffles (a whole-share shuffle, not a
-        buffer's). While they are still being read (the first epoch), a reader thread reads them in the epoch's order
-        and the rows flow as their groups arrive, shuffled within windows of ``data.shuffle_buffer`` rows as the stream
-        shuffles: the first batch waits for its own groups, not for the whole share (11.5 s of a 9.5 GB share on an
-        H200 node)."""
+        """``data.in_memory``: the epoch's row groups (each read once, pages verified) in its order. Once an earlier
+        epoch has asked for every group, their rows are permuted with the epoch's seed when training shuffles (a
+        whole-share shuffle, not a buffer's). In an epoch that asks for a group first (the first epoch), a reader
+        thread reads them in the epoch's order and the rows flow as their groups arrive, shuffled within windows of
+        ``data.shuffle_buffer`` rows as the stream shuffles: the first batch waits for its own groups, not for the
+        whole share (11.5 s of a 9.5 GB share on an H200 node)."""
         pieces = self.my_pieces(epoch)
         keys = [(piece["path"], piece["row_group"]) for piece in pieces]
         unread = [key for key in keys if key not in self._kept]
-        for key in unread:  # read in the epoch's order, each group once (the next epoch may find some still unread)
+        for key in unread:  # read in the epoch's order, each group once
             self._kept[key] = self._reader.submit(read_shard, key[0], row_group=key[1])
         rng = np.random.default_rng(self.order_seed(epoch)) if self.shuffle else None
-        if unread or not all(self._kept[key].done() for key in keys):
+        # windowed when this epoch asked for a group first, whether or not its read has ended: the order depends on the
+        # epoch and the seed only, never on how fast the reads went
+        if unread:
             chunks = self._windowed_order([piece["rows"] for piece in pieces], rng)
         else:
             starts = np.cumsum([0] + [piece["rows"] for piece in pieces])
