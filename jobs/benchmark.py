@@ -20,7 +20,7 @@ from pathlib import Path
 from gx_ray.data.ingest_benchmark import IngestBenchmarkConfig, format_ingest_result, run_ingest_benchmark
 from gx_ray.models.benchmark import AMP_MODES, ModelBenchmarkConfig, format_model_result, run_model_benchmark
 from gx_ray.models.fusion import FUSIONS
-from gx_ray.models.vision import VISION_ENCODERS
+from gx_ray.models.vision import SWIN_ATTENTION, VISION_ENCODERS
 from gx_ray.runtime import tolerant_console
 
 
@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     model.add_argument("--fusion", default=ModelBenchmarkConfig.fusion, choices=list(FUSIONS))
     model.add_argument("--gradient-checkpointing", action="store_true", help="swin3d only")
     model.add_argument("--compile", action="store_true", help="torch.compile the CT network (model.compile)")
+    model.add_argument(
+        "--attention", choices=SWIN_ATTENTION, help="swin3d's window attention (default fused; raw MONAI: explicit)"
+    )
     model.add_argument("--device", help="default: cuda when available, else cpu")
     sweep = commands.add_parser("sweep", help="wall time of a sweep: data, start-up and training per trial")
     sweep.add_argument("--space", default="modality_ablation")
@@ -189,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             fusion=args.fusion,
             gradient_checkpointing=args.gradient_checkpointing,
             compile=args.compile,
+            vision_kwargs={"attention": args.attention} if args.attention else {},
         )
         print(format_model_result(run_model_benchmark(config, args.device)))
     return 0

@@ -419,19 +419,59 @@ def test_the_encoder_marks_the_query_tokens_for_the_fusion():
 
 
 def test_swin3d_evaluates_through_fused_attention_with_the_same_outputs():
-    """Where no gradient is taken, 3D Swin's window attention runs as MONAI's fused path (PyTorch's
-    scaled_dot_product_attention, shifted-window masks included): the same maps as the explicit softmax, and
-    training keeps the explicit path."""
+    """Where no gradient is taken, 3D Swin's window attention runs fused (PyTorch's scaled_dot_product_attention,
+    shifted-window masks included): the same maps as MONAI's explicit softmax."""
     from gx_ray.models.vision import Swin3d
 
     torch.manual_seed(0)
     fused = Swin3d(2, **SMALL_VISION["swin3d"]).eval()
-    explicit = Swin3d(2, use_flash_attention=False, **SMALL_VISION["swin3d"]).eval()
+    explicit = Swin3d(2, attention="explicit", use_flash_attention=False, **SMALL_VISION["swin3d"]).eval()
     explicit.load_state_dict(fused.state_dict())
     attentions = [m for m in fused.modules() if hasattr(m, "use_flash_attention")]
-    assert attentions and all(m.use_flash_attention for m in attentions)
+    assert attentions and all(type(m).__name__ == "FusedWindowAttention" for m in attentions)
     ct = torch.randn(2, 2, 32, 32, 32)
     with torch.no_grad():
         for a, b in zip(fused(ct), explicit(ct), strict=True):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-    assert all(torch.equal(a, b) for a, b in zip(fused.train()(ct), explicit.train()(ct), strict=True))
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_swin3d_trains_through_fused_attention_with_the_same_gradients(case):
+    """In training too, 3D Swin's fused window attention (a shifted block's windows folded into heads, its bias
+    broadcast over the images) gives MONAI's explicit outputs and the same gradient for every parameter, the
+    relative position bias tables included: random batches, windows (4 exactly tiling, 5 and 7 padded), odd shapes
+    and dropout off, in float64 so that only a wrong formula could differ."""
+    from gx_ray.models.vision import Swin3d
+
+    rng = np.random.default_rng(case)
+    window = int(rng.choice([4, 5, 7]))
+    shape = tuple(int(rng.choice([32, 64])) for _ in range(3)) if case % 2 else (32, 32, 32)
+    batch = int(rng.integers(1, 4))
+    torch.manual_seed(case)
+    arguments = {"feature_size": 6, "window_size": window, "depths": (2, 2, 1, 1), "num_heads": (1, 2, 2, 2)}
+    fused = Swin3d(2, **arguments).double().train()
+    explicit = Swin3d(2, attention="explicit", **arguments).double().train()
+    explicit.load_state_dict(fused.state_dict())
+    for parameter in fused.parameters():  # a bias table at its init (std 0.02) would hide a misplaced bias
+        parameter.data += 0.3 * torch.randn_like(parameter)
+    explicit.load_state_dict(fused.state_dict())
+    ct = torch.randn(batch, 2, *shape, dtype=torch.float64)
+    weights = [torch.randn_like(m) for m in explicit(ct)]  # a loss that reaches every map differently
+    for model in (fused, explicit):
+        sum((m * w).sum() for m, w in zip(model(ct), weights, strict=True)).backward()
+    for (name, a), b in zip(fused.named_parameters(), explicit.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-9, rtol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+    assert any("relative_position_bias_table" in name for name, _ in fused.named_parameters())
+
+
+def test_swin3d_attention_choice_is_checked_and_a_fused_model_pickles():
+    import pickle
+
+    from gx_ray.models.vision import Swin3d
+
+    with pytest.raises(ValueError, match="valid: fused, explicit"):
+        Swin3d(2, attention="flash", **SMALL_VISION["swin3d"])
+    model = Swin3d(2, **SMALL_VISION["swin3d"])
+    copy = pickle.loads(pickle.dumps(model))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), copy.state_dict().values(), strict=True))
+    assert sum(type(m).__name__ == "FusedWindowAttention" for m in copy.modules()) == 8

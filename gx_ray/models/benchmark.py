@@ -4,7 +4,9 @@ Both sides train on the same fixed random batch with the same AMP setting: the r
 :func:`~gx_ray.models.build_encoder` with a linear head on ``Encoded.pooled`` and :func:`param_groups`; the raw
 side is the same MONAI class instantiated with the same arguments, its deepest features mean-pooled into a
 linear head, and a plain AdamW. Warm-up steps are not timed; the device is synchronised before every clock
-read. Their ratio is the cost of the platform's wrapping (issue 3 asks for it to stay within 10 %).
+read. Their ratio is the cost of the platform's wrapping (issue 3 asks for it to stay within 10 %); for ``swin3d``
+it also holds the registry's fused window attention against MONAI's explicit one in training (``--attention
+explicit`` on the registry side leaves the wrapping alone).
 
 Peak memory is ``torch.cuda.max_memory_allocated`` on a GPU. On the CPU it is the largest rise of the
 process's resident set over its value before the model was built, sampled every few milliseconds: a rough
@@ -236,8 +238,9 @@ def peak_memory(device: torch.device, interval_s: float = 0.005) -> Iterator[dic
 
 def format_model_result(result: ModelBenchmarkResult) -> str:
     c = result.config
+    attention = f", attention {c.vision_kwargs.get('attention', 'fused')}" if c.model == "swin3d" else ""
     rows = [
-        f"model {c.model} (fusion {c.fusion}), input {'x'.join(map(str, c.shape))}, batch {c.batch}, "
+        f"model {c.model} (fusion {c.fusion}{attention}), input {'x'.join(map(str, c.shape))}, batch {c.batch}, "
         f"amp {c.amp}{', compiled' if c.compile else ''}, {c.steps} timed steps after {c.warmup} warm-up, "
         f"on {result.device}",
         f"{'':10}{'samples/s':>12}{'peak memory':>14}{'warm-up':>10}",

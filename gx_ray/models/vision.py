@@ -9,6 +9,7 @@ seconds that a process which only reads the registry's names (a sweep driver val
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -65,7 +66,10 @@ def resnet_feature_maps(net: ResNet, x: torch.Tensor) -> list[torch.Tensor]:
 class Swin3d(nn.Module):
     """MONAI's 3D ``SwinTransformer`` (the SwinUNETR encoder); its five normalised stage outputs are the maps.
 
-    Spatial sizes must be multiples of 32 (patch 2, then four 2x merges).
+    Spatial sizes must be multiples of 32 (patch 2, then four 2x merges). ``attention``: ``fused`` computes every
+    window's attention with PyTorch's ``scaled_dot_product_attention`` also in training (its relative position bias
+    and shifted-window mask as the additive mask, as timm's Swin does); ``explicit`` keeps MONAI's own, which
+    materialises each window's score matrix whenever a gradient is taken.
     """
 
     def __init__(
@@ -77,6 +81,7 @@ class Swin3d(nn.Module):
         window_size: int = 7,
         patch_size: int = 2,
         gradient_checkpointing: bool = False,
+        attention: str = "fused",
         **overrides: Any,
     ):
         super().__init__()
@@ -93,16 +98,62 @@ class Swin3d(nn.Module):
         }
         from monai.networks.nets.swin_unetr import SwinTransformer  # on first use: see the module docstring
 
+        if attention not in SWIN_ATTENTION:
+            raise ValueError(f"unknown swin3d attention {attention!r}; valid: {', '.join(SWIN_ATTENTION)}")
         if "use_flash_attention" in inspect.signature(SwinTransformer).parameters:  # MONAI >= 1.5
             # MONAI's fused attention (PyTorch's scaled_dot_product_attention) where no gradient is taken: evaluation
-            # at batch 32 on one H200 ran 1.7-2x faster and peaked at 43 GiB instead of 62 (training is unchanged)
+            # at batch 32 on one H200 ran 1.7-2x faster and peaked at 43 GiB instead of 62
             self.backbone_arguments.setdefault("use_flash_attention", True)
 
         self.backbone = SwinTransformer(**self.backbone_arguments)
+        if attention == "fused":  # the same parameters and state-dict keys: only the attention's arithmetic changes
+            for module in self.backbone.modules():
+                if type(module).__name__ == "WindowAttention":
+                    module.__class__ = fused_window_attention()
         self.channels = [feature_size * 2**i for i in range(len(depths) + 1)]
 
     def forward(self, ct: torch.Tensor) -> list[torch.Tensor]:
         return self.backbone(ct)
+
+
+SWIN_ATTENTION: tuple[str, ...] = ("fused", "explicit")
+
+
+@functools.cache
+def fused_window_attention() -> type:
+    """MONAI's ``WindowAttention`` with its forward through ``scaled_dot_product_attention`` with or without a
+    gradient. A shifted block's windows go in as heads of one batch row per image (``nw × heads``), so the bias of
+    its ``nw`` window masks broadcasts over the images instead of being copied once per image."""
+    from monai.networks.nets.swin_unetr import WindowAttention
+
+    def forward(self: nn.Module, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        b, n, c = x.shape
+        heads = self.num_heads
+        q, k, v = self.qkv(x).reshape(b, n, 3, heads, c // heads).permute(2, 0, 3, 1, 4)  # each (b, heads, n, d)
+        index = self.relative_position_index[:n, :n].reshape(-1)
+        bias = self.relative_position_bias_table[index].reshape(n, n, heads).permute(2, 0, 1)  # (heads, n, n)
+        dropout = self.attn_drop.p if self.training else 0.0
+        if mask is None:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=bias.unsqueeze(0).to(q.dtype), dropout_p=dropout, scale=self.scale
+            )
+        else:
+            windows = mask.shape[0]
+            bias = (bias.unsqueeze(0) + mask.unsqueeze(1).to(bias.dtype)).reshape(1, windows * heads, n, n)
+            q, k, v = (t.reshape(b // windows, windows * heads, n, -1) for t in (q, k, v))
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout, scale=self.scale
+            ).reshape(b, heads, n, -1)
+        return self.proj_drop(self.proj(out.transpose(1, 2).reshape(b, n, c)))
+
+    # named as this module's attribute (see __getattr__ below), so a model holding it pickles
+    return type("FusedWindowAttention", (WindowAttention,), {"forward": forward, "__module__": __name__})
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FusedWindowAttention":  # built on first use, as MONAI is imported
+        return fused_window_attention()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class ResNet3d(nn.Module):
