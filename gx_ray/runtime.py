@@ -51,6 +51,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: 
     }
     # "token authentication is enabled ... RAY_AUTH_MODE=disabled to opt out": on by design, not for the user to act on
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    # "Failed to fetch metrics for N trial(s) ... result.json and progress.csv were not found" for a trial that a
+    # time budget ended before its first report: the sweep's own summary counts it as unfinished, with --resume
+    logging.getLogger("ray.tune.analysis.experiment_analysis").setLevel(logging.ERROR)
     # Ray keeps idle workers up to one per CPU and kills the rest after 1 s. Trials hold the workers of every CPU,
     # so each epoch's read tasks started fresh workers (~2 s of CPU each): 4.5 s per epoch with two trials on two
     # cores, 0.1 s with the readers kept. A local cluster keeps more; RAY_num_workers_soft_limit, where set, wins

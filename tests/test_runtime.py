@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 
@@ -40,6 +41,14 @@ def test_read_workers_outlive_the_gap_between_epochs(ray_cluster):
     finally:
         ray.cancel(holder, force=True)
     assert seen[0] & seen[2], f"every epoch read with new workers: {seen}"
+
+
+def test_the_runtime_keeps_tunes_missing_results_warning_off_the_console(ray_cluster):
+    """Tune warns "Failed to fetch metrics" with a traceback-like line per trial a time budget ended before its
+    first report; the sweep's summary already counts those as unfinished. Its other loggers keep their warnings."""
+    assert not logging.getLogger("ray.tune.analysis.experiment_analysis").isEnabledFor(logging.WARNING)
+    assert logging.getLogger("ray.tune.analysis.experiment_analysis").isEnabledFor(logging.ERROR)
+    assert logging.getLogger("ray.tune.tuner").isEnabledFor(logging.WARNING)
 
 
 def test_one_process_per_gpu_keeps_the_order_and_one_process_a_gpu():

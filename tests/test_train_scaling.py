@@ -4,6 +4,7 @@ two-worker DDP trial on CPU."""
 
 from __future__ import annotations
 
+import os
 import random
 import time
 
@@ -19,7 +20,7 @@ from gx_ray.sweep.driver import EXPERIMENT, SweepOptions, run_sweep
 from gx_ray.tracking import PARENT_TAG
 from gx_ray.tracking.server import LocalMlflowServer
 from gx_ray.train import loop, probe
-from gx_ray.train.config import IN_MEMORY_SHARE_OF_HOST, TrialConfig
+from gx_ray.train.config import TrialConfig
 from gx_ray.train.loop import build_trial, first_rows, loss_function, optimiser_steps
 
 GIB = 2**30
@@ -225,7 +226,7 @@ def test_the_first_epochs_windows_hold_every_row_once_near_its_groups_place(seed
     assert [tuple(row) for chunk in stream._windowed_order(sizes, None) for row in chunk] == everything
 
 
-def test_auto_keeps_a_share_in_memory_only_while_it_fits_a_sixteenth_of_the_hosts_available_memory(
+def test_auto_keeps_a_share_in_memory_only_while_it_fits_half_the_available_memory_over_the_hosts_trial_slots(
     ray_cluster, demo_prepared
 ):
     pieces = row_groups(demo_prepared.shard_dir, "train")
@@ -234,9 +235,13 @@ def test_auto_keeps_a_share_in_memory_only_while_it_fits_a_sixteenth_of_the_host
         assert 0.95 < kept / piece["bytes"] < 1.05
     auto, kept = _stream(demo_prepared.shard_dir, "auto"), _stream(demo_prepared.shard_dir, True)
     assert auto.in_memory and list(_epoch(auto, 0)) == list(_epoch(kept, 0))  # the demo cohort fits: the same rows
-    budget = IN_MEMORY_SHARE_OF_HOST * psutil.virtual_memory().available
+    budget = psutil.virtual_memory().available / 2 / os.cpu_count()  # a worker of one CPU: one slot per core
+    assert loop.in_memory_budget(1) == pytest.approx(budget, rel=0.05)
+    assert loop.in_memory_budget(2 * os.cpu_count()) == pytest.approx(loop.in_memory_budget(1) * os.cpu_count(), 0.05)
     half, double = [{**pieces[0], "bytes": budget / 2}], [{**pieces[0], "bytes": budget}] * 2
-    assert loop.keeps_in_memory("auto", half) and not loop.keeps_in_memory("auto", double)  # the paper's full crop
+    assert loop.keeps_in_memory("auto", half, 1) and not loop.keeps_in_memory("auto", double, 1)  # the full crop
+    larger = [{**pieces[0], "bytes": 1.5 * budget}]  # over one core's slot, within the host's half (2 cores or more)
+    assert not loop.keeps_in_memory("auto", larger, 1) and loop.keeps_in_memory("auto", larger, 4 * os.cpu_count())
     assert loop.keeps_in_memory(True, double) and not loop.keeps_in_memory(False, half)  # set: as set
     assert not _stream(demo_prepared.shard_dir, False).in_memory
 

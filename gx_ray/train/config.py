@@ -41,9 +41,11 @@ class ScheduleConfig:
 
 
 AUTO = "auto"
-IN_MEMORY_SHARE_OF_HOST = 1 / 16
-"""``data.in_memory: auto`` keeps a split whose share is at most this fraction of the host's available memory: trials
-start side by side and each sees the memory before the others fill it, so the fraction bounds sixteen of them."""
+IN_MEMORY_SHARE_OF_SLOT = 1 / 2
+"""``data.in_memory: auto`` keeps a split whose share is at most this fraction of the host memory available over the
+trial workers the host's CPUs hold (its cores over ``resources.cpus_per_worker``): trials start side by side and each
+sees the memory before the others fill it, and Ray starts no more of them than the CPUs hold, so however many start
+at once their kept training splits take at most half of it."""
 RETIRED_KEYS = {
     "data.batch_size": "data.batch_size is ambiguous (per forward pass or per optimiser step?) and no longer read: "
     "set data.effective_batch (samples per optimiser step over all ranks: the batch size papers report) and "
@@ -74,8 +76,9 @@ class DataConfig:
     in_memory: bool | str = AUTO
     """Read this rank's row groups once and keep them in the trial's memory; each epoch then takes them in its seeded
     order with its rows permuted, instead of streaming the split through Ray Data again. ``auto``: a split is kept
-    when this rank's share of it, uncompressed, is at most a sixteenth of the host memory available as the trial
-    starts (:data:`IN_MEMORY_SHARE_OF_HOST`), streamed otherwise (the paper's full crop at Gastric-X size).
+    when this rank's share of it, uncompressed, is at most half of the host memory available as the trial starts over
+    the trial workers the host's CPUs hold (:data:`IN_MEMORY_SHARE_OF_SLOT`), streamed otherwise (the paper's full
+    crop at Gastric-X size).
 
     Why: on a GPU node full of trials a streamed trial trains at a fraction of its raw step while its card idles
     (lesion detection 0.11-0.15 of raw beside six neighbour trials on 4 x H200; kept in memory 0.94: README,
