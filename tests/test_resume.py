@@ -111,5 +111,9 @@ def test_the_demo_cohort_is_prepared_once(ray_cluster, tmp_path):
     _prepare_demo(options)
     manifest = tmp_path / "demo" / "shards" / "manifest.json"
     written = manifest.stat().st_mtime_ns
+    from gx_ray.sweep.driver import DEMO_FRACTIONS
+
+    splits = json.loads((tmp_path / "demo" / "shards" / "split.json").read_text(encoding="utf-8"))
+    assert tuple(splits["fractions"].values()) == DEMO_FRACTIONS  # the demo's test-heavy split, not the paper's
     _prepare_demo(options)
     assert manifest.stat().st_mtime_ns == written
