@@ -96,7 +96,7 @@ class Swin3d(nn.Module):
             "use_checkpoint": gradient_checkpointing,
             **overrides,
         }
-        from monai.networks.nets.swin_unetr import SwinTransformer  # on first use: see the module docstring
+        from monai.networks.nets.swin_unetr import SwinTransformer, WindowAttention  # on first use: module docstring
 
         if attention not in SWIN_ATTENTION:
             raise ValueError(f"unknown swin3d attention {attention!r}; valid: {', '.join(SWIN_ATTENTION)}")
@@ -108,7 +108,7 @@ class Swin3d(nn.Module):
         self.backbone = SwinTransformer(**self.backbone_arguments)
         if attention == "fused":  # the same parameters and state-dict keys: only the attention's arithmetic changes
             for module in self.backbone.modules():
-                if type(module).__name__ == "WindowAttention":
+                if isinstance(module, WindowAttention):
                     module.__class__ = fused_window_attention()
         self.channels = [feature_size * 2**i for i in range(len(depths) + 1)]
 

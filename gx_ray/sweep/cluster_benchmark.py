@@ -47,7 +47,7 @@ from gx_ray.sweep.driver import SweepOptions, SweepResult, run_sweep
 from gx_ray.sweep.spaces import space_path
 from gx_ray.tracking import child_runs
 from gx_ray.tracking.server import LocalMlflowServer
-from gx_ray.train.probe import trials_per_gpu
+from gx_ray.train.probe import adamw, trials_per_gpu
 
 GASTRIC_X = {"train": 1190, "val": 255, "test": 255}
 """Gastric-X's 1.7 K cases split 70/15/15."""
@@ -327,7 +327,7 @@ def raw_step_rate(flat: dict[str, Any], steps: int = 10, warmup: int = 3) -> dic
     micro = int(config.data.micro_batch)
     batch = on_device(first_rows(config.data.shards, "train", micro, layout), device)
     loss_of = loss_function(task, config, device)
-    optimiser = torch.optim.AdamW(model.parameters(), config.optimiser.lr, fused=True)  # as the loop's
+    optimiser = adamw(model.parameters(), config.optimiser.lr)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     built = time.perf_counter()

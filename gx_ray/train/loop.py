@@ -243,7 +243,7 @@ def in_memory_budget(cpus_per_worker: float) -> float:
     """:data:`IN_MEMORY_SHARE_OF_SLOT` of the host memory available now, over the trial workers its CPUs hold (a
     1 x H200 VM of 16 cores and 126 GiB, 4 CPUs a worker: 15.7 GB; a sixteenth of the host, the rule before, kept the
     bench cohort's 9.5 GB share out of memory there, and streamed VQA trained at 0.31 of its raw step)."""
-    slots = max(1, int((os.cpu_count() or 1) / (cpus_per_worker if cpus_per_worker > 0 else 1)))
+    slots = max(1, int((os.cpu_count() or 1) / cpus_per_worker))  # the config holds cpus_per_worker positive
     return IN_MEMORY_SHARE_OF_SLOT * psutil.virtual_memory().available / slots
 
 
@@ -353,9 +353,9 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
     if ctx.tracker:  # with `auto`, which way each split went (a share too large for the host streams)
         ctx.tracker.set_tags({f"gx_ray.in_memory.{split}": str(s.in_memory).lower() for split, s in streams.items()})
     train = streams["train"]
-    optimiser = torch.optim.AdamW(
+    optimiser = probe.adamw(
         param_groups(model, config.optimiser.lr, config.optimiser.weight_decay, config.optimiser.text_lr_multiplier),
-        fused=True,  # one kernel for all parameters: on a CPU core 8 ms a step against 58 per tensor (demo VQA model)
+        config.optimiser.lr,
     )
     epochs = range(config.schedule.epochs)
     steps = {epoch: optimiser_steps(train.fewest_rows(epoch), micro, accumulation, config) for epoch in epochs}
