@@ -67,6 +67,23 @@ def test_gpu_share_refuses_nonsense():
         probe.gpu_share(0, 80 * GIB)
 
 
+def test_a_trial_is_reserved_and_logs_its_fixed_or_measured_gpu_share():
+    """The share Ray reserves is the one the trial logs and keeps its memory to: the plan's for ``auto``, the space's
+    own for a fixed fraction (a fixed share logged as a whole card made the cluster benchmark project 3/2 x the
+    GPU-hours of a slice packed two to a card)."""
+    from gx_ray.sweep.trial import gpu_plan_key, gpu_share_of, trial_resources
+
+    flat = {"task": "vqa", "schema": "image_only", "resources.cpus_per_worker": 4}
+    measured = {"task": "vqa", "schema": "image_only", "resources.gpus_per_worker": "auto"}
+    context = {"fixed": {}, "overrides": [], "gpu_plan": {gpu_plan_key(measured): {"share": 0.3333}}}
+    for gpus, share in ((0.25, 0.25), (1, 1.0), (0, 0.0), ("auto", 0.3333)):
+        chosen = {**flat, "resources.gpus_per_worker": gpus}
+        assert gpu_share_of(context, chosen) == share
+        assert trial_resources(context, chosen) == {"cpu": 4, "gpu": share}
+    unknown = {**flat, "schema": "image_table", "resources.gpus_per_worker": "auto"}  # a setting the plan never saw
+    assert gpu_share_of(context, unknown) == 1.0
+
+
 def test_micro_batch_choice_is_the_largest_divisor_that_fits_in_few_measurements():
     rng = random.Random(1)
     for _ in range(300):

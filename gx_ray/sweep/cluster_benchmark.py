@@ -403,6 +403,7 @@ def _slice_figures(sweep: SweepResult, raw: dict[str, dict[str, float]], eval_ro
             "data_wait_share": _data_wait_share(epoch_timings),
             "in_memory": run.data.tags.get("gx_ray.in_memory.train"),  # data.in_memory auto's choice: kept or streamed
             "gpu_share": metrics.get("gpu_share", 1.0),
+            "probe_peak_gib": metrics.get("probe_peak_gib", math.nan),  # the plan's measured peak (auto only)
             "micro_batch": metrics.get("micro_batch"),
             "trial_seconds": trial,
             "train_seconds": train,
@@ -511,13 +512,14 @@ def format_cluster_result(result: dict[str, Any]) -> str:
             f"{s['first_step_after_seconds'] or math.nan:.1f} s; GPU busy {_pct(s['gpu_busy_fraction'])} (per GPU "
             f"{s['gpu_busy_fraction_per_gpu']}), start-up share {_pct(s['startup_share'])}, "
             f"{s['trials_per_gpu_hour'] or math.nan:.1f} trials per GPU-hour; {format_host(s.get('host_cpu', {}))}",
-            f"{'cell':<38}{'share':>6}{'micro':>6}{'loop/s':>8}{'raw/s':>8}{'loop/raw':>9}{'wait':>6}{'data':>7}"
+            f"{'cell':<38}{'share':>6}{'peak':>6}{'micro':>6}{'loop/s':>8}{'raw/s':>8}{'loop/raw':>9}{'wait':>6}{'data':>7}"
             f"{'start-up s':>11}{'warm-up s':>10}{'epoch s (val s)':>24}{'busy':>6}",
         ]
     for key, c in sorted(s.get("cells", {}).items()):
         epochs = " ".join(f"{e['epoch_seconds']:.1f}({e['eval_seconds']:.1f})" for e in c.get("epochs", []))
         lines.append(
-            f"{key:<38}{c['gpu_share']:>6.2f}{c['micro_batch'] or 0:>6.0f}{c['train_samples_per_s']:>8.1f}"
+            f"{key:<38}{c['gpu_share']:>6.2f}{c.get('probe_peak_gib', math.nan):>6.1f}{c['micro_batch'] or 0:>6.0f}"
+            f"{c['train_samples_per_s']:>8.1f}"
             f"{c['raw_samples_per_s']:>8.1f}{c['loop_over_raw']:>9.2f}{_pct(c.get('data_wait_share', math.nan)):>6}"
             f"{_data_path(c.get('in_memory')):>7}{c['startup_seconds']:>11.1f}"
             f"{c.get('warmup_seconds', math.nan):>10.1f}{epochs:>24}"

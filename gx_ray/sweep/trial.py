@@ -72,8 +72,9 @@ def run_trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     tracker.set_tags({**context.get("provenance", {}), **_device_tags(config)})
     if run.status is None:
         client.log_dict(run_id, config.to_flat(), "config.json")
-    if plan:
-        tracker.log_metrics({"gpu_share": plan["share"], "probe_peak_gib": plan["peak_bytes"] / 2**30}, 0)
+    share = gpu_share_of(context, flat)  # what Ray reserved: the measured share, or the space's fixed one
+    if config.resources.use_gpu:
+        tracker.log_metrics({"gpu_share": share, **({"probe_peak_gib": plan["peak_bytes"] / 2**30} if plan else {})}, 0)
     sampler = GpuSampler(visible_gpu_uuids()).start() if config.resources.use_gpu else None
     ended = False
 
@@ -90,8 +91,8 @@ def run_trial(params: dict[str, Any], context: dict[str, Any]) -> None:
         if config.resources.workers == 1 and not config.resources.torch_trainer:
             torch.set_num_threads(max(1, int(config.resources.cpus_per_worker)))
             device = torch.device("cuda" if config.resources.use_gpu and torch.cuda.is_available() else "cpu")
-            if device.type == "cuda" and plan.get("share", 1) < 1:  # a packed trial keeps to its measured share
-                torch.cuda.set_per_process_memory_fraction(plan["share"], torch.cuda.current_device())
+            if device.type == "cuda" and share < 1:  # a packed trial keeps to its share of the card's memory
+                torch.cuda.set_per_process_memory_fraction(share, torch.cuda.current_device())
             worker = WorkerContext(
                 0, 1, device, tune.report, tune.get_checkpoint(), tracker, plan.get("micro_batch"),
                 {"trial_start_seconds": time.perf_counter() - trial_started}, end_run,
@@ -190,10 +191,16 @@ def trial_resources(context: dict[str, Any], params: dict[str, Any]) -> dict[str
     flat = resolve(context, params)
     if flat.get("resources.workers", 1) > 1 or flat.get("resources.torch_trainer"):
         return {"cpu": 0.1}
+    return {"cpu": flat.get("resources.cpus_per_worker", 1), "gpu": gpu_share_of(context, flat)}
+
+
+def gpu_share_of(context: dict[str, Any], flat: dict[str, Any]) -> float:
+    """A one-worker trial's GPU share: the space's fixed ``resources.gpus_per_worker``, or for ``auto`` the plan's
+    measured share (a setting the plan could not know, a sampled model key say, gets a whole GPU)."""
     gpus = flat.get("resources.gpus_per_worker", 0)
-    if gpus == AUTO:  # a setting the plan could not know (a sampled model key) gets a whole GPU
-        gpus = context["gpu_plan"].get(gpu_plan_key(flat), {}).get("share", 1.0)
-    return {"cpu": flat.get("resources.cpus_per_worker", 1), "gpu": gpus}
+    if gpus == AUTO:
+        return float(context["gpu_plan"].get(gpu_plan_key(flat), {}).get("share", 1.0))
+    return float(gpus)
 
 
 def question_file_of(context: dict, flat: dict[str, Any]) -> dict[str, str]:
