@@ -5,11 +5,13 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from gx_ray.analysis import stats
 from gx_ray.analysis.stats import (
     cell_statistics,
+    family_resamples,
     holm,
     paired_bootstrap,
     seed_comparisons,
@@ -181,6 +183,35 @@ def test_wilcoxon_cannot_reach_005_with_five_seeds():
     assert wilcoxon_over_seeds([10.0] * 5, [0.0] * 5)["p_value"] == pytest.approx(0.0625)
     r = wilcoxon_over_seeds([3.0, np.nan, 5.0, 6.0], [1.0, 1.0, np.nan, 1.0])
     assert r["n_seeds"] == 2 and r["diff"] == 3.5
+
+
+def test_family_resamples_keep_significance_within_reach_of_any_family():
+    rng = np.random.default_rng(3)
+    for m, alpha in zip(rng.integers(0, 2000, 300), rng.choice([0.01, 0.05, 0.1], 300), strict=True):
+        b = family_resamples(int(m), 1000, float(alpha))
+        floor = 2 / (b + 1)  # the smallest two-sided p of paired_bootstrap: no replicate on the far side
+        assert b >= 1000 and m * floor <= alpha / 2 + 1e-12
+        assert b == 1000 or m * 2 / b > alpha / 2  # and no more replicates than that takes
+    with pytest.raises(ValueError):
+        family_resamples(-1)
+
+
+def test_a_large_family_of_clear_differences_is_found_significant():
+    """30 comparisons where arm A answers every case right and arm B every case wrong: at a fixed 1,000 replicates
+    each p sits at the floor 2/1001, Holm makes it 30 x that = 0.06, and none is significant; with the family's
+    replicates all are."""
+    n, m = 30, 30
+    a, b = [accuracy(np.ones(n, bool))], [accuracy(np.zeros(n, bool))]
+    cell = {"task": "vqa", "metric": "accuracy", "schema_b": "image_only"}
+
+    def family(resamples: int) -> pd.DataFrame:
+        rows = [{**cell, "schema_a": f"s{i}", **paired_bootstrap(a, b, n, resamples, seed=i)} for i in range(m)]
+        return significance_table(rows)
+
+    assert not family(1000)["significant"].any()
+    table = family(family_resamples(m))
+    assert table["significant"].all() and (table["better"] == table["schema_a"]).all()
+    assert (table["p_holm"] <= 0.025 + 1e-12).all()
 
 
 # holm

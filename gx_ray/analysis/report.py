@@ -58,6 +58,8 @@ def write_report(
     """Write ``output/report/`` for the sweep and log it to ``parent_run_id`` (when given).
 
     ``cohort``: ``"demo"`` labels every number as from the synthetic demo cohort, not the paper's test set.
+    ``n_resamples``: the paired bootstrap's replicates per comparison, at least; a large family of comparisons gets
+    more (:func:`~gx_ray.analysis.stats.family_resamples`).
     """
     started = time.perf_counter()
     folder = Path(output) / REPORT_FOLDER
@@ -134,6 +136,7 @@ def schema_comparisons(
         for cell, arm, base in pairs
     ]
     comparisons = []
+    n_resamples = stats.family_resamples(len(pairs), n_resamples)  # one Holm family: its size sets the p floor
     for (cell, arm, base), result in zip(pairs, paired_bootstraps(jobs, n_resamples), strict=True):
         if result is None:
             result = stats.wilcoxon_over_seeds(arm["value"].to_numpy(), base["value"].to_numpy())
@@ -175,6 +178,7 @@ def distractor_comparisons(runs: pd.DataFrame, tracking_uri: str, n_resamples: i
             cell = {"task": family, "schema": schema, "model": model, "fusion": fusion, "metric": metric}
             cells.append(({**cell, "schema_a": kind, "schema_b": "random"}, pair))
     comparisons = []
+    n_resamples = stats.family_resamples(len(cells), n_resamples)
     for (cell, pair), result in zip(cells, paired_bootstraps(jobs, n_resamples), strict=True):
         result = result or stats.wilcoxon_over_seeds(pair[0]["value"].to_numpy(), pair[1]["value"].to_numpy())
         comparisons.append({**cell, **result})

@@ -5,11 +5,13 @@ every cell of the runs table (:mod:`gx_ray.analysis.runs`). A schema is compared
 :func:`paired_bootstrap` over test patients (preferred: needs each seed's per-case predictions) or by
 :func:`wilcoxon_over_seeds` (the fallback on the runs table alone, see :func:`seed_comparisons`), on the pairs
 of trials :func:`paired_arms` finds;
-:func:`significance_table` Holm-corrects a family of such comparisons and says which schema is better.
+:func:`significance_table` Holm-corrects a family of such comparisons and says which schema is better;
+:func:`family_resamples` gives the bootstrap enough replicates for the family's size.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
@@ -108,6 +110,19 @@ def paired_bootstrap(
         tail = min(np.sum(kept <= 0), np.sum(kept >= 0))
         out["p_value"] = float(min(1.0, 2 * (tail + 1) / (len(kept) + 1)))
     return out
+
+
+def family_resamples(comparisons: int, at_least: int = 1000, alpha: float = 0.05) -> int:
+    """Bootstrap replicates for a family of ``comparisons`` Holm-corrected at ``alpha``: at least ``at_least``, and
+    enough that the smallest p-value a bootstrap can give, ``2 / (B + 1)``, is at most ``alpha / (2 m)``.
+
+    With fewer, a large family can never show a difference however large it is: at 1,000 replicates the floor is
+    0.002, and Holm multiplies the smallest p by m, so from m = 25 comparisons on (five tasks x six schemas against a
+    baseline) nothing would ever be significant. At the floor a comparison's Holm-adjusted p is at most alpha / 2.
+    """
+    if comparisons < 0 or at_least < 1 or not 0 < alpha < 1:
+        raise ValueError(f"need comparisons >= 0, at_least >= 1 and 0 < alpha < 1: {comparisons}, {at_least}, {alpha}")
+    return max(at_least, math.ceil(4 * comparisons / alpha) - 1)
 
 
 def wilcoxon_over_seeds(a: Sequence[float], b: Sequence[float]) -> dict:
