@@ -84,6 +84,25 @@ def test_a_trial_is_reserved_and_logs_its_fixed_or_measured_gpu_share():
     assert gpu_share_of(context, unknown) == 1.0
 
 
+def test_a_trial_finds_the_plan_it_was_reserved_by_before_its_config_grows():
+    """A lesion QA trial gains its questions file and a checkpointed one gradient checkpointing after the driver
+    measured it; both are in the plan's key, so the plan and the share are looked up before they are added."""
+    from gx_ray.sweep.trial import gpu_plan_key, trial_resources, trial_setting
+
+    params = {"task": "lesion_qa", "schema": "image_only", "seed": 0}
+    fixed = {"resources.gpus_per_worker": "auto", "resources.cpus_per_worker": 2, "task_options.family": "t_stage"}
+    measured = {**fixed, **params, "data.shards": "/cohort"}
+    entry = {"share": 0.25, "micro_batch": 4, "gradient_checkpointing": True}
+    recipe = "t_stage.random.0"
+    context = {"fixed": fixed, "overrides": [], "shards": "/cohort", "gpu_plan": {gpu_plan_key(measured): entry},
+               "questions": {recipe: "/questions/t_stage.json"}}  # fmt: skip
+    flat, plan, share = trial_setting(context, params)
+    assert plan == entry and share == 0.25 == trial_resources(context, params)["gpu"]
+    assert flat["task_options.questions_file"] == "/questions/t_stage.json"
+    assert flat["model.gradient_checkpointing"] is True
+    assert gpu_plan_key(flat) not in context["gpu_plan"]  # looked up after, it would have found nothing
+
+
 def test_micro_batch_choice_is_the_largest_divisor_that_fits_in_few_measurements():
     rng = random.Random(1)
     for _ in range(300):

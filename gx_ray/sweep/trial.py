@@ -38,12 +38,7 @@ def run_trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     quiet_data_context()
     # MLflow prints two "View run" lines whenever a run ends: 120 lines per sweep; the parent run's are enough
     os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
-    flat = {**resolve(context, params), "data.shards": context["shards"]}
-    if flat.get("task") == "lesion_qa":  # the questions the driver built once for this recipe and cohort
-        flat = {**question_file_of(context, flat), **flat}
-    plan = context["gpu_plan"].get(gpu_plan_key(flat), {})
-    if plan.get("gradient_checkpointing"):  # the measured step fitted only with it
-        flat["model.gradient_checkpointing"] = True
+    flat, plan, share = trial_setting(context, params)
     config = TrialConfig.from_flat(flat)
     trial = tune.get_context()
     client = MlflowClient(context["tracking_uri"])
@@ -72,7 +67,6 @@ def run_trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     tracker.set_tags({**context.get("provenance", {}), **_device_tags(config)})
     if run.status is None:
         client.log_dict(run_id, config.to_flat(), "config.json")
-    share = gpu_share_of(context, flat)  # what Ray reserved: the measured share, or the space's fixed one
     if config.resources.use_gpu:
         tracker.log_metrics({"gpu_share": share, **({"probe_peak_gib": plan["peak_bytes"] / 2**30} if plan else {})}, 0)
     sampler = GpuSampler(visible_gpu_uuids()).start() if config.resources.use_gpu else None
@@ -174,6 +168,20 @@ def _fit_torch_trainer(
         ),
     )
     trainer.fit()
+
+
+def trial_setting(context: dict[str, Any], params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], float]:
+    """A trial's flat config, its GPU plan entry and its GPU share. The plan and the share are found by the key the
+    driver measured and Ray reserved with, before the config gains its questions file (lesion QA) or gradient
+    checkpointing (where the measured step fitted only with it), either of which changes that key."""
+    flat = {**resolve(context, params), "data.shards": context["shards"]}
+    plan = context["gpu_plan"].get(gpu_plan_key(flat), {})
+    share = gpu_share_of(context, flat)
+    if flat.get("task") == "lesion_qa":  # the questions the driver built once for this recipe and cohort
+        flat = {**question_file_of(context, flat), **flat}
+    if plan.get("gradient_checkpointing"):
+        flat["model.gradient_checkpointing"] = True
+    return flat, plan, share
 
 
 def gpu_plan_key(flat: dict[str, Any]) -> str:
