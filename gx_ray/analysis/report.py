@@ -333,9 +333,9 @@ def _summary(sweep_id: str, runs: pd.DataFrame, report: Report, cohort: str, bas
         "## Headline metric per cell (test split, over seeds)",
         "*Chance*: the same metric for a predictor that never looks at the patient and knows only the training "
         "split (its stage frequencies, a guess among each question's training answers, the median tumour box, "
-        "a random training report, a random ranking, a uniform guess among four options). A cell whose interval "
-        "does not clear it has not shown that it learnt anything. *95 % CI*: Student's t over the seeds (training "
-        "randomness on this test set), wide with few seeds.",
+        "the most typical training report, a random ranking, a uniform guess among four options). A cell whose "
+        "interval does not clear it has not shown that it learnt anything. *95 % CI*: Student's t over the seeds "
+        "(training randomness on this test set), wide with few seeds.",
         _headline_markdown(report.cells),
         _inputs_markdown(runs),
         f"## Which inputs help: each schema against {baseline}",

@@ -32,6 +32,9 @@ from gx_ray.tasks.base import Batch, Outputs, Task, TaskMetric, check_train_rows
 DECODERS: tuple[str, ...] = ("small", "minilm")
 VOCABULARIES: tuple[str, ...] = ("tokenizer", "training")
 IGNORE = -100
+TYPICAL_SAMPLE = 32
+"""Training reports the chance level's typical report is chosen among, and scored against (32 x 32 ROUGE-L pairs,
+about 3 s on one core)."""
 
 
 class ReportDecoder(nn.Module):
@@ -181,16 +184,25 @@ class ReportGeneration(Task):
         return cut_texts(self.tokenizer, reports, self.max_report_tokens)
 
     def chance_level(self, train_rows: Sequence[dict], test_rows: Sequence[dict]) -> float:
-        """A training report drawn at random for each test case (its target cut as the model's), averaged over
-        five draws: what a writer who never looks at the patient but knows the report template scores."""
+        """The training split's most typical report written for every test case (targets cut as the model's): of up
+        to :data:`TYPICAL_SAMPLE` training reports drawn with a fixed seed, the one with the highest mean score
+        against them all. A writer who never looks at the patient but knows the training reports does this well; a
+        model that writes one report for everyone scores about this. A random training report per case, the level
+        before, is lower (ROUGE-L 44.0 against 44.8 on a 320-case demo cohort): the demo's model that wrote one
+        report for all 64 test patients passed as above it."""
         train = self.target_texts([r[self.column] for r in train_rows if r[self.column]])
         test = self.target_texts([r[self.column] for r in test_rows if r[self.column]])
         if not train or not test:
             return float("nan")
         rng = np.random.default_rng(0)
+        sample = [train[i] for i in rng.choice(len(train), min(len(train), TYPICAL_SAMPLE), replace=False)]
         metric = self.primary_metric
-        draws = [[train[i] for i in rng.integers(0, len(train), len(test))] for _ in range(5)]
-        return float(np.mean([text_generation_metrics(d, test, self.language, [metric])[metric] for d in draws]))
+
+        def typicality(report: str) -> float:
+            return text_generation_metrics([report] * len(sample), sample, self.language, [metric])[metric]
+
+        typical = max(sample, key=typicality)
+        return float(text_generation_metrics([typical] * len(test), test, self.language, [metric])[metric])
 
     def forward(self, encoder: nn.Module, head: nn.Module, inputs: ModelInputs, batch: Batch) -> Outputs:
         encoded = encoder(inputs)
