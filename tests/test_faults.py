@@ -182,6 +182,10 @@ def test_a_trial_worker_killed_mid_epoch_is_retried_from_its_checkpoint(demo_pre
         os.kill(int(pid), signal.SIGKILL)
     assert process.wait(timeout=600) == 0, sweep.tail()
     assert_every_cell_finished_once(sweep)
+    # said in one line (which trial, why, what now), not as Tune's twenty-line Ray traceback
+    printed = sweep.whole()
+    assert "ActorDiedError" in printed and "retried from" in printed, printed[-4000:]
+    assert "Traceback" not in printed, printed[-4000:]
     assert_provenance(sweep, Path(demo_prepared.shard_dir) / "manifest.json")
 
 

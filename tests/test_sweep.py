@@ -230,12 +230,19 @@ def _small_space(tmp_path: Path, vision_kwargs: list, name: str = "small") -> Pa
     return path
 
 
-def test_a_failing_trial_is_reported_and_the_others_finish(ray_cluster, demo_prepared, mlflow_server, tmp_path):
+def test_a_failing_trial_is_reported_and_the_others_finish(ray_cluster, demo_prepared, mlflow_server, tmp_path, capfd):
     # three block widths where MONAI's ResNet needs four: the model fails to build inside the trial
     path = _small_space(tmp_path, [{"block_inplanes": [8, 16, 32, 64]}, {"block_inplanes": [8, 16, 32]}])
     options = SweepOptions(space=str(path), output=tmp_path, data=demo_prepared.shard_dir, mlflow_uri=mlflow_server.uri)
     result = run_sweep(options)
     assert (result.finished, result.failed) == (2, 2)
+    # each failure in one line: the trial, the trainable's own exception (not Ray's wrapper), what happens now
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("trial ") and "Error" in line]
+    assert sum("retried from the start" in line for line in lines) == 2, err[-4000:]  # it failed before a checkpoint
+    failed = [line for line in lines if "failed; the traceback: " in line]
+    assert len(failed) == 2 and all(Path(line.rsplit(": ", 1)[1]).is_file() for line in failed), err[-4000:]
+    assert "RayTaskError" not in err and "Traceback" not in err, err[-4000:]
     statuses = sorted(c.info.status for c in _children(mlflow_server.uri, result.sweep_id))
     assert statuses == ["FAILED", "FAILED", "FINISHED", "FINISHED"]
 

@@ -326,6 +326,9 @@ def run_sweep(options: SweepOptions) -> SweepResult:
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
     # MLflow prints emoji links whenever a run ends, to a server that stops with the sweep: the sweep prints its own
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+    # Tune logs a trial's error as a whole Ray traceback (ray.get, the auto-init hook, the worker's get_objects, …);
+    # the progress bar says it in one line instead (TrialProgress), the traceback stays in the trial's error file
+    os.environ.setdefault("TUNE_PRINT_ALL_TRIAL_ERRORS", "0")
     # Tune's console output (its tables, "View detailed results", a TensorBoard hint) gives way to the sweep's own
     # progress bar of trials and summary; Tune's classic reporter at verbosity 0 prints nothing
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
@@ -396,10 +399,35 @@ class TrialProgress(tune.Callback):
             self.bar.set_postfix(counts, refresh=False)
             self.bar.update(finished + stopped + failed - self.bar.n)
 
+    def on_trial_recover(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self._say(trial, "retried from its last checkpoint" if trial.checkpoint else "retried from the start")
+
+    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self._say(trial, f"failed; the traceback: {trial.error_file}")
+
+    def _say(self, trial: Any, what: str) -> None:
+        """One line above the bar: the trial, why it stopped (the exception inside Ray's wrapper), what happens now."""
+        (tqdm.write if self.bar is not None else print)(f"trial {trial}: {trial_error(trial)}; {what}", file=sys.stderr)
+
     def on_experiment_end(self, trials: list, **info: Any) -> None:
         self.on_step_end(0, trials)
         if self.bar is not None:
             self.bar.close()
+
+
+def trial_error(trial: Any) -> str:
+    """``Type: first line`` of the exception that ended a Tune trial, the trainable's own rather than Ray's wrapper
+    (a ``RayTaskError`` carries it as ``cause``); a worker that died says so."""
+    try:  # the driver's own copy: the one in the sweep's storage is synced later
+        with open(trial.pickled_error_file, "rb") as file:
+            error = ray.cloudpickle.load(file)
+    except Exception:  # none written (an error Tune did not pickle) or unreadable: the status is still reported
+        error = None
+    if error is None:
+        return "stopped with an error"
+    error = getattr(error, "cause", None) or error
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": .")
 
 
 @contextmanager
