@@ -67,8 +67,8 @@ class Sweep:
         return self.whole()[-4000:]
 
     def whole(self) -> str:
-        """Everything the sweep's runs printed: a message asserted on must not fall out of a tail that a long Ray
-        traceback (a worker of the killed run reporting its end, say) has filled."""
+        """Everything the sweep's runs printed: a message asserted on must not fall out of a tail that later output
+        (once, Tune's twenty-line report of a trial error) has filled."""
         return self.log.read_text(errors="replace") if self.log.is_file() else ""
 
     @property

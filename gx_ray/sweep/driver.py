@@ -407,7 +407,7 @@ class TrialProgress(tune.Callback):
 
     def _say(self, trial: Any, what: str) -> None:
         """One line above the bar: the trial, why it stopped (the exception inside Ray's wrapper), what happens now."""
-        (tqdm.write if self.bar is not None else print)(f"trial {trial}: {trial_error(trial)}; {what}", file=sys.stderr)
+        tqdm.write(f"trial {trial}: {trial_error(trial)}; {what}", file=sys.stderr)  # with or without a bar
 
     def on_experiment_end(self, trials: list, **info: Any) -> None:
         self.on_step_end(0, trials)
