@@ -48,6 +48,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: 
     runtime_env["env_vars"] = {
         "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF),
         **mlflow_retries(),
+        **{key: value for key, value in os.environ.items() if key.startswith("GX_RAY_")},  # gx-ray's own settings
     }
     # "token authentication is enabled ... RAY_AUTH_MODE=disabled to opt out": on by design, not for the user to act on
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)

@@ -7,6 +7,8 @@ python jobs/benchmark.py vlm [--size 2b|tiny] [--batch 8] [--packing] [--varied]
     [--trials stage_classification,vqa]                        # then whole trials through the sweep
 python jobs/benchmark.py sweep [--space modality_ablation]    # a sweep's wall time: data, start-up, training
 python jobs/benchmark.py loop [--tasks lesion_detection] [--neighbours 3]  # a trial's loop vs its raw step
+python jobs/benchmark.py attention                            # one GPU: what attention's first sight of each
+                                                               # text shape costs, cuDNN attention on vs off
 python jobs/benchmark.py cluster [--gpus N] [--budget 540]    # the ablation on every GPU of a node: busy fraction,
                                                                # start-up, DDP scaling, loop/raw, 8-GPU projection
 """
@@ -14,6 +16,7 @@ python jobs/benchmark.py cluster [--gpus N] [--budget 540]    # the ablation on 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -76,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     cluster.add_argument(
         "--ddp-sizes", default="1,2,4", help="GPUs per DDP trial for weak scaling (default 1,2,4; 1 skips DDP)"
     )
+    attention = commands.add_parser("attention", help="one-off cost of new text shapes per SDPA backend choice")
+    attention.add_argument("--max-new-tokens", type=int, default=256, help="tokens the report decoder writes")
+    attention.add_argument("--output", type=Path, default=Path("outputs/benchmark/attention.json"))
     loop = commands.add_parser("loop", help="training loop vs raw step per trial, and which part of the loop costs")
     loop.add_argument("--tasks", default="lesion_detection,stage_classification", help="comma-separated tasks")
     loop.add_argument("--schemas", default="image_only", help="comma-separated schemas")
@@ -122,6 +128,19 @@ def main(argv: list[str] | None = None) -> int:
             tasks = tuple(args.trials.split(","))
             rows = run_vlm_trials(args.size, tasks, args.output, args.gradient_checkpointing, demo_cases=args.cases)
             print(format_vlm_trials(rows, step))
+
+    if args.command == "attention":
+        from gx_ray.sweep.attention_benchmark import (
+            AttentionBenchmarkConfig,
+            format_attention_result,
+            run_attention_benchmark,
+        )
+
+        config = AttentionBenchmarkConfig(max_new_tokens=args.max_new_tokens)
+        results = run_attention_benchmark(config)
+        print(format_attention_result(results, config))
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
 
     if args.command == "loop":
         from gx_ray.sweep.loop_benchmark import VARIANTS, LoopBenchmarkConfig, format_loop_result, run_loop_benchmark

@@ -103,3 +103,17 @@ def test_report_loss_is_the_same_with_bucketed_and_per_batch_padding(encoder):
         assert torch.equal(outputs["labels"][:, : labels.shape[1]], labels)
         assert (outputs["labels"][:, labels.shape[1] :] == IGNORE).all()
         assert task.loss(outputs, batch).item() == pytest.approx(reference.item(), abs=1e-5)
+
+
+def test_cudnn_attention_is_off_for_a_trial_unless_asked_for(monkeypatch):
+    """cuDNN plans each new attention shape once (seconds per trial on a GPU): trials turn it off, a user can opt in."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        monkeypatch.delenv(text.CUDNN_ATTENTION_ENV, raising=False)
+        assert text.choose_attention_backends() is False
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        monkeypatch.setenv(text.CUDNN_ATTENTION_ENV, "1")
+        assert text.choose_attention_backends() is True
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

@@ -11,6 +11,7 @@ checks names need not pay for them).
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,24 @@ TEXT_BUCKETS: tuple[int, ...] = tuple(2**k for k in range(4, 16))
 def bucket_length(longest: int, max_length: int) -> int:
     """The smallest bucket that holds ``longest`` tokens; ``max_length`` when none does or it is smaller."""
     return min(next((b for b in TEXT_BUCKETS if b >= longest), max_length), max_length)
+
+
+CUDNN_ATTENTION_ENV = "GX_RAY_CUDNN_ATTENTION"
+"""Set to ``1`` to let SDPA choose cuDNN's attention on a GPU (:func:`choose_attention_backends`)."""
+
+
+def choose_attention_backends() -> bool:
+    """Turn cuDNN's SDPA attention off for this process unless ``GX_RAY_CUDNN_ATTENTION=1``; returns whether it is on.
+
+    cuDNN builds an execution plan for every attention shape it meets for the first time, and a trial's text meets
+    many once: a plan per (length bucket, batch size) for the encoder, forward and backward apart, and one per decoded
+    length when a report is generated (256 of them). On an H200 that one-off cost was 20-45 s of a report or
+    text trial's first epoch; FlashAttention and the memory-efficient kernel plan nothing (``python jobs/benchmark.py
+    attention`` measures both). The models' attention is a small share of their step, so cuDNN's faster kernels do
+    not win that back in a trial. Process-wide: a trial process sets it before it builds its model."""
+    enabled = os.environ.get(CUDNN_ATTENTION_ENV, "0") == "1"
+    torch.backends.cuda.enable_cudnn_sdp(enabled)
+    return enabled
 
 
 BUCKET_DEVICES = ("cuda",)

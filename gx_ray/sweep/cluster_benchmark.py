@@ -434,6 +434,8 @@ def _slice_figures(sweep: SweepResult, raw: dict[str, dict[str, float]], eval_ro
         "loop_over_raw": {k: c["loop_over_raw"] for k, c in cells.items()},
         # how well the slice kept its GPU slots filled: trial time over (slots x window)
         "scheduling_efficiency": sum(slots) / (window * sweep.gpus.get("gpus", 1) / min(shares)) if slots else math.nan,
+        # where launch → first step went, driver side (the trials' side is each cell's start-up and setup)
+        "sweep_seconds": {k: v for k, v in sweep.timings.items() if k.endswith("_seconds")},
     }
 
 
@@ -500,6 +502,20 @@ def _data_path(in_memory: str | None) -> str:
     return {"true": "memory", "false": "stream"}.get(in_memory or "", "?")
 
 
+def _launch_line(s: dict[str, Any]) -> str:
+    """Launch → first step, by part: the driver's (Ray, data, the GPU plan's measured steps, what was left of MLflow's
+    start), then the trials' (the first cells' median set-up in the loop: model, data, micro-batch)."""
+    driver = s.get("sweep_seconds", {})
+    parts = [("Ray", "ray_seconds"), ("data", "data_seconds"), ("GPU plan", "gpu_plan_seconds"),
+             ("MLflow wait", "mlflow_seconds")]  # fmt: skip
+    said = ", ".join(f"{name} {driver[key]:.1f} s" for name, key in parts if key in driver)
+    setups = [c.get("setup_seconds", math.nan) for c in s.get("cells", {}).values()]
+    setups = [x for x in setups if math.isfinite(x)]
+    trial = f"; a trial's loop set-up {float(np.median(setups)):.1f} s (median)" if setups else ""
+    first = s.get("first_step_after_seconds") or math.nan
+    return f"launch → first step {first:.1f} s: {said or 'no driver timings'}{trial}"
+
+
 def format_cluster_result(result: dict[str, Any]) -> str:
     s, seconds = result["slice"], result["seconds"]
     lines = [
@@ -512,6 +528,7 @@ def format_cluster_result(result: dict[str, Any]) -> str:
             f"{s['first_step_after_seconds'] or math.nan:.1f} s; GPU busy {_pct(s['gpu_busy_fraction'])} (per GPU "
             f"{s['gpu_busy_fraction_per_gpu']}), start-up share {_pct(s['startup_share'])}, "
             f"{s['trials_per_gpu_hour'] or math.nan:.1f} trials per GPU-hour; {format_host(s.get('host_cpu', {}))}",
+            _launch_line(s),
             f"{'cell':<38}{'share':>6}{'peak':>6}{'micro':>6}{'loop/s':>8}{'raw/s':>8}{'loop/raw':>9}{'wait':>6}{'data':>7}"
             f"{'start-up s':>11}{'warm-up s':>10}{'epoch s (val s)':>24}{'busy':>6}",
         ]

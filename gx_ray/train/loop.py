@@ -50,6 +50,7 @@ from gx_ray.data.shards import (
     to_device,
 )
 from gx_ray.models.registry import build_encoder, param_groups
+from gx_ray.models.text import choose_attention_backends
 from gx_ray.runtime import quiet_data_context
 from gx_ray.tasks import Task, TaskModel, build_task, gather_state
 from gx_ray.tracking import TrialTracker
@@ -283,6 +284,8 @@ def build_trial(
     if type(task).attach_splits is not Task.attach_splits:  # only a task that asks reads the other splits
         splits = {"train": train_rows, **{s: split_rows(config.data.shards, s) for s in ("val", "test")}}
         task.attach_splits(splits, manifest, str(config.data.shards))
+    if device.type == "cuda":
+        choose_attention_backends()
     if config.model.family == "vlm":
         return (*build_vlm_trial(config, task, device), layout)
     model = TaskModel(task, build_encoder(config.model, config.schema), config.schema).to(device)
