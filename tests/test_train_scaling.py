@@ -477,6 +477,23 @@ def test_a_trial_process_imports_none_of_the_drivers_machinery():
     assert out.strip() == "[]", out
 
 
+def test_what_a_sweep_driver_reads_of_a_task_imports_no_monai():
+    """The driver reads each task's class (its primary metric, direction, labels, whether it packs on a GPU) before
+    the trials start and again for the report: MONAI's package import (seconds: it loads every submodule) belongs
+    to the processes that build a model, not to the driver's launch → first step."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from gx_ray.tasks import task_class; from gx_ray.schema import PAPER_TASKS; "
+        "print([(t, task_class(t).shares_a_gpu) for t in PAPER_TASKS]); "
+        "print(sorted(m for m in sys.modules if m.startswith(('monai', 'gx_ray.tasks.retinanet'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    classes, modules = out.strip().splitlines()
+    assert "('lesion_detection', False)" in classes and modules == "[]", out
+
+
 class _StoppedByTheScheduler(Exception):
     """What a scheduler's stop looks like to the loop: its report never returns."""
 

@@ -21,13 +21,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from monai.apps.detection.networks.retinanet_detector import RetinaNetDetector
-from monai.apps.detection.networks.retinanet_network import RetinaNetClassificationHead, RetinaNetRegressionHead
-from monai.apps.detection.utils.anchor_utils import AnchorGeneratorWithAnchorShape
 from torch import nn
 
 from gx_ray.metrics import DETECTION_METRICS, detection_metrics
@@ -35,54 +32,12 @@ from gx_ray.modalities import ModelInputs
 from gx_ray.modalities.boxes import TARGET_PHASE, tumour_boxes
 from gx_ray.tasks.base import Batch, Outputs, Task, TaskMetric, check_train_rows
 
+if TYPE_CHECKING:
+    from gx_ray.tasks.retinanet import ATSSRetinaNetDetector
+
 BOX_KEY, LABEL_KEY, SCORE_KEY = "boxes", "labels", "labels_scores"  # RetinaNetDetector's default keys
 CLS_KEY, BOX_REG_KEY = "classification", "box_regression"
 ANCHOR_QUANTILES = (0.2, 0.5, 0.8)
-
-
-class DetectionHead(nn.Module):
-    """A 1x1x1 projection of one feature map, then MONAI's RetinaNet classification and regression heads."""
-
-    def __init__(self, in_channels: int, channels: int, num_anchors: int, feature_level: int):
-        super().__init__()
-        self.feature_level = feature_level
-        # read by RetinaNetDetector
-        self.spatial_dims, self.num_classes, self.num_anchors = 3, 1, num_anchors
-        self.cls_key, self.box_reg_key = CLS_KEY, BOX_REG_KEY
-        self.project = nn.Sequential(nn.Conv3d(in_channels, channels, 1), nn.GroupNorm(8, channels), nn.ReLU())
-        self.classification = RetinaNetClassificationHead(channels, num_anchors, 1, spatial_dims=3)
-        self.regression = RetinaNetRegressionHead(channels, num_anchors, spatial_dims=3)
-
-    def forward(self, feature_maps: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
-        features = [self.project(feature_maps[self.feature_level])]
-        return {CLS_KEY: self.classification(features), BOX_REG_KEY: self.regression(features)}
-
-
-class ATSSRetinaNetDetector(RetinaNetDetector):
-    """MONAI's ``RetinaNetDetector`` matching anchors with its ATSS matcher alone.
-
-    MONAI's ``compute_anchor_matched_idxs`` first checks whether the matcher is torchvision's ``Matcher``, which
-    fails when torchvision (an optional MONAI dependency the project does not need otherwise) is absent; the
-    ATSS branch below is MONAI's own, unchanged.
-    """
-
-    def compute_anchor_matched_idxs(
-        self,
-        anchors: list[torch.Tensor],
-        targets: list[dict[str, torch.Tensor]],
-        num_anchor_locs_per_level: Sequence[int],
-    ) -> list[torch.Tensor]:
-        matched = []
-        for anchors_per_image, targets_per_image in zip(anchors, targets, strict=True):
-            boxes = targets_per_image[self.target_box_key].to(anchors_per_image.device)
-            if boxes.numel() == 0:
-                matched.append(torch.full((len(anchors_per_image),), -1, dtype=torch.long, device=boxes.device))
-                continue
-            _, matched_per_image = self.proposal_matcher(
-                boxes, anchors_per_image, num_anchor_locs_per_level, self.num_anchors_per_loc
-            )
-            matched.append(matched_per_image)
-        return matched
 
 
 def flatten_maps(maps: list[torch.Tensor], num_anchors: int) -> torch.Tensor:
@@ -135,11 +90,11 @@ class LesionDetection(Task):
             raise RuntimeError("anchor shapes are not fitted: call prepare(train_rows) first")
         if not map_channels:
             raise ValueError("lesion detection needs the channels of the encoder's feature maps (map_channels)")
-        head = DetectionHead(
-            map_channels[self.feature_level], self.head_channels, len(self.anchor_shapes), self.feature_level
+        from gx_ray.tasks.retinanet import build_detector  # MONAI: imported by the process that trains, not by all
+
+        detector = build_detector(
+            map_channels[self.feature_level], self.head_channels, self.anchor_shapes, self.feature_level
         )
-        anchors = AnchorGeneratorWithAnchorShape(feature_map_scales=(1,), base_anchor_shapes=self.anchor_shapes)
-        detector = ATSSRetinaNetDetector(head, anchors)
         detector.set_atss_matcher(num_candidates=self.atss_candidates, center_in_gt=False)
         detector.set_hard_negative_sampler(
             batch_size_per_image=self.negatives_per_case, positive_fraction=0.3, pool_size=20, min_neg=16
