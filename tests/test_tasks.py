@@ -436,6 +436,36 @@ def test_report_decoding_returns_strings_greedy_equals_argmax(report_model, demo
     assert metric.compute() == pytest.approx(expected)
 
 
+def test_the_report_decoder_reads_the_pooled_memory_at_every_step(train_rows, demo_batch):
+    options = {"decoder_width": 32, "decoder_layers": 1, "max_report_tokens": 24, "max_new_tokens": 6,
+               "pooled_memory": True}  # fmt: skip
+    model = task_model("report_generation", train_rows, **options).eval()
+    head = model.head
+    with torch.no_grad():
+        encoded = model.encoder(build_inputs(demo_batch, model.schema))
+        memory, mask = encoded.tokens, encoded.token_mask
+        start = torch.full((memory.shape[0], 1), head.tokenizer.cls_token_id)
+        plain = head(start, torch.ones_like(start), memory, mask)[:, 0]
+        # the pooled-memory path starts at zero (the decoder as without it); training makes it matter
+        nn.init.normal_(head.condition.weight)
+        first = head(start, torch.ones_like(start), memory, mask)[:, 0]
+        assert not torch.allclose(first, plain, atol=1e-3)
+        # each case gets its own memory's vector, at the first token already
+        swapped = head(start, torch.ones_like(start), memory.flip(0), mask.flip(0))[:, 0]
+        assert torch.allclose(swapped, first.flip(0), atol=1e-5) and not torch.allclose(swapped, first, atol=1e-3)
+        # generation reads it too: greedy equals the arg-max by hand, and a case's beams are its own
+        tokens = start
+        for _ in range(6):
+            logits = head(tokens, torch.ones_like(tokens), memory, mask)
+            tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], 1)
+        by_hand = [head.tokenizer.decode(until_end(t.tolist(), head.tokenizer.sep_token_id)) for t in tokens]
+        assert head.generate(memory, mask, num_beams=1, max_new_tokens=6) == by_hand
+        beams = head.generate(memory, mask, num_beams=3, max_new_tokens=6)
+        alone = [head.generate(memory[i : i + 1], mask[i : i + 1], num_beams=3, max_new_tokens=6)[0] for i in range(2)]
+        assert beams[:2] == alone
+        assert head._condition is None  # nothing left behind for a later call
+
+
 def test_a_training_vocabulary_decoder_reads_and_writes_only_the_training_reports_tokens(train_rows, demo_batch):
     options = {"decoder_width": 32, "decoder_layers": 1, "max_report_tokens": 24, "max_new_tokens": 6}
     model = task_model("report_generation", train_rows, vocabulary="training", **options)

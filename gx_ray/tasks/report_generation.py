@@ -12,9 +12,10 @@ validation epoch), also METEOR and BERTScore-F1 with ``full_metrics``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,15 +41,36 @@ about 3 s on one core)."""
 class ReportDecoder(nn.Module):
     """A BERT decoder with cross-attention over the encoder's tokens; ``generate`` writes reports.
 
-    Reports are ``[CLS] tokens [SEP]``: ``[CLS]`` starts decoding and ``[SEP]`` ends it.
+    Reports are ``[CLS] tokens [SEP]``: ``[CLS]`` starts decoding and ``[SEP]`` ends it. With ``pooled_memory``,
+    besides cross-attending to the memory, the decoder reads its (masked) mean, projected to the decoder's width and
+    added to the token embeddings at every position (the image as an input of every step, as Show-and-Tell and prefix
+    captioners feed it): on the demo, cross-attention alone, started at random, was learnt too slowly to beat the
+    reports' language prior, and the decoder wrote one template for every patient.
     """
 
     def __init__(
-        self, decoder: BertLMHeadModel, memory_dim: int, tokenizer: Any, kept_tokens: Sequence[int] | None = None
+        self,
+        decoder: BertLMHeadModel,
+        memory_dim: int,
+        tokenizer: Any,
+        kept_tokens: Sequence[int] | None = None,
+        memory_positions: int = 0,
+        pooled_memory: bool = False,
     ):
         super().__init__()
         width = decoder.config.hidden_size
         self.memory_projection = nn.Linear(memory_dim, width) if memory_dim != width else nn.Identity()
+        self.memory_positions = nn.Embedding(memory_positions, width) if memory_positions else None
+        if self.memory_positions is not None:
+            nn.init.normal_(self.memory_positions.weight, std=decoder.config.initializer_range)
+        self.condition = nn.Linear(memory_dim, width) if pooled_memory else None
+        """The pooled memory → a vector added to every token's embedding (:meth:`conditioned`)."""
+        self._condition: torch.Tensor | None = None
+        if self.condition is not None:
+            # zero at first: the decoder starts as it was (a random vector this size drowns the token embeddings)
+            nn.init.zeros_(self.condition.weight)
+            nn.init.zeros_(self.condition.bias)
+            decoder.get_input_embeddings().register_forward_hook(self._add_condition)
         self.decoder = decoder
         self.tokenizer = tokenizer
         # with kept_tokens the decoder reads and writes only those tokenizer ids, as its own ids 0..K-1
@@ -63,29 +85,72 @@ class ReportDecoder(nn.Module):
         """Tokenizer ids (and :data:`IGNORE`) as the decoder's ids."""
         return torch.where(ids == IGNORE, IGNORE, self.own_ids[ids.clamp(min=0)])
 
+    def project_memory(self, memory: torch.Tensor) -> torch.Tensor:
+        projected = self.memory_projection(memory)
+        if self.memory_positions is not None:
+            if memory.shape[1] > self.memory_positions.num_embeddings:
+                raise ValueError(
+                    f"report generation's memory_positions cover {self.memory_positions.num_embeddings} memory tokens; "
+                    f"the encoder gave {memory.shape[1]}: set task_options.memory_positions false for this model"
+                )
+            projected = projected + self.memory_positions.weight[: memory.shape[1]]
+        return projected
+
+    @contextlib.contextmanager
+    def conditioned(self, memory: torch.Tensor, memory_mask: torch.Tensor) -> Iterator[None]:
+        """Within it, the decoder's token embeddings have the projected mean of ``memory`` added."""
+        if self.condition is None:
+            yield
+            return
+        weights = memory_mask.to(memory.dtype).unsqueeze(-1)
+        self._condition = self.condition((memory * weights).sum(1) / weights.sum(1).clamp(min=1.0))
+        try:
+            yield
+        finally:
+            self._condition = None
+
+    def _add_condition(self, module: nn.Module, args: Any, embeddings: torch.Tensor) -> torch.Tensor:
+        if self._condition is None:
+            return embeddings
+        # beam search runs num_beams rows per case, each case's beams together
+        repeats = embeddings.shape[0] // self._condition.shape[0]
+        return embeddings + self._condition.repeat_interleave(repeats, 0).unsqueeze(1).to(embeddings.dtype)
+
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, memory: torch.Tensor, memory_mask: torch.Tensor
     ) -> torch.Tensor:
         """(B, L, vocabulary) next-token logits."""
-        return self.decoder(
-            input_ids=self.to_own(input_ids),
-            attention_mask=attention_mask,
-            encoder_hidden_states=self.memory_projection(memory),
-            encoder_attention_mask=memory_mask.long(),
-            use_cache=False,
-        ).logits
+        with self.conditioned(memory, memory_mask):
+            return self.decoder(
+                input_ids=self.to_own(input_ids),
+                attention_mask=attention_mask,
+                encoder_hidden_states=self.project_memory(memory),
+                encoder_attention_mask=memory_mask.long(),
+                use_cache=False,
+            ).logits
 
     def teach(
-        self, texts: Sequence[str | None], max_tokens: int, memory: torch.Tensor, memory_mask: torch.Tensor
+        self,
+        texts: Sequence[str | None],
+        max_tokens: int,
+        memory: torch.Tensor,
+        memory_mask: torch.Tensor,
+        word_dropout: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Teacher-forced logits of ``texts`` (their first ``max_tokens`` tokens) and their labels in the decoder's
-        ids; an empty text (None) is padding only: it teaches nothing."""
+        ids; an empty text (None) is padding only: it teaches nothing. With ``word_dropout`` that share of the input
+        tokens after [CLS] reads [UNK] (the labels stay): the decoder must lean on the memory, not the words before."""
         from gx_ray.models.text import tokenize_bucketed  # the models package imports MONAI: only when asked
 
         tokens = tokenize_bucketed(self.tokenizer, texts, max_tokens, memory.device)
         has_text = torch.tensor([bool(t) for t in texts], device=memory.device)
         labels = self.to_own(tokens.input_ids.masked_fill(~tokens.attention_mask.bool() | ~has_text[:, None], IGNORE))
-        return self(tokens.input_ids, tokens.attention_mask, memory, memory_mask), labels
+        input_ids = tokens.input_ids
+        if word_dropout > 0:
+            dropped = torch.rand(input_ids.shape, device=input_ids.device) < word_dropout
+            dropped[:, 0] = False
+            input_ids = input_ids.masked_fill(dropped, self.tokenizer.unk_token_id)
+        return self(input_ids, tokens.attention_mask, memory, memory_mask), labels
 
     @functools.cached_property
     def _cache_argument(self) -> str:
@@ -99,20 +164,21 @@ class ReportDecoder(nn.Module):
     ) -> list[str]:
         own = {name: int(self.own_ids[getattr(self.tokenizer, f"{name}_token_id")]) for name in ("cls", "sep", "pad")}
         start = torch.full((memory.shape[0], 1), own["cls"], device=memory.device)
-        tokens = self.decoder.generate(
-            input_ids=start,
-            attention_mask=torch.ones_like(start),
-            encoder_hidden_states=self.memory_projection(memory),
-            encoder_attention_mask=memory_mask.long(),
-            # BERT's cross-attention layers keep their keys in the cross-attention half of this cache; the
-            # DynamicCache that generate() makes by default lacks it (transformers 5)
-            **{self._cache_argument: EncoderDecoderCache(DynamicCache(), DynamicCache())},
-            num_beams=num_beams,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=own["sep"],
-            pad_token_id=own["pad"],
-        )
+        with self.conditioned(memory, memory_mask):
+            tokens = self.decoder.generate(
+                input_ids=start,
+                attention_mask=torch.ones_like(start),
+                encoder_hidden_states=self.project_memory(memory),
+                encoder_attention_mask=memory_mask.long(),
+                # BERT's cross-attention layers keep their keys in the cross-attention half of this cache; the
+                # DynamicCache that generate() makes by default lacks it (transformers 5)
+                **{self._cache_argument: EncoderDecoderCache(DynamicCache(), DynamicCache())},
+                num_beams=num_beams,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=own["sep"],
+                pad_token_id=own["pad"],
+            )
         return self.tokenizer.batch_decode(self.kept_tokens[tokens], skip_special_tokens=True)
 
 
@@ -133,6 +199,16 @@ class ReportGeneration(Task):
     num_beams: int = 1
     """1 = greedy decoding."""
     max_new_tokens: int = 256
+    word_dropout: float = 0.0
+    """Training only: this share of the decoder's input tokens reads [UNK] (:meth:`ReportDecoder.teach`)."""
+    label_smoothing: float = 0.0
+    """Of the teacher-forced cross-entropy (training loss only)."""
+    memory_positions: bool = False
+    """Learnt position embeddings added to the memory tokens the decoder cross-attends to (where in the image)."""
+    pooled_memory: bool = False
+    """The memory's mean, projected, added to every input token's embedding besides cross-attention (the image as an
+    input of every step). Its projection starts at zero; on a four-case set at learning rate 3e-3 it unsettled the
+    loss (the trainability test), so it is the demo preset's choice, not the default."""
     full_metrics: bool = False
     """All four metrics (METEOR needs WordNet, BERTScore runs MiniLM); otherwise ROUGE-L and BLEU-4."""
     vocabulary: str = "tokenizer"
@@ -152,6 +228,8 @@ class ReportGeneration(Task):
         self.training_reports: list[str] = []
         if self.num_beams < 1 or self.max_new_tokens < 1 or self.max_report_tokens < 2:
             raise ValueError("num_beams and max_new_tokens must be at least 1, max_report_tokens at least 2")
+        if not 0.0 <= self.word_dropout < 1.0:
+            raise ValueError(f"word_dropout must be in [0, 1), not {self.word_dropout}")
 
     def prepare(self, train_rows: Iterable[Mapping[str, Any]]) -> None:
         """With ``vocabulary="training"``, keep the training reports: the decoder's tokens are theirs."""
@@ -175,6 +253,8 @@ class ReportGeneration(Task):
             max(512, self.max_report_tokens, self.max_new_tokens + 1),
             self.training_reports if self.vocabulary == "training" else None,
             self.max_report_tokens,
+            512 if self.memory_positions else 0,
+            self.pooled_memory,
         )
 
     def target_texts(self, reports: Sequence[str | None]) -> list[str | None]:
@@ -207,7 +287,13 @@ class ReportGeneration(Task):
     def forward(self, encoder: nn.Module, head: nn.Module, inputs: ModelInputs, batch: Batch) -> Outputs:
         encoded = encoder(inputs)
         references = batch[self.column]
-        logits, labels = head.teach(references, self.max_report_tokens, encoded.tokens, encoded.token_mask)
+        logits, labels = head.teach(
+            references,
+            self.max_report_tokens,
+            encoded.tokens,
+            encoded.token_mask,
+            self.word_dropout if head.training else 0.0,
+        )
         outputs = {
             "logits": logits,
             "labels": labels,
@@ -221,7 +307,7 @@ class ReportGeneration(Task):
         return outputs
 
     def loss(self, outputs: Outputs, batch: Batch) -> torch.Tensor:
-        return teacher_forced_loss(outputs["logits"], outputs["labels"])
+        return teacher_forced_loss(outputs["logits"], outputs["labels"], self.label_smoothing)
 
     def predict(self, outputs: Outputs, batch: Batch) -> list[dict[str, Any]]:
         if "generated" not in outputs:
@@ -247,6 +333,8 @@ def build_decoder(
     max_positions: int = 512,
     taught_texts: Sequence[str] | None = None,
     max_tokens: int = 256,
+    memory_positions: int = 0,
+    pooled_memory: bool = False,
 ) -> ReportDecoder:
     """A :class:`ReportDecoder` over ``memory_dim``-wide memory: the ``small`` random BERT of ``width``/``layers``/
     ``heads``, or ``minilm``'s real weights. With ``taught_texts`` the small decoder keeps only the tokens of those
@@ -282,7 +370,7 @@ def build_decoder(
             add_cross_attention=True,
         )
         model = BertLMHeadModel(config)
-    return ReportDecoder(model, memory_dim, tokenizer, kept)
+    return ReportDecoder(model, memory_dim, tokenizer, kept, memory_positions, pooled_memory)
 
 
 def cut_texts(tokenizer: Any, texts: Sequence[str | None], max_tokens: int) -> list[str | None]:
@@ -297,12 +385,14 @@ def cut_texts(tokenizer: Any, texts: Sequence[str | None], max_tokens: int) -> l
     return cut
 
 
-def teacher_forced_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def teacher_forced_loss(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
     """Next-token cross-entropy: position t predicts token t + 1; :data:`IGNORE` labels add nothing."""
     logits, labels = logits[:, :-1], labels[:, 1:]
     if not (labels != IGNORE).any():
         return logits.sum() * 0.0
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE)
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, label_smoothing=label_smoothing
+    )
 
 
 class ReportMetric(TaskMetric):
