@@ -477,17 +477,17 @@ def test_a_trial_process_imports_none_of_the_drivers_machinery():
     assert out.strip() == "[]", out
 
 
-def test_what_a_sweep_driver_reads_of_a_task_imports_no_monai():
+def test_what_a_sweep_driver_reads_of_a_task_imports_no_monai_nor_transformers():
     """The driver reads each task's class (its primary metric, direction, labels, whether it packs on a GPU) before
-    the trials start and again for the report: MONAI's package import (seconds: it loads every submodule) belongs
-    to the processes that build a model, not to the driver's launch → first step."""
+    the trials start and again for the report: MONAI's package import (seconds: it loads every submodule) and
+    transformers' belong to the processes that build a model, not to the driver's launch → first step."""
     import subprocess
     import sys
 
     code = (
         "import sys; from gx_ray.tasks import task_class; from gx_ray.schema import PAPER_TASKS; "
         "print([(t, task_class(t).shares_a_gpu) for t in PAPER_TASKS]); "
-        "print(sorted(m for m in sys.modules if m.startswith(('monai', 'gx_ray.tasks.retinanet'))))"
+        "print(sorted(m for m in sys.modules if m.startswith(('monai', 'transformers', 'gx_ray.tasks.retinanet'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     classes, modules = out.strip().splitlines()

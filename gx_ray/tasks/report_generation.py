@@ -17,18 +17,20 @@ import functools
 import inspect
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import BertConfig, BertLMHeadModel, DynamicCache, EncoderDecoderCache
 
 from gx_ray.metrics import FAST_TEXT_METRICS, TEXT_METRICS, text_generation_metrics
 from gx_ray.modalities import ModelInputs
 from gx_ray.modalities.schemas import REPORT_TARGETS
 from gx_ray.tasks.base import Batch, Outputs, Task, TaskMetric, check_train_rows, report_column
+
+if TYPE_CHECKING:  # transformers is imported where a decoder is built: reading the task's class (a driver) needs none
+    from transformers import BertLMHeadModel
 
 DECODERS: tuple[str, ...] = ("small", "minilm")
 VOCABULARIES: tuple[str, ...] = ("tokenizer", "training")
@@ -162,6 +164,8 @@ class ReportDecoder(nn.Module):
     def generate(
         self, memory: torch.Tensor, memory_mask: torch.Tensor, num_beams: int = 1, max_new_tokens: int = 128
     ) -> list[str]:
+        from transformers import DynamicCache, EncoderDecoderCache
+
         own = {name: int(self.own_ids[getattr(self.tokenizer, f"{name}_token_id")]) for name in ("cls", "sep", "pad")}
         start = torch.full((memory.shape[0], 1), own["cls"], device=memory.device)
         with self.conditioned(memory, memory_mask):
@@ -341,6 +345,8 @@ def build_decoder(
     texts (their first ``max_tokens``) and the special tokens: its output layer shrinks to them."""
     if decoder not in DECODERS:
         raise ValueError(f"unknown report decoder {decoder!r}; valid: {', '.join(DECODERS)}")
+    from transformers import BertConfig, BertLMHeadModel
+
     kept = None
     if taught_texts is not None:
         taught = tokenizer(list(taught_texts), truncation=True, max_length=max_tokens)["input_ids"]
