@@ -185,3 +185,26 @@ def test_the_vlm_trials_benchmark_runs_the_bench_preset_on_the_model_it_built(ra
     step = {"gx_ray": {"samples_per_s": rows[0]["samples_per_s"][-1]}, "raw": {"samples_per_s": 1.0}}
     text = format_vlm_trials(rows, step)
     assert "stage_classification   FINISHED" in text and "last / step 1.00" in text and "cases/s" in text
+
+
+def test_the_attention_benchmark_times_each_pass_under_the_backend_it_names():
+    """Each variant sets the backend it names (cuDNN attention on for ``default``, off for ``no_cudnn``) and decodes the
+    full ``max_new_tokens``: a cold and a warm pass of the very same work, so cold − warm is the one-off cost."""
+    from gx_ray.sweep.attention_benchmark import AttentionBenchmarkConfig, format_attention_result, measure
+
+    config = AttentionBenchmarkConfig(train_batch=4, eval_batch=3, lengths=(16,), max_new_tokens=3, memory_tokens=5)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        results = []
+        for variant in ("no_cudnn", "default"):
+            results.append(measure(variant, config))
+            assert torch.backends.cuda.cudnn_sdp_enabled() is (variant == "default")
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+    for r in results:
+        assert r["generated_tokens"] == config.max_new_tokens
+        assert all(r[f"{part}_{pass_}_s"] > 0 for part in ("text", "generate") for pass_ in ("cold", "warm"))
+    table = format_attention_result(results, config)
+    assert "no_cudnn" in table and "default" in table
+    with pytest.raises(ValueError, match="unknown attention variant"):
+        measure("flash_only", config)
