@@ -44,8 +44,9 @@ CUDNN_ATTENTION_ENV = "GX_RAY_CUDNN_ATTENTION"
 """Set to ``1`` to let SDPA choose cuDNN's attention on a GPU (:func:`choose_attention_backends`)."""
 
 
-def choose_attention_backends() -> bool:
-    """Turn cuDNN's SDPA attention off for this process unless ``GX_RAY_CUDNN_ATTENTION=1``; returns whether it is on.
+def choose_attention_backends(enabled: bool | None = None) -> bool:
+    """Turn cuDNN's SDPA attention off for this process unless ``GX_RAY_CUDNN_ATTENTION=1`` (or ``enabled`` says
+    otherwise: the attention benchmark's variants); returns whether it is on.
 
     cuDNN builds an execution plan for every attention shape it meets for the first time, and a trial's text meets
     many once: a plan per (length bucket, batch size) for the encoder, forward and backward apart, and one per decoded
@@ -53,7 +54,8 @@ def choose_attention_backends() -> bool:
     text trial's first epoch; FlashAttention and the memory-efficient kernel plan nothing (``python jobs/benchmark.py
     attention`` measures both). The models' attention is a small share of their step, so cuDNN's faster kernels do
     not win that back in a trial. Process-wide: a trial process sets it before it builds its model."""
-    enabled = os.environ.get(CUDNN_ATTENTION_ENV, "0") == "1"
+    if enabled is None:
+        enabled = os.environ.get(CUDNN_ATTENTION_ENV, "0") == "1"
     torch.backends.cuda.enable_cudnn_sdp(enabled)
     return enabled
 

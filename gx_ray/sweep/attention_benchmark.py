@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from gx_ray.models.text import TEXT_BUCKETS
+
 VARIANTS = {
     "default": "torch's own choice of SDPA backend",
     "no_cudnn": "cuDNN attention off (FlashAttention / memory-efficient / math)",
@@ -31,7 +33,8 @@ class AttentionBenchmarkConfig:
     variants: tuple[str, ...] = tuple(VARIANTS)
     train_batch: int = 8
     eval_batch: int = 32
-    lengths: tuple[int, ...] = (16, 32, 64, 128, 256)
+    lengths: tuple[int, ...] = tuple(b for b in TEXT_BUCKETS if b <= 256)
+    """The loop's bucket lengths up to the reports' default 256 tokens."""
     max_new_tokens: int = 256
     memory_tokens: int = 64
     memory_dim: int = 256
@@ -41,12 +44,12 @@ def measure(variant: str, config: AttentionBenchmarkConfig) -> dict[str, Any]:
     """Cold and warm seconds of the text and generation passes, in this process, under ``variant``."""
     import torch
 
-    from gx_ray.models.text import build_text_encoder
+    from gx_ray.models.text import build_text_encoder, choose_attention_backends
     from gx_ray.tasks.report_generation import build_decoder
 
     if variant not in VARIANTS:
         raise ValueError(f"unknown attention variant {variant!r}; valid: {', '.join(VARIANTS)}")
-    torch.backends.cuda.enable_cudnn_sdp(variant != "no_cudnn")
+    choose_attention_backends(variant != "no_cudnn")  # the switch a trial's build_trial throws
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the CPU only to try the code
     torch.manual_seed(0)
     encoder = build_text_encoder("minilm").to(device)
@@ -57,21 +60,21 @@ def measure(variant: str, config: AttentionBenchmarkConfig) -> dict[str, Any]:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    def encode(batch: int, length: int) -> torch.Tensor:
+        mask = torch.ones(batch, length, dtype=torch.long, device=device)
+        mask[0, length // 2 :] = 0  # padding, as real batches have: the attention mask is not empty
+        with torch.autocast(device.type, torch.bfloat16):
+            return encoder.model(input_ids=ids[:batch, :length], attention_mask=mask).last_hidden_state
+
     def text_pass() -> None:
         encoder.train()
         for length in config.lengths:
             for batch in (config.train_batch, config.train_batch - 3):  # a full batch and an epoch's last
-                with torch.autocast(device.type, torch.bfloat16):
-                    mask = torch.ones(batch, length, dtype=torch.long, device=device)
-                    mask[0, length // 2 :] = 0  # padding, as real batches have: the attention mask is not empty
-                    out = encoder.model(input_ids=ids[:batch, :length], attention_mask=mask).last_hidden_state
-                out.float().mean().backward()
+                encode(batch, length).float().mean().backward()
         encoder.eval()
-        with torch.no_grad(), torch.autocast(device.type, torch.bfloat16):
+        with torch.no_grad():
             for length in config.lengths:
-                mask = torch.ones(config.eval_batch, length, dtype=torch.long, device=device)
-                mask[0, length // 2 :] = 0
-                encoder.model(input_ids=ids[:, :length], attention_mask=mask)
+                encode(config.eval_batch, length)
 
     steps = []
     decoder.decoder.bert.embeddings.register_forward_hook(lambda *_: steps.append(1))
