@@ -318,8 +318,8 @@ def test_seed_comparisons_headline_only(monkeypatch):
 
 
 def test_paired_bootstraps_spread_over_processes_equal_one_process():
-    """The report's comparisons run in joblib's processes: each gives what it gives alone, in order, and a comparison
-    without predictions stays None."""
+    """The report's comparisons run in joblib's processes when they are long, in its own process when short: either
+    way each gives what it gives alone, in order, and a comparison without predictions stays None."""
     from gx_ray.analysis.cases import CaseScorer, paired_bootstrap_of, paired_bootstraps
 
     rng = np.random.default_rng(0)
@@ -331,7 +331,8 @@ def test_paired_bootstraps_spread_over_processes_equal_one_process():
 
     jobs = [[[arm(shift), arm(shift)], [arm(0.0), arm(0.0)]] for shift in (0.0, 0.5, 1.5)]
     jobs.append([[arm(1.0), None], [arm(0.0), arm(0.0)]])
-    spread = paired_bootstraps(jobs, 300)
-    assert spread == [paired_bootstrap_of(job, 300) for job in jobs]
+    alone = [paired_bootstrap_of(job, 300) for job in jobs]
+    spread = paired_bootstraps(jobs, 300, process_start_s=0.0)  # processes, however short the comparisons
+    assert spread == alone == paired_bootstraps(jobs, 300, process_start_s=1e9)  # and all in this one
     assert spread[3] is None
     assert spread[2]["diff"] > spread[1]["diff"] > spread[0]["diff"] - 0.5 and spread[2]["p_value"] < 0.01

@@ -383,3 +383,23 @@ def test_the_progress_bar_counts_a_trial_the_time_budget_ended_as_stopped_not_fi
     assert progress.bar.n == 3 and progress.shown == (1, 1, 1)
     progress.on_experiment_end(trials)
     assert "finished=1, stopped=1, failed=1" in capsys.readouterr().err
+
+
+def test_the_report_s_imports_are_warmed_once_the_first_trial_ends(tmp_path, monkeypatch):
+    """The driver imports what the report needs while trials still run: MONAI's box matching only when the sweep has
+    detection trials, and nothing before the first trial ends (the sweep's start stays short)."""
+    from gx_ray.sweep.driver import DETECTION_MATCHING, REPORT_MODULES, ReportWarmUp, report_modules
+
+    assert report_modules(load_space("modality_ablation")) == (*REPORT_MODULES, DETECTION_MATCHING)
+    assert report_modules(load_space("modality_ablation", ("planted",))) == REPORT_MODULES  # stage only
+    (tmp_path / "warmed_for_the_report.py").write_text("import time\ntime.sleep(0.2)\nVALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    warm = ReportWarmUp(("warmed_for_the_report",))
+    assert warm.thread is None and "warmed_for_the_report" not in sys.modules
+    warm.on_trial_complete(0, [], None)
+    first = warm.thread
+    warm.on_trial_complete(1, [], None)  # once per sweep
+    assert warm.thread is first and first.daemon
+    first.join(10)
+    assert sys.modules["warmed_for_the_report"].VALUE == 1
+    monkeypatch.delitem(sys.modules, "warmed_for_the_report")

@@ -14,6 +14,7 @@ metric: detection boxes and scores are stored rounded.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -195,14 +196,29 @@ def paired_bootstrap_of(arms: list[list[CaseScorer | None]], n_resamples: int) -
     return paired_bootstrap(score_a, score_b, len(common), n_resamples=n_resamples)
 
 
-def paired_bootstraps(jobs: list[list[list[CaseScorer | None]]], n_resamples: int) -> list[dict | None]:
-    """:func:`paired_bootstrap_of` of every comparison, spread over this host's cores: rescoring a thousand
-    resamples is the report's longest part (a 60-trial demo sweep's 15 comparisons: 80 s of 105 in one process).
-    joblib's loky processes, as the scorers are closures that only cloudpickle carries; each comparison is seeded,
+PROCESS_START_S = 5.0
+"""What starting joblib's loky processes costs before they score anything (each imports the scorers' modules: numpy,
+pandas, torch): 5-8 s on a 2-core machine and on a 64-core GPU node alike. The report spreads its comparisons over
+processes only when the rest would take longer than this in one process."""
+
+
+def paired_bootstraps(
+    jobs: list[list[list[CaseScorer | None]]], n_resamples: int, process_start_s: float = PROCESS_START_S
+) -> list[dict | None]:
+    """:func:`paired_bootstrap_of` of every comparison, in order. Rescoring a thousand resamples can be the report's
+    longest part (a 60-trial demo sweep's 15 comparisons: 80 s of 105 in one process), and can be a second (a slice of
+    one seed per cell): the first comparison runs here, timed, and the rest go to joblib's loky processes (the
+    scorers are closures that only cloudpickle carries) only when they would take longer than starting those
+    processes (4 x H200: 5 one-seed comparisons took 22 s of report through processes). Each comparison is seeded,
     so the results do not depend on the process that computed them."""
-    workers = min(len(jobs), os.cpu_count() or 1)
-    if workers <= 1:
-        return [paired_bootstrap_of(arms, n_resamples) for arms in jobs]
+    if not jobs:
+        return []
+    started = time.perf_counter()
+    first = paired_bootstrap_of(jobs[0], n_resamples)
+    rest = jobs[1:]
+    workers = min(len(rest), os.cpu_count() or 1)
+    if workers <= 1 or (time.perf_counter() - started) * len(rest) <= process_start_s:
+        return [first, *(paired_bootstrap_of(arms, n_resamples) for arms in rest)]
     from joblib import Parallel, delayed
 
-    return Parallel(n_jobs=workers)(delayed(paired_bootstrap_of)(arms, n_resamples) for arms in jobs)
+    return [first, *Parallel(n_jobs=workers)(delayed(paired_bootstrap_of)(arms, n_resamples) for arms in rest)]

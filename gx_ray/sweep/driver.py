@@ -4,8 +4,10 @@ per task and schema, the GPU plan and usage, and the report.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import importlib
 import json
 import math
 import os
@@ -38,7 +40,7 @@ from gx_ray.sweep.plan_cache import measured_plan
 from gx_ray.sweep.resume import check_resumable, record_inputs, sweep_inputs
 from gx_ray.sweep.spaces import SearchSpace, available_presets, load_space
 from gx_ray.sweep.trial import gpu_plan_key, resolve, run_trial, task_options, trial_resources
-from gx_ray.tasks import task_class
+from gx_ray.tasks import task_class, task_of
 from gx_ray.tracking import (
     check_reachable_from,
     child_runs,
@@ -415,6 +417,41 @@ class TrialProgress(tune.Callback):
             self.bar.close()
 
 
+REPORT_MODULES = ("gx_ray.analysis.report",)
+DETECTION_MATCHING = "monai.apps.detection.metrics.matching"
+"""The report rescoring detection trials matches boxes with MONAI, and importing MONAI imports all of it: 5 s on a
+2-core machine, 10-14 s cold on a GPU node."""
+
+
+class ReportWarmUp(tune.Callback):
+    """Once the first trial has ended, imports ``modules`` in a background thread: what the report will import (its
+    statistics and figures; MONAI's box matching for detection trials), so that the report, written after the last
+    trial, does not pay for it. The driver is idle while the trials run, and by then the start of the sweep, which
+    has launch → first step to keep short, is over."""
+
+    def __init__(self, modules: tuple[str, ...]) -> None:
+        self.modules, self.thread = modules, None
+
+    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=_import_quietly, args=(self.modules,), name="report-warm-up")
+            self.thread.daemon = True
+            self.thread.start()
+
+
+def report_modules(space: SearchSpace) -> tuple[str, ...]:
+    """What the report on ``space``'s trials imports that the driver has not (:class:`ReportWarmUp`)."""
+    sampled = space.sample.get("task", {}).get("choices", [])
+    tasks = {task_of(str(t)) for t in [*space.grid.get("task", []), *sampled, space.fixed.get("task", "")]}
+    return REPORT_MODULES + ((DETECTION_MATCHING,) if "lesion_detection" in tasks else ())
+
+
+def _import_quietly(modules: tuple[str, ...]) -> None:
+    for module in modules:
+        with contextlib.suppress(Exception):  # a failed import is the report's to raise, where it is needed
+            importlib.import_module(module)
+
+
 def trial_error(trial: Any) -> str:
     """``Type: first line`` of the exception that ended a Tune trial, the trainable's own rather than Ray's wrapper
     (a ``RayTaskError`` carries it as ``cause``); a worker that died says so."""
@@ -535,7 +572,7 @@ def _tune(
             num_to_keep=2, checkpoint_score_attribute=METRIC, checkpoint_score_order="max"
         ),
         verbose=0,
-        callbacks=[TrialProgress(space.trial_count())],
+        callbacks=[TrialProgress(space.trial_count()), ReportWarmUp(report_modules(space))],
     )
     path = storage.join(state, sweep_id)  # absolute: Tune reads a relative path as a URI without a scheme
     if options.resume and tune.Tuner.can_restore(path):
