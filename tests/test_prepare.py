@@ -129,6 +129,24 @@ def test_same_input_gives_byte_identical_shards(demo_prepared, demo_raw, tmp_pat
     assert (demo_prepared.shard_dir / "split.json").read_bytes() == (again.shard_dir / "split.json").read_bytes()
 
 
+def test_replicated_benchmark_cohort_is_the_same_written_by_one_thread_or_many(demo_prepared, tmp_path):
+    """The benchmarks' cohort of a chosen size: each split holds its rows, every file passes the shard checks, and
+    writing a file per thread gives byte for byte what one thread writes."""
+    from gx_ray.data.ingest_benchmark import SHARD_ROWS, replicate_splits
+    from gx_ray.data.shards import check_shards
+
+    rows = {"train": SHARD_ROWS + 5, "val": 3, "test": 2 * SHARD_ROWS}
+    one = replicate_splits(demo_prepared.shard_dir, tmp_path / "one", rows, threads=1)
+    many = replicate_splits(demo_prepared.shard_dir, tmp_path / "many", rows, threads=4)
+    files = read_manifest(many)["files"]
+    assert files == read_manifest(one)["files"]
+    assert {split: sum(f["rows"] for f in files if f["split"] == split) for split in rows} == rows
+    assert [f["file"] for f in files if f["split"] == "train"] == ["train-00000.parquet", "train-00001.parquet"]
+    check_shards(many, verify=True)
+    ids = [i for f in files for i in pq.read_table(many / f["file"], columns=["case_id"])["case_id"].to_pylist()]
+    assert len(ids) == len(set(ids)) == sum(rows.values())
+
+
 # --- bad input: each corrupts one case of a copy of the cohort; one preparation run checks them all ---
 
 

@@ -121,7 +121,8 @@ class TensorLayout:
 
 
 class ShardWriter:
-    """Writes rows into per-split Parquet files of at most ``rows_per_shard`` rows, in the order given."""
+    """Writes rows into per-split Parquet files of at most ``rows_per_shard`` rows, in the order given; files are
+    numbered per split from ``first_shard`` (writers that each write a part of a split side by side)."""
 
     def __init__(
         self,
@@ -130,13 +131,14 @@ class ShardWriter:
         rows_per_shard: int = 64,
         row_group_rows: int = 8,
         compression: str = COMPRESSION,
+        first_shard: int = 0,
     ):
         self.out_dir, self.schema, self.compression = Path(out_dir), schema, compression
         self.rows_per_shard, self.row_group_rows = rows_per_shard, row_group_rows
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._writers: dict[str, tuple[pq.ParquetWriter, Path, int]] = {}
         self._pending: dict[str, list[dict[str, Any]]] = {s: [] for s in SPLITS}
-        self._counts = {s: 0 for s in SPLITS}
+        self._counts = {s: first_shard for s in SPLITS}
         self.files: list[dict[str, Any]] = []
 
     def write(self, row: dict[str, Any]) -> None:
