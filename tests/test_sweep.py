@@ -148,6 +148,12 @@ def test_mlflow_holds_one_parent_and_a_child_per_trial_with_metrics(smoke_sweep,
         assert math.isnan(chance) == math.isnan(metric) and (math.isnan(chance) or 0 <= chance <= 100)
         artifacts = {a.path for a in client.list_artifacts(child.info.run_id, "predictions")}
         assert "predictions/test_sample.json" in artifacts
+        # where a trial's start-up went: the model's build is part of the loop's set-up
+        assert 0 < child.data.metrics["build_seconds"] <= child.data.metrics["setup_seconds"]
+    # a trial that started a process says how old the process was (Ray's start of it, the imports); the trials that
+    # reused it say nothing (Tune reuses actors: 20 trials, a few processes)
+    ages = [c.data.metrics["process_start_seconds"] for c in children if "process_start_seconds" in c.data.metrics]
+    assert 1 <= len(ages) < len(children) and all(0 < age < 600 for age in ages)
     # the runs table's link opens a view of this sweep's trials with their headline columns (MLflow's shared views)
     view = json.loads(client.get_experiment(parent.info.experiment_id).tags[SHARED_VIEW_TAG + smoke_sweep.view])
     found = client.search_runs([parent.info.experiment_id], view["searchFilter"], max_results=100)

@@ -417,6 +417,9 @@ def _slice_figures(sweep: SweepResult, raw: dict[str, dict[str, float]], eval_ro
             "gpu_busy_fraction": metrics.get("gpu_busy_fraction", math.nan),
             "gpu_shared": metrics.get("gpu_shared", math.nan),
             "setup_seconds": metrics.get("setup_seconds", math.nan),
+            "build_seconds": metrics.get("build_seconds", math.nan),
+            "process_start_seconds": metrics.get("process_start_seconds", math.nan),  # a trial in a new process only
+            "trial_start_seconds": metrics.get("trial_start_seconds", math.nan),
             "epochs": epoch_timings,
         }
         if run.info.start_time and run.info.end_time:
@@ -506,16 +509,25 @@ def _data_path(in_memory: str | None) -> str:
 
 def _launch_line(s: dict[str, Any]) -> str:
     """Launch → first step, by part: the driver's (Ray, data, the GPU plan's measured steps, what was left of MLflow's
-    start), then the trials' (the first cells' median set-up in the loop: model, data, micro-batch)."""
+    start), then the trials' medians: the process's age at its first trial (Ray starting the actor, the imports),
+    the trial's own start (its MLflow run, its config), and the loop's set-up (the model's build among it)."""
     driver = s.get("sweep_seconds", {})
     parts = [("Ray", "ray_seconds"), ("data", "data_seconds"), ("GPU plan", "gpu_plan_seconds"),
              ("MLflow wait", "mlflow_seconds")]  # fmt: skip
     said = ", ".join(f"{name} {driver[key]:.1f} s" for name, key in parts if key in driver)
-    setups = [c.get("setup_seconds", math.nan) for c in s.get("cells", {}).values()]
-    setups = [x for x in setups if math.isfinite(x)]
-    trial = f"; a trial's loop set-up {float(np.median(setups)):.1f} s (median)" if setups else ""
+    cells = s.get("cells", {}).values()
+
+    def median(key: str) -> float:
+        values = [c.get(key, math.nan) for c in cells]
+        values = [x for x in values if math.isfinite(x)]
+        return float(np.median(values)) if values else math.nan
+
+    trial = [("process", "process_start_seconds"), ("trial start", "trial_start_seconds"),
+             ("loop set-up", "setup_seconds"), ("of it the model", "build_seconds")]  # fmt: skip
+    medians = ", ".join(f"{name} {median(key):.1f} s" for name, key in trial if math.isfinite(median(key)))
     first = s.get("first_step_after_seconds") or math.nan
-    return f"launch → first step {first:.1f} s: {said or 'no driver timings'}{trial}"
+    return (f"launch → first step {first:.1f} s: {said or 'no driver timings'}"
+            f"{f'; a trial (median): {medians}' if medians else ''}")  # fmt: skip
 
 
 def format_cluster_result(result: dict[str, Any]) -> str:

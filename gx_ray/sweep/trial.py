@@ -15,6 +15,7 @@ import time
 import traceback
 from typing import Any
 
+import psutil
 import ray
 import torch
 from mlflow.tracking import MlflowClient
@@ -27,6 +28,10 @@ from gx_ray.train.config import AUTO, TrialConfig
 from gx_ray.train.loop import WorkerContext, run_loop, train_loop_per_worker
 from gx_ray.train.telemetry import GpuSampler, sample_metrics, visible_gpu_uuids
 
+_process_started: list[float] = []
+"""This process's age when its first trial began (Ray's start of the actor and the imports): reused actors' later
+trials have none."""
+
 
 def run_trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     """One Tune trial: build its config, open its MLflow child run, train (directly or with a TorchTrainer).
@@ -35,6 +40,9 @@ def run_trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     ``tune.with_parameters``: never kept in Tune's saved trial configs, so a resumed sweep's trials log to the resumed
     sweep's MLflow server and parent run, not to the killed one's."""
     trial_started = time.perf_counter()
+    cold = not _process_started
+    if cold:
+        _process_started.append(time.time() - psutil.Process().create_time())
     quiet_data_context()
     # MLflow prints two "View run" lines whenever a run ends: 120 lines per sweep; the parent run's are enough
     os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
@@ -89,7 +97,8 @@ def run_trial(params: dict[str, Any], context: dict[str, Any]) -> None:
                 torch.cuda.set_per_process_memory_fraction(share, torch.cuda.current_device())
             worker = WorkerContext(
                 0, 1, device, tune.report, tune.get_checkpoint(), tracker, plan.get("micro_batch"),
-                {"trial_start_seconds": time.perf_counter() - trial_started}, end_run,
+                {"trial_start_seconds": time.perf_counter() - trial_started,
+                 **({"process_start_seconds": _process_started[0]} if cold else {})}, end_run,
             )  # fmt: skip
             try:
                 run_loop(config, worker)
