@@ -89,6 +89,30 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def random_state() -> dict[str, Any]:
+    """Every random generator a trial draws from (Python's, NumPy's global, torch's CPU and CUDA ones), in what a
+    ``weights_only`` checkpoint holds: a trial resumed with :func:`restore_random_state` draws what the uninterrupted
+    one would have (its dropout masks among them)."""
+    kind, keys, position, has_gauss, gauss = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
+                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }  # fmt: skip
+
+
+def restore_random_state(state: dict[str, Any]) -> None:
+    """The generators as :func:`random_state` saved them; a checkpoint without one (older) leaves them as seeded."""
+    random.setstate(state["python"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["position"], n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 def autocast(config: TrialConfig, device: torch.device):
     use_bf16 = config.amp == "bf16" or (config.amp == "auto" and device.type == "cuda")
     return torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
@@ -379,6 +403,8 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
         optimiser.load_state_dict(state["optimiser"])
         scheduler.load_state_dict(state["scheduler"])
         start_epoch, best = state["epoch"] + 1, state["best"]
+        if "random" in state:
+            restore_random_state(state["random"])
         if ctx.tracker:  # a retried trial (its node lost, say) goes on from here: the run tells where it resumed
             ctx.tracker.log_metrics({"resumed_from_epoch": start_epoch}, step=start_epoch)
     train.prefetch(start_epoch)  # reads start while DDP is set up
@@ -521,6 +547,7 @@ def _report(ctx: WorkerContext, metrics: dict, model, optimiser, scheduler, epoc
             "scheduler": scheduler.state_dict(),
             "epoch": epoch,
             "best": best,
+            "random": random_state(),  # a retried trial goes on drawing where this one stopped
         }
         torch.save(state, Path(folder) / CHECKPOINT_FILE)
         (Path(folder) / "metrics.json").write_text(json.dumps(metrics, default=float), encoding="utf-8")
