@@ -107,6 +107,21 @@ def test_every_shipped_space_and_preset_is_valid():
                 TrialConfig.from_flat({**space.resource_keys(), **flat, "data.shards": "x"})
 
 
+def test_a_later_preset_s_fixed_keys_win_over_the_rules_before_it():
+    """``demo`` trains report generation longer through an override rule; ``smoke`` after it still cuts every task to
+    its one short epoch, and the rule's other settings stay."""
+    demo = load_space("modality_ablation", ("demo",))
+    smoke = load_space("modality_ablation", ("demo", "smoke"))
+    for task in TASKS:
+        cell = {"task": task, "schema": "image_only", "seed": 0}
+        assert smoke.resolve(cell)["schedule.epochs"] == 1
+        assert smoke.resolve(cell)["schedule.max_steps_per_epoch"] == 2
+    report = {"task": "report_generation", "schema": "image_only", "seed": 0}
+    assert demo.resolve(report)["schedule.epochs"] > demo.resolve({**report, "task": "vqa"})["schedule.epochs"]
+    tokens = "task_options.max_report_tokens"
+    assert smoke.resolve(report)[tokens] == demo.resolve(report)[tokens] == 96
+
+
 # --- the smoke modality ablation, end to end --------------------------------------------------------------
 
 

@@ -13,7 +13,8 @@ A space file is data::
     resources: {workers: 1, cpus_per_worker: 1, gpus_per_worker: 0}
     overrides:                                     # settings that depend on others, applied to each trial
       - {when: {task: lesion_detection}, set: {schema.box_levels: [lymph_nodes, stomach]}}
-    presets:  {demo: {...}, smoke: {...}}          # overlays of the keys above, merged in order
+    presets:  {demo: {...}, smoke: {...}}          # overlays of the keys above, merged in order; a preset's
+                                                   # fixed keys win over the override rules before it
 
 Keys are the dotted keys of :class:`~gx_ray.train.config.TrialConfig`. Every error names the file, the key and
 the valid choices, and is raised before Ray starts.
@@ -150,7 +151,14 @@ def load_space(name_or_path: str, presets: tuple[str, ...] = ()) -> SearchSpace:
 
 
 def _overlay(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
+    """``overlay`` (a preset) over ``base``: its mappings merged key by key, its lists in place of base's; what it
+    fixes also wins over base's override rules (``smoke``'s one epoch over ``demo``'s longer report generation)."""
     merged = copy.deepcopy(base)
+    fixed = overlay.get("fixed") if isinstance(overlay.get("fixed"), dict) else {}
+    if fixed and "overrides" not in overlay:  # an overlay with rules of its own replaces base's
+        for rule in merged.get("overrides") or []:
+            if isinstance(rule, dict) and isinstance(rule.get("set"), dict):
+                rule["set"] = {k: v for k, v in rule["set"].items() if k not in fixed}
     for key, value in overlay.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
             merged[key] = {**merged[key], **value}
