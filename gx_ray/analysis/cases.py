@@ -183,9 +183,9 @@ def case_scorer(task: str, records: Records, metric: str, language: str = "en") 
 
 
 def paired_bootstrap_of(arms: list[list[CaseScorer | None]], n_resamples: int) -> dict | None:
-    """:func:`~gx_ray.analysis.stats.paired_bootstrap` of arm A (its seeds' scorers) against arm B on the test
+    """:func:`~gx_ray.analysis.bootstrap.paired_bootstrap` of arm A (its seeds' scorers) against arm B on the test
     patients every trial scored; None without predictions or patients."""
-    from gx_ray.analysis.stats import paired_bootstrap
+    from gx_ray.analysis.bootstrap import paired_bootstrap
 
     if any(s is None for arm in arms for s in arm):
         return None
@@ -196,29 +196,41 @@ def paired_bootstrap_of(arms: list[list[CaseScorer | None]], n_resamples: int) -
     return paired_bootstrap(score_a, score_b, len(common), n_resamples=n_resamples)
 
 
-PROCESS_START_S = 5.0
-"""What starting joblib's loky processes costs before they score anything (each imports the scorers' modules: numpy,
-pandas, torch): 5-8 s on a 2-core machine and on a 64-core GPU node alike. The report spreads its comparisons over
-processes only when the rest would take longer than this in one process."""
+PROCESS_START_S = 2.0
+"""About what starting joblib's loky processes costs before they score anything: each imports the scorers' modules
+(0.5 s for two on a 2-core machine since :mod:`gx_ray.analysis.bootstrap` stands alone; 5-8 s when the workers
+imported MLflow, SciPy and pandas with it), more where a scorer's first call imports its metric's library. The
+report spreads its comparisons over processes only when they would take longer than this in one."""
+
+
+def estimated_seconds(arms: list[list[CaseScorer | None]], n_resamples: int) -> float:
+    """What :func:`paired_bootstrap_of` will take: one scoring of every trial's whole test split, timed, times the
+    replicates (each scores every trial once more)."""
+    scorers = [s for arm in arms for s in arm]
+    if any(s is None for s in scorers):
+        return 0.0  # no bootstrap: a comparison without predictions is None at once
+    started = time.perf_counter()
+    for scorer in scorers:
+        scorer.score(np.arange(len(scorer.case_ids)))
+    return (time.perf_counter() - started) * n_resamples
 
 
 def paired_bootstraps(
     jobs: list[list[list[CaseScorer | None]]], n_resamples: int, process_start_s: float = PROCESS_START_S
 ) -> list[dict | None]:
-    """:func:`paired_bootstrap_of` of every comparison, in order. Rescoring a thousand resamples can be the report's
-    longest part (a 60-trial demo sweep's 15 comparisons: 80 s of 105 in one process), and can be a second (a slice of
-    one seed per cell): the first comparison runs here, timed, and the rest go to joblib's loky processes (the
-    scorers are closures that only cloudpickle carries) only when they would take longer than starting those
-    processes (4 x H200: 5 one-seed comparisons took 22 s of report through processes). Each comparison is seeded,
-    so the results do not depend on the process that computed them."""
-    if not jobs:
-        return []
-    started = time.perf_counter()
-    first = paired_bootstrap_of(jobs[0], n_resamples)
-    rest = jobs[1:]
-    workers = min(len(rest), os.cpu_count() or 1)
-    if workers <= 1 or (time.perf_counter() - started) * len(rest) <= process_start_s:
-        return [first, *(paired_bootstrap_of(arms, n_resamples) for arms in rest)]
+    """:func:`paired_bootstrap_of` of every comparison, in order. Rescoring a thousand resamples is the report's
+    longest part (a 60-trial demo sweep's 15 comparisons: 80 s of 105 in one process; 4 x H200's ten-trial slice:
+    detection's comparison alone ~3 s), so each comparison's time is estimated first (:func:`estimated_seconds`) and,
+    when all of them would take longer than starting processes, they go to joblib's loky processes, longest first (the
+    scorers are closures that only cloudpickle carries). Each comparison is seeded, so the results do not depend on the
+    process that computed them."""
+    estimates = [estimated_seconds(arms, n_resamples) for arms in jobs]
+    workers = min(len(jobs), os.cpu_count() or 1)
+    if workers <= 1 or sum(estimates) <= process_start_s:
+        return [paired_bootstrap_of(arms, n_resamples) for arms in jobs]
     from joblib import Parallel, delayed
 
-    return [first, *Parallel(n_jobs=workers)(delayed(paired_bootstrap_of)(arms, n_resamples) for arms in rest)]
+    order = sorted(range(len(jobs)), key=lambda i: -estimates[i])
+    results = Parallel(n_jobs=workers)(delayed(paired_bootstrap_of)(jobs[i], n_resamples) for i in order)
+    by_job = dict(zip(order, results, strict=True))
+    return [by_job[i] for i in range(len(jobs))]

@@ -12,12 +12,13 @@ of trials :func:`paired_arms` finds;
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pandas as pd
 from scipy import stats
 
+from gx_ray.analysis.bootstrap import paired_bootstrap as paired_bootstrap  # its home is light: see there
 from gx_ray.analysis.runs import headline_metric, higher_is_better
 
 CELL_KEYS = ["task", "model", "fusion", "schema", "metric"]
@@ -59,56 +60,6 @@ def cell_statistics(runs: pd.DataFrame, split: str = "test") -> pd.DataFrame:
     table = pd.DataFrame(rows, columns=columns)
     table["higher_is_better"] = [higher_is_better(m) for m in table["metric"]]
     return table
-
-
-def paired_bootstrap(
-    score_a: Sequence[Callable[[np.ndarray], float]],
-    score_b: Sequence[Callable[[np.ndarray], float]],
-    n_cases: int,
-    n_resamples: int = 2000,
-    confidence: float = 0.95,
-    seed: int = 0,
-) -> dict:
-    """Paired bootstrap over test patients of schema A minus schema B, averaged over seeds.
-
-    ``score_a[s](indices)`` is the metric of seed ``s``'s model A on the test cases ``indices`` (an int array
-    into one ordered list of ``n_cases`` cases shared by every model; it may repeat cases), likewise
-    ``score_b``. Each replicate resamples the patients once and scores both arms of every seed on that same
-    index array, so patient difficulty cancels in the difference. Returns the observed ``diff`` (all cases),
-    its percentile interval ``ci_low``/``ci_high``, a two-sided ``p_value`` =
-    ``2 * min(P(d <= 0), P(d >= 0))`` over the replicates (with the +1 correction, capped at 1), ``n_seeds``,
-    ``n_cases``, ``n_resamples`` (replicates kept) and ``dropped``: replicates where a score was NaN (e.g. an
-    AUC on a resample with one class), left out of the interval and the p-value.
-    """
-    if len(score_a) != len(score_b) or not score_a:
-        raise ValueError(f"need the same seeds for both arms, got {len(score_a)} and {len(score_b)}")
-
-    def diff(indices: np.ndarray) -> float:
-        return float(np.mean([a(indices) - b(indices) for a, b in zip(score_a, score_b, strict=True)]))
-
-    # numpy rather than scipy.stats.bootstrap: scipy would fold NaN replicates into a NaN interval (with a
-    # misleading BCa warning) and gives no p-value, so only its resampling would be used
-    observed = diff(np.arange(n_cases))
-    rng = np.random.default_rng(seed)
-    d = np.array([diff(rng.integers(0, n_cases, size=n_cases)) for _ in range(n_resamples)])
-    kept = d[~np.isnan(d)]
-    out = {
-        "diff": observed,
-        "ci_low": float("nan"),
-        "ci_high": float("nan"),
-        "p_value": float("nan"),
-        "n_seeds": len(score_a),
-        "n_cases": n_cases,
-        "n_resamples": len(kept),
-        "dropped": n_resamples - len(kept),
-        "method": "paired bootstrap over patients",
-    }
-    if len(kept):
-        alpha = 1 - confidence
-        out["ci_low"], out["ci_high"] = (float(q) for q in np.quantile(kept, [alpha / 2, 1 - alpha / 2]))
-        tail = min(np.sum(kept <= 0), np.sum(kept >= 0))
-        out["p_value"] = float(min(1.0, 2 * (tail + 1) / (len(kept) + 1)))
-    return out
 
 
 def family_resamples(comparisons: int, at_least: int = 1000, alpha: float = 0.05) -> int:
