@@ -60,6 +60,13 @@ def test_auto_packs_every_task_but_the_one_that_waits_on_the_gpu_each_step():
     shares = {task: _auto_share({"task": task}, measured) for task in PAPER_TASKS}
     assert shares.pop("lesion_detection") == 1.0  # a whole card: packed, it trained at a ninth of its rate
     assert all(probe.trials_per_gpu(share) >= 2 for share in shares.values()), shares
+    # no more than the sweep needs: as many trials as cards get a card each (Ray fills one card before the next)
+    vqa = {"task": "vqa"}
+    assert _auto_share(vqa, measured, trials_per_card=1) == 1.0
+    assert probe.trials_per_gpu(_auto_share(vqa, measured, trials_per_card=2)) == 2
+    assert _auto_share(vqa, measured, trials_per_card=100) == _auto_share(vqa, measured)  # memory bounds it
+    big = {"peak_bytes": 60 * GIB, "card_bytes": 141 * GIB}  # two fit: a sweep of 3 trials a card still gets two
+    assert probe.trials_per_gpu(_auto_share(vqa, big, trials_per_card=3)) == 2
 
 
 def test_gpu_share_refuses_nonsense():
