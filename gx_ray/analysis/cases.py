@@ -219,11 +219,11 @@ def paired_bootstraps(
     jobs: list[list[list[CaseScorer | None]]], n_resamples: int, process_start_s: float = PROCESS_START_S
 ) -> list[dict | None]:
     """:func:`paired_bootstrap_of` of every comparison, in order. Rescoring a thousand resamples is the report's
-    longest part (a 60-trial demo sweep's 15 comparisons: 80 s of 105 in one process; 4 x H200's ten-trial slice:
-    detection's comparison alone ~3 s), so each comparison's time is estimated first (:func:`estimated_seconds`) and,
-    when all of them would take longer than starting processes, they go to joblib's loky processes, longest first (the
-    scorers are closures that only cloudpickle carries). Each comparison is seeded, so the results do not depend on the
-    process that computed them."""
+    longest part (a 60-trial demo sweep's 15 comparisons: 80 s of 105 in one process; a ten-trial slice with 255 test
+    patients: detection's comparison alone ~5 s on 2 cores), so each comparison's time is estimated first
+    (:func:`estimated_seconds`) and, when all of them would take longer than starting processes, they go to joblib's
+    loky processes, longest first (the scorers are closures that only cloudpickle carries). Each comparison is
+    seeded, so the results do not depend on the process that computed them."""
     estimates = [estimated_seconds(arms, n_resamples) for arms in jobs]
     workers = min(len(jobs), os.cpu_count() or 1)
     if workers <= 1 or sum(estimates) <= process_start_s:
