@@ -224,8 +224,8 @@ def paired_bootstraps(
     (:func:`estimated_seconds`) and, when all of them would take longer than starting processes, they go to joblib's
     loky processes, longest first (the scorers are closures that only cloudpickle carries). Each comparison is
     seeded, so the results do not depend on the process that computed them."""
-    estimates = [estimated_seconds(arms, n_resamples) for arms in jobs]
     workers = min(len(jobs), os.cpu_count() or 1)
+    estimates = [estimated_seconds(arms, n_resamples) for arms in jobs] if workers > 1 else []
     if workers <= 1 or sum(estimates) <= process_start_s:
         return [paired_bootstrap_of(arms, n_resamples) for arms in jobs]
     from joblib import Parallel, delayed

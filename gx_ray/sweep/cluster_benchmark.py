@@ -516,16 +516,14 @@ def _launch_line(s: dict[str, Any]) -> str:
     parts = [("Ray", "ray_seconds"), ("data", "data_seconds"), ("GPU plan", "gpu_plan_seconds"),
              ("MLflow wait", "mlflow_seconds")]  # fmt: skip
     said = ", ".join(f"{name} {driver[key]:.1f} s" for name, key in parts if key in driver)
-    cells = s.get("cells", {}).values()
-
-    def median(key: str) -> float:
-        values = [c.get(key, math.nan) for c in cells]
-        values = [x for x in values if math.isfinite(x)]
-        return float(np.median(values)) if values else math.nan
-
     trial = [("process", "process_start_seconds"), ("trial start", "trial_start_seconds"),
              ("loop set-up", "setup_seconds"), ("of it the model", "build_seconds")]  # fmt: skip
-    medians = ", ".join(f"{name} {median(key):.1f} s" for name, key in trial if math.isfinite(median(key)))
+    parts_said = []
+    for name, key in trial:
+        values = [x for c in s.get("cells", {}).values() if math.isfinite(x := c.get(key, math.nan))]
+        if values:
+            parts_said.append(f"{name} {float(np.median(values)):.1f} s")
+    medians = ", ".join(parts_said)
     first = s.get("first_step_after_seconds") or math.nan
     return (f"launch → first step {first:.1f} s: {said or 'no driver timings'}"
             f"{f'; a trial (median): {medians}' if medians else ''}")  # fmt: skip

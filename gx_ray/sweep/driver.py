@@ -55,7 +55,7 @@ from gx_ray.tracking import (
 from gx_ray.tracking.server import LocalMlflowServer, free_port
 from gx_ray.train.config import AUTO
 from gx_ray.train.loop import probe_trial, split_rows
-from gx_ray.train.probe import CONTEXT_BYTES, MAX_TRIALS_PER_GPU, even_share, gpu_share, trials_per_gpu
+from gx_ray.train.probe import CONTEXT_BYTES, MAX_TRIALS_PER_GPU, gpu_share, trials_per_gpu
 from gx_ray.train.telemetry import GpuSampler, busy_fraction, sample_metrics
 
 SWEEP_FILE = "sweep.json"
@@ -212,13 +212,14 @@ def gpu_plan(space: SearchSpace, context: dict[str, Any], output: Path) -> dict[
             settings.setdefault(gpu_plan_key(flat), flat)
     if not settings:
         return {}
-    cards = sorted(k for k in ray.cluster_resources() if k.startswith("accelerator_type:"))
+    resources = ray.cluster_resources()
+    cards = sorted(k for k in resources if k.startswith("accelerator_type:"))
     measured = measured_plan(settings, _measure_steps, {"cards": cards, **context["provenance"]})
-    waves = math.ceil(space.trial_count() / max(1, int(ray.cluster_resources().get("GPU", 1))))
+    trials_per_card = math.ceil(space.trial_count() / max(1, int(resources.get("GPU", 1))))
     plan = {}
     for key, flat in settings.items():
         m, gpus = measured[key], flat.get("resources.gpus_per_worker")
-        share = float(gpus) if gpus != AUTO else _auto_share(flat, m, waves)
+        share = float(gpus) if gpus != AUTO else _auto_share(flat, m, trials_per_card)
         plan[key] = {**m, "share": share, "trials_per_gpu": trials_per_gpu(share)}
     path.write_text(json.dumps(plan, indent=1) + "\n", encoding="utf-8")
     return plan
@@ -230,8 +231,8 @@ def _auto_share(flat: dict[str, Any], measured: dict[str, Any], trials_per_card:
     card before the next, so four trials packed two to a card on a 4-GPU node left a card idle (4 x H200)."""
     if not task_class(flat["task"]).shares_a_gpu:
         return 1.0
-    share = gpu_share(measured["peak_bytes"] + CONTEXT_BYTES, measured["card_bytes"])
-    return max(share, even_share(max(1, min(MAX_TRIALS_PER_GPU, trials_per_card))))
+    most = max(1, min(MAX_TRIALS_PER_GPU, trials_per_card))
+    return gpu_share(measured["peak_bytes"] + CONTEXT_BYTES, measured["card_bytes"], max_trials=most)
 
 
 def question_files(space: SearchSpace, context: dict[str, Any], root: str) -> dict[str, str]:
@@ -438,8 +439,9 @@ class ReportWarmUp(tune.Callback):
 
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         if self.thread is None:
-            self.thread = threading.Thread(target=_import_quietly, args=(self.modules,), name="report-warm-up")
-            self.thread.daemon = True
+            self.thread = threading.Thread(
+                target=_import_quietly, args=(self.modules,), name="report-warm-up", daemon=True
+            )
             self.thread.start()
 
 

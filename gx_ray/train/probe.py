@@ -177,13 +177,8 @@ def gpu_share(
     if need_bytes <= 0 or card_bytes <= 0:
         raise ValueError(f"need {need_bytes} and card {card_bytes} bytes must be positive")
     trials = int(card_bytes * (1 - margin) // need_bytes)
-    return even_share(max(1, min(max_trials, trials)))
-
-
-def even_share(trials: int) -> float:
-    """The share that puts ``trials`` trials on one GPU: 1/trials, rounded down to Ray's resource precision, so that
-    that many shares never exceed one GPU."""
-    return math.floor(10_000 / trials) / 10_000
+    trials = max(1, min(max_trials, trials))
+    return math.floor(10_000 / trials) / 10_000  # Ray's resource precision: k shares never exceed one GPU
 
 
 def trials_per_gpu(share: float) -> int:
