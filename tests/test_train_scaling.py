@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -561,3 +562,51 @@ def test_a_trial_resumed_from_its_checkpoint_ends_as_the_uninterrupted_one(ray_c
     for before, after in zip(whole[1:], resumed, strict=True):
         assert {k: before.get(k) for k in compared} == {k: after.get(k) for k in compared}
     assert whole[-1]["train_loss"] != whole[-2]["train_loss"]  # the epochs did train
+
+
+def test_select_last_tests_the_final_epochs_model_where_best_tests_the_best_validated_one(
+    ray_cluster, demo_prepared, tmp_path
+):
+    """``schedule.select``: the same training either way (same seed, same per-epoch validation); ``last`` scores the
+    test split with the final epoch's weights (as the last checkpoint keeps them, re-scored here from scratch),
+    ``best`` with the best-validated epoch's; anything else is refused naming the key."""
+    from ray.train import Checkpoint
+
+    flat = {"task": "vqa", "data.shards": str(demo_prepared.shard_dir), "schedule.epochs": 4,
+            "schedule.max_steps_per_epoch": 2, "data.effective_batch": 2, "model.vision": "resnet10_3d",
+            "model.vision_kwargs": {"block_inplanes": [8, 16, 32, 64]}, "model.text": "bert_tiny",
+            "model.fusion": "concat", "model.hidden": 32, "seed": 5}  # fmt: skip
+
+    def run(select: str) -> tuple[TrialConfig, list[dict], Path]:
+        config = TrialConfig.from_flat({**flat, "schedule.select": select})
+        reports: list[dict] = []
+        kept = tmp_path / select
+
+        def report(metrics: dict, checkpoint: Checkpoint | None = None) -> None:
+            reports.append(dict(metrics))
+            if checkpoint is not None and metrics["epoch"] == config.schedule.epochs - 1:
+                checkpoint.to_directory(str(kept))
+
+        loop.run_loop(config, loop.WorkerContext(0, 1, torch.device("cpu"), report, None))
+        return config, reports, kept
+
+    def rescored(config: TrialConfig, kept: Path) -> float:
+        task, model, layout = build_trial(config, torch.device("cpu"))
+        state = torch.load(kept / loop.CHECKPOINT_FILE, map_location="cpu", weights_only=True)
+        model.load_state_dict(state["model"])
+        ctx = loop.WorkerContext(0, 1, torch.device("cpu"), lambda *a, **k: None, None)
+        stream = loop.SplitStream(config, "test", layout, ctx, config.data.eval_batch_size or 2)
+        return loop.evaluate(model, task, stream, config, torch.device("cpu"))[0][task.primary_metric]
+
+    last_config, last, last_kept = run("last")
+    best_config, best, best_kept = run("best")
+    assert [r["val_primary"] for r in last] == [r["val_primary"] for r in best]  # the same training
+    assert last[-1]["best_epoch"] == 3 and last[-1]["best_val_primary"] == last[-1]["val_primary"]
+    assert last[-1]["test_primary"] == pytest.approx(rescored(last_config, last_kept), abs=1e-9)
+    vals = [r["val_primary"] for r in best]
+    assert best[-1]["best_epoch"] == vals.index(max(vals)) < 3  # (not the last here: the two selections differ)
+    tested = [torch.load(k / loop.CHECKPOINT_FILE, weights_only=True)["model"] for k in (last_kept, best_kept)]
+    assert any(not torch.equal(tested[0][name], tested[1][name]) for name in tested[0])  # two models were tested
+    assert best[-1]["test_primary"] == pytest.approx(rescored(best_config, best_kept), abs=1e-9)
+    with pytest.raises(ValueError, match="schedule.select"):
+        TrialConfig.from_flat({**flat, "schedule.select": "worst"})

@@ -38,9 +38,14 @@ class ScheduleConfig:
     warmup_fraction: float = 0.1
     max_steps_per_epoch: int | None = None
     """Caps an epoch (smoke runs); None reads the whole training split."""
+    select: str = "best"
+    """Which model scores the test split: ``best``, the epoch with the best validation score, or ``last``, the final
+    epoch's (validation still runs and is logged every epoch). Picking the best of many epochs on a few validation
+    patients picks their noise as well: ``last`` is for schedules that decay to zero on a small validation split."""
 
 
 AUTO = "auto"
+SELECTIONS = ("best", "last")
 IN_MEMORY_SHARE_OF_SLOT = 1 / 2
 """``data.in_memory: auto`` keeps a split whose share is at most this fraction of the host memory available over the
 trial workers the host's CPUs hold (its cores over ``resources.cpus_per_worker``): trials start side by side and each
@@ -177,6 +182,7 @@ class TrialConfig:
                 s.max_steps_per_epoch,
                 s.max_steps_per_epoch is None or (_integer(s.max_steps_per_epoch) and s.max_steps_per_epoch >= 1),
             ),
+            ("schedule.select", s.select, s.select in SELECTIONS),
             ("seed", self.seed, _integer(self.seed) and self.seed >= 0),
             ("data.effective_batch", d.effective_batch, _integer(d.effective_batch) and d.effective_batch >= 1),
             ("data.eval_batch_size", d.eval_batch_size, d.eval_batch_size is None or _integer(d.eval_batch_size)
@@ -268,6 +274,7 @@ VALUE_RULES = {
     "epochs": "a whole number >= 1",
     "warmup_fraction": "a fraction in [0, 1)",
     "max_steps_per_epoch": "a whole number >= 1, or unset",
+    "select": "best or last",
     "seed": "a whole number >= 0",
     "effective_batch": "a whole number >= 1",
     "eval_batch_size": "a whole number >= 1, or unset",

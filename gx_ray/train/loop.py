@@ -474,8 +474,12 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
             ctx.tracker.log_metrics(metrics, step=epoch)
             # per optimiser step, numbered across epochs (a resumed trial numbers its steps the same)
             ctx.tracker.log_points("lr", sum(steps[e] for e in range(epoch)), rates)
-        if epoch == config.schedule.epochs - 1:  # the best model scores the test split
-            model.load_state_dict(best["state"])
+        if epoch == config.schedule.epochs - 1:  # the best model (with select: last, this one) scores the test split
+            if config.schedule.select == "last":
+                best = {"score": score, "epoch": epoch, "state": None}  # the checkpoint keeps the model as tested
+                metrics["best_val_primary"] = val[task.primary_metric]  # the tested model's, as with best
+            else:
+                model.load_state_dict(best["state"])
             test, records = evaluate(model, task, streams["test"], config, ctx.device, records=True)
             timing["train_seconds"] += time.perf_counter() - started
             final = {
