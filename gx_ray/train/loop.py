@@ -457,8 +457,10 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
         eval_seconds = time.perf_counter() - started - train_seconds
         score = sign * val[task.primary_metric]
         score = -math.inf if math.isnan(score) else score  # undefined on this split: never better than a number
-        if best["state"] is None or score > best["score"] or score == best["score"] == -math.inf:
-            best = {"score": score, "epoch": epoch, "state": copy.deepcopy(model.state_dict())}
+        if best["epoch"] < 0 or score > best["score"] or score == best["score"] == -math.inf:
+            # a copy of the weights only where they will be tested: with select: last, the final epoch's are
+            kept = copy.deepcopy(model.state_dict()) if config.schedule.select == "best" else None
+            best = {"score": score, "epoch": epoch, "state": kept}
         metrics = {
             "epoch": epoch,
             "train_loss": train_loss if micro_steps else math.nan,
