@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -44,6 +45,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: 
     if ray.is_initialized():
         return
     runtime_env = {"py_modules": [str(Path(gx_ray.__file__).parent)]} if address else {}
+    runtime_env["worker_process_setup_hook"] = "gx_ray.runtime.exit_quietly_on_sigterm"
     # packed trials share a GPU: an allocator that grows segments in place fragments less, so measured fits hold
     runtime_env["env_vars"] = {
         "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF),
@@ -72,6 +74,25 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: 
         _system_config={"num_workers_soft_limit": soft_limit} if soft_limit else None,
     )
     quiet_data_context()
+
+
+def exit_quietly_on_sigterm() -> None:
+    """Run by every Ray worker as it starts (the runtime environment's ``worker_process_setup_hook``).
+
+    Ray ends a worker (a finished or failed trial's actor, an idle reader) with SIGTERM, whose handler raises
+    SystemExit. When the signal lands while a finaliser runs (a ``__del__``, a weakref callback), Python cannot raise
+    there: it prints "Exception ignored in ... SystemExit" with a traceback, which Ray forwards to the sweep's console,
+    and the worker carries on until Ray's SIGKILL. Here the exit is put off until the finaliser has returned instead:
+    the signal is sent again, and its handler runs at the next step outside the finaliser."""
+    default = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if isinstance(unraisable.exc_value, SystemExit):
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            default(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def nodes_without(folder: str | Path) -> list[str]:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import time
 
+import psutil
+import pytest
 import ray
 
 
@@ -49,6 +52,40 @@ def test_the_runtime_keeps_tunes_missing_results_warning_off_the_console(ray_clu
     assert not logging.getLogger("ray.tune.analysis.experiment_analysis").isEnabledFor(logging.WARNING)
     assert logging.getLogger("ray.tune.analysis.experiment_analysis").isEnabledFor(logging.ERROR)
     assert logging.getLogger("ray.tune.tuner").isEnabledFor(logging.WARNING)
+
+
+class _SignalledWhileFinalised:
+    def __del__(self) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # as Ray ends a worker while the garbage collector runs a finaliser
+        time.sleep(1)  # Ray's SIGTERM handler runs here, inside the finaliser
+
+
+@ray.remote(num_cpus=0)
+class _Worker:
+    def pid(self) -> int:
+        return os.getpid()
+
+    def drop_a_finalised_object(self) -> str:
+        _SignalledWhileFinalised()  # dropped at once: its finaliser runs now
+        time.sleep(20)
+        return "the worker carried on"
+
+
+def test_a_worker_ended_while_a_finaliser_runs_exits_without_a_traceback(ray_cluster, capfd):
+    """Python cannot raise Ray's SIGTERM exit inside a finaliser: it printed "Exception ignored ... SystemExit" with a
+    traceback on the sweep's console (a failed trial's teardown under load) and the worker carried on. Workers of the
+    sweep's runtime exit once the finaliser has returned, without a word."""
+    worker = _Worker.remote()
+    pid = ray.get(worker.pid.remote(), timeout=60)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(worker.drop_a_finalised_object.remote(), timeout=60)
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(2)  # workers' output reaches the driver asynchronously
+    err = capfd.readouterr().err
+    assert "Exception ignored" not in err and "SystemExit" not in err, err[-3000:]
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
 def test_one_process_per_gpu_keeps_the_order_and_one_process_a_gpu():
