@@ -37,7 +37,10 @@ def _poll_quickly(monkeypatch):
 
 def _space(tmp_path: Path) -> Path:
     description = "two small stage-classification trials, three epochs each"
-    return small_stage_space(tmp_path / "faults.yaml", EPOCHS, SEEDS, description, **{"optimiser.lr": 1.0e-3})
+    # the splits in memory, shuffled in windows smaller than the training share: a resumed epoch must draw the
+    # uninterrupted epoch's batches although its process has not read the split before
+    fixed = {"optimiser.lr": 1.0e-3, "data.in_memory": True, "data.shuffle_buffer": 2}
+    return small_stage_space(tmp_path / "faults.yaml", EPOCHS, SEEDS, description, **fixed)
 
 
 class Sweep:
@@ -105,9 +108,9 @@ def _trials(runs: list) -> list:
     return [r for r in runs if r.data.tags.get(KIND_TAG) == "trial"]
 
 
-def _training(runs: list) -> bool:
-    """A trial has logged an epoch and not yet finished: it is training."""
-    return any(r.info.status == "RUNNING" and "epoch" in r.data.metrics for r in _trials(runs))
+def _training(runs: list, past_epoch: int = 0) -> bool:
+    """A trial has logged epoch ``past_epoch`` (or a later one) and not yet finished: it is training."""
+    return any(r.info.status == "RUNNING" and r.data.metrics.get("epoch", -1) >= past_epoch for r in _trials(runs))
 
 
 def assert_every_cell_finished_once(sweep: Sweep) -> None:
@@ -172,19 +175,40 @@ def test_a_killed_driver_leaves_a_server_the_resume_stops_and_nothing_twice(demo
     assert_every_cell_finished_once(sweep)
 
 
+def _trained(sweep: Sweep) -> dict[str, dict[str, list[float]]]:
+    """Per seed: every epoch's training loss and validation score, and the test score (as text: NaN equals NaN)."""
+    client = sweep.client()
+    return {
+        r.data.tags["seed"]: {
+            key: [str(m.value) for m in sorted(client.get_metric_history(r.info.run_id, key), key=lambda m: m.step)]
+            for key in ("train_loss", "val_primary", "test_primary")
+        }
+        for r in _trials(sweep.runs())
+    }
+
+
 def test_a_trial_worker_killed_mid_epoch_is_retried_from_its_checkpoint(demo_prepared, tmp_path):
     sweep = Sweep(tmp_path, demo_prepared.shard_dir)
     process = sweep.start()
-    sweep.wait_for(_training, process, "a trial training")
+    # past its second epoch's end, so that Tune holds the first epoch's checkpoint (~2.5 s an epoch here)
+    sweep.wait_for(lambda runs: _training(runs, past_epoch=1), process, "a trial past its second epoch")
     workers = subprocess.run(["pgrep", "-f", "ray::ImplicitFunc"], capture_output=True, text=True).stdout.split()
     assert workers, "no trial worker process found"
     for pid in workers:
         os.kill(int(pid), signal.SIGKILL)
     assert process.wait(timeout=600) == 0, sweep.tail()
     assert_every_cell_finished_once(sweep)
+    client = sweep.client()
+    resumed = [m for r in _trials(sweep.runs()) for m in client.get_metric_history(r.info.run_id, "resumed_from_epoch")]
+    assert resumed and all(m.value >= 1 for m in resumed), "no trial resumed from a checkpoint"
+    # and it trained on as if nothing had happened: the same numbers as the same sweep left alone
+    (tmp_path / "alone").mkdir()
+    alone = Sweep(tmp_path / "alone", demo_prepared.shard_dir)
+    assert alone.run() == 0, alone.tail()
+    assert _trained(sweep) == _trained(alone)
     # said in one line (which trial, why, what now), not as Tune's twenty-line Ray traceback
     printed = sweep.whole()
-    assert "ActorDiedError" in printed and "retried from" in printed, printed[-4000:]
+    assert "ActorDiedError" in printed and "retried from its last checkpoint" in printed, printed[-4000:]
     assert "Traceback" not in printed, printed[-4000:]
     assert_provenance(sweep, Path(demo_prepared.shard_dir) / "manifest.json")
 

@@ -532,7 +532,7 @@ RESUMED_TASKS = {
     "stage_classification": {},
     # the demo preset's report writing: its own vocabulary, the final epoch tested, the splits in memory
     "report_generation": {"task_options.vocabulary": "training", "task_options.max_report_tokens": 24,
-                          "task_options.max_new_tokens": 8, "schedule.select": "last", "data.in_memory": True},
+                          "task_options.max_new_tokens": 8, "schedule.select": "last"},
 }  # fmt: skip
 
 
@@ -547,7 +547,8 @@ def test_a_trial_resumed_from_its_checkpoint_ends_as_the_uninterrupted_one(ray_c
         {"task": task, "data.shards": str(demo_prepared.shard_dir), "schedule.epochs": 3,
          "schedule.max_steps_per_epoch": 2, "data.effective_batch": 2, "model.vision": "resnet10_3d",
          "model.vision_kwargs": {"block_inplanes": [8, 16, 32, 64]}, "model.text": "bert_tiny",
-         "model.fusion": "concat", "model.hidden": 32, "seed": 3, **RESUMED_TASKS[task]}
+         "model.fusion": "concat", "model.hidden": 32, "seed": 3, "data.in_memory": True, "data.shuffle_buffer": 2,
+         **RESUMED_TASKS[task]}
     )  # fmt: skip
 
     def run(latest: Checkpoint | None) -> list[dict]:

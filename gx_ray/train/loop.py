@@ -173,21 +173,22 @@ class SplitStream:
         return iter(batches)
 
     def _kept_batches(self, epoch: int) -> Iterator[dict]:
-        """``data.in_memory``: the epoch's row groups (each read once, pages verified) in its order. Once an earlier
-        epoch has asked for every group, their rows are permuted with the epoch's seed when training shuffles (a
-        whole-share shuffle, not a buffer's). In an epoch that asks for a group first (the first epoch), a reader
-        thread reads them in the epoch's order and the rows flow as their groups arrive, shuffled within windows of
-        ``data.shuffle_buffer`` rows as the stream shuffles: the first batch waits for its own groups, not for the
-        whole share (11.5 s of a 9.5 GB share on an H200 node)."""
+        """``data.in_memory``: the epoch's row groups (each read once, pages verified) in its order. A reader thread
+        reads the groups an epoch asks for first in the epoch's order. In epoch 0 the rows flow as their groups arrive,
+        shuffled within windows of ``data.shuffle_buffer`` rows as the stream shuffles: the first batch waits for its
+        own groups, not for the whole share (11.5 s of a 9.5 GB share on an H200 node). Every later epoch permutes the
+        whole share with the epoch's seed when training shuffles, whether or not this process has read its groups
+        yet: a trial resumed at epoch k (its first here) draws epoch k's batches as the uninterrupted trial did."""
         pieces = self.my_pieces(epoch)
         keys = [(piece["path"], piece["row_group"]) for piece in pieces]
         unread = [key for key in keys if key not in self._kept]
         for key in unread:  # read in the epoch's order, each group once
             self._kept[key] = self._reader.submit(read_shard, key[0], row_group=key[1])
         rng = np.random.default_rng(self.order_seed(epoch)) if self.shuffle else None
-        # windowed when this epoch asked for a group first, whether or not its read has ended: the order depends on the
-        # epoch and the seed only, never on how fast the reads went
-        if unread:
+        # the order depends on the epoch and the seed only: never on how fast the reads went, nor on which epoch this
+        # process started at (choosing the windowed order by "some group unread" trained a resumed trial on another
+        # order: report generation's ROUGE-L 28.3 against 46.0 uninterrupted, killed at epoch 3 of 6)
+        if epoch == 0:
             chunks = self._windowed_order([piece["rows"] for piece in pieces], rng)
         else:
             starts = np.cumsum([0] + [piece["rows"] for piece in pieces])
