@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -82,13 +83,14 @@ def exit_quietly_on_sigterm() -> None:
     Ray ends a worker (a finished or failed trial's actor, an idle reader) with SIGTERM, whose handler raises
     SystemExit. When the signal lands while a finaliser runs (a ``__del__``, a weakref callback), Python cannot raise
     there: it prints "Exception ignored in ... SystemExit" with a traceback, which Ray forwards to the sweep's console,
-    and the worker carries on until Ray's SIGKILL. Here the exit is put off until the finaliser has returned instead:
-    the signal is sent again, and its handler runs at the next step outside the finaliser."""
+    and the worker carries on until Ray's SIGKILL. Here the exit is put off instead: a thread sends the signal again a
+    moment later, when the finaliser has returned (or, should it land in another, once more)."""
     default = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
         if isinstance(unraisable.exc_value, SystemExit):
-            os.kill(os.getpid(), signal.SIGTERM)
+            # not from here: the handler would run at once, inside this hook
+            threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM)).start()
         else:
             default(unraisable)
 

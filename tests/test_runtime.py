@@ -80,12 +80,19 @@ def test_a_worker_ended_while_a_finaliser_runs_exits_without_a_traceback(ray_clu
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(worker.drop_a_finalised_object.remote(), timeout=60)
     deadline = time.monotonic() + 10
-    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+    while _running(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     time.sleep(2)  # workers' output reaches the driver asynchronously
     err = capfd.readouterr().err
     assert "Exception ignored" not in err and "SystemExit" not in err, err[-3000:]
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert not _running(pid)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_one_process_per_gpu_keeps_the_order_and_one_process_a_gpu():
