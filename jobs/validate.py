@@ -1,6 +1,6 @@
 """Known-answer checks of the whole pipeline (data, sweep, report) on demo cohorts with a planted answer.
 
-python jobs/validate.py demo                          # the main command learns on every task (about 10 min on 2 cores)
+python jobs/validate.py demo                          # the main command learns on every task (about an hour on 2 cores)
 python jobs/validate.py planted-signal                # two 160-case cohorts, 2 x 10 trials (about 15 min on 2 cores)
 python jobs/validate.py planted-signal --cases 240    # more test patients, more power
 python jobs/validate.py ct-bench                      # CT-Bench's findings on a 320-case cohort (about 20 min)

@@ -112,6 +112,7 @@ def test_the_demo_check_reads_chance_significance_and_time_from_the_report(plant
     beats = checks["image_table > image_only"]
     assert not beats.passed and "on 1 of 1 tasks: stage_classification; 2 needed" in beats.detail  # one task only
     assert checks["ten minutes"].passed and not demo_checks(report, 601.0, 9, full="image_table")[-1].passed
+    assert checks["ten minutes"].line().startswith("INFO")  # the aim that gives way on two cores: shown, not failed
     # a chance level inside the cell's interval is not cleared
     cells = pd.read_csv(report / "cells.csv")
     auc = cells[(cells["schema"] == "image_bbox") & (cells["metric"] == "auc")].iloc[0]
