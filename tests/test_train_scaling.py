@@ -530,7 +530,7 @@ def test_the_run_ends_before_the_last_report_which_a_scheduler_may_stop_the_tria
 
 RESUMED_TASKS = {
     "stage_classification": {},
-    # the demo preset's report writing: its own vocabulary, the final epoch tested, the splits in memory
+    # the demo preset's report writing: its own vocabulary, the final epoch tested
     "report_generation": {"task_options.vocabulary": "training", "task_options.max_report_tokens": 24,
                           "task_options.max_new_tokens": 8, "schedule.select": "last"},
 }  # fmt: skip
@@ -568,7 +568,7 @@ def test_a_trial_resumed_from_its_checkpoint_ends_as_the_uninterrupted_one(ray_c
     np.random.seed(12345)
     resumed = run(Checkpoint.from_directory(str(tmp_path / "epoch0")))
     assert [r["epoch"] for r in whole] == [0, 1, 2] and [r["epoch"] for r in resumed] == [1, 2]
-    compared = ("train_loss", "val_primary", "test_primary")
+    compared = ("train_loss", "val_primary", "val_accuracy", "test_primary", "test_accuracy")  # None where none
     for before, after in zip(whole[1:], resumed, strict=True):
         assert {k: before.get(k) for k in compared} == {k: after.get(k) for k in compared}
     assert whole[-1]["train_loss"] != whole[-2]["train_loss"]  # the epochs did train
