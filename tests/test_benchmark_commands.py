@@ -8,16 +8,25 @@ import math
 import pytest
 import torch
 
+from benchmarks.results import machine, read_results
+from benchmarks.vlm import VlmBenchmarkConfig, benchmark_batch, build_llava, run_vlm_benchmark
 from gx_ray.models.vlm import VisionLanguageModel
-from gx_ray.models.vlm_benchmark import VlmBenchmarkConfig, benchmark_batch, build_llava, run_vlm_benchmark
 from jobs.benchmark import main
 
 
-def test_the_model_benchmark_command_runs(capsys):
+def test_the_model_benchmark_command_runs_and_writes_its_figures_named_by_their_conditions(capsys, tmp_path):
     assert main(["model", "--model", "swin3d", "--shape", "1,32,32,32", "--batch", "2", "--steps", "1",
-                 "--warmup", "1", "--device", "cpu"]) == 0  # fmt: skip
+                 "--warmup", "1", "--device", "cpu", "--results", str(tmp_path)]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "ratio registry/raw" in out
+    (path,) = tmp_path.glob("benchmark-model-*.csv")
+    assert path.name == f"benchmark-model-swin3d-1x32x32x32-b2-bf16-eager-{machine()}.csv"
+    figures = read_results(path)
+    assert figures["condition.model"] == "swin3d" and figures["machine"] == machine()
+    assert float(figures["registry.samples_per_s"]) > 0 and float(figures["raw.samples_per_s"]) > 0
+    assert float(figures["ratio"]) == pytest.approx(
+        float(figures["registry.samples_per_s"]) / float(figures["raw.samples_per_s"]), rel=1e-4
+    )
 
 
 def test_the_vlm_benchmark_sides_compute_the_same_loss_and_train_only_lora(tmp_path):
@@ -64,7 +73,7 @@ def test_the_loop_benchmark_runs_a_trials_own_loop_beside_its_raw_step(ray_clust
     import itertools
     import sys
 
-    from gx_ray.sweep.loop_benchmark import format_loop_result, loop_against_raw
+    from benchmarks.loop import format_loop_result, loop_against_raw
 
     flat = {
         "task": "stage_classification", "schema": "image_only", "data.shards": str(demo_prepared.shard_dir),
@@ -100,7 +109,7 @@ def test_a_neighbour_that_stopped_training_is_named_with_what_it_died_of(ray_clu
 
     import ray
 
-    from gx_ray.sweep.loop_benchmark import _ended, format_loop_result
+    from benchmarks.loop import _ended, format_loop_result
 
     @ray.remote(num_cpus=0)
     def out_of_memory() -> None:
@@ -123,7 +132,7 @@ def test_the_stack_sampler_finds_a_busy_thread_where_it_spins():
     import threading
     import time
 
-    from gx_ray.sweep.loop_benchmark import StackSampler
+    from benchmarks.loop import StackSampler
 
     stop = threading.Event()
 
@@ -149,7 +158,7 @@ def test_the_host_sampler_reads_this_machines_cores_steal_and_memory():
 
     import psutil
 
-    from gx_ray.sweep.cluster_benchmark import HostCpuSampler, format_host
+    from benchmarks.cluster import HostCpuSampler, format_host
 
     with HostCpuSampler(interval_s=0.05) as host:
         sum(i * i for i in range(3_000_000))  # some work of this process's own to see
@@ -170,7 +179,7 @@ def test_the_host_sampler_reads_this_machines_cores_steal_and_memory():
 def test_the_vlm_trials_benchmark_runs_the_bench_preset_on_the_model_it_built(ray_cluster, demo_prepared, tmp_path):
     """``vlm --trials``: a trial per task through the sweep, on the random model the benchmark built (not the preset's
     hub name), its epochs' rates read back from MLflow and set beside the step's."""
-    from gx_ray.sweep.vlm_trials_benchmark import format_vlm_trials, run_vlm_trials
+    from benchmarks.vlm_trials import format_vlm_trials, run_vlm_trials
 
     short = {"schedule.epochs": 2, "schedule.max_steps_per_epoch": 2, "data.effective_batch": 2,
              "data.micro_batch": 1, "data.eval_batch_size": 2, "vlm.max_new_tokens": 2}  # fmt: skip
@@ -190,7 +199,7 @@ def test_the_vlm_trials_benchmark_runs_the_bench_preset_on_the_model_it_built(ra
 def test_the_attention_benchmark_times_each_pass_under_the_backend_it_names():
     """Each variant sets the backend it names (cuDNN attention on for ``default``, off for ``no_cudnn``) and decodes the
     full ``max_new_tokens``: a cold and a warm pass of the very same work, so cold − warm is the one-off cost."""
-    from gx_ray.sweep.attention_benchmark import AttentionBenchmarkConfig, format_attention_result, measure
+    from benchmarks.attention import AttentionBenchmarkConfig, format_attention_result, measure
 
     config = AttentionBenchmarkConfig(train_batch=4, eval_batch=3, lengths=(16,), max_new_tokens=3, memory_tokens=5)
     before = torch.backends.cuda.cudnn_sdp_enabled()

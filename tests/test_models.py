@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.model import ModelBenchmarkConfig, format_model_result, run_model_benchmark
 from gx_ray.modalities import PRESETS, ModalitySchema, ModelInputs, input_channels, table_width
 from gx_ray.models import (
     FUSIONS,
@@ -25,7 +26,6 @@ from gx_ray.models import (
     param_groups,
 )
 from gx_ray.models import vision as vision_module
-from gx_ray.models.benchmark import ModelBenchmarkConfig, format_model_result, run_model_benchmark
 from gx_ray.models.text import build_text_encoder, masked_mean
 from gx_ray.models.vision import build_endoscopy_encoder, build_vision_encoder
 

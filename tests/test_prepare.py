@@ -132,7 +132,7 @@ def test_same_input_gives_byte_identical_shards(demo_prepared, demo_raw, tmp_pat
 def test_replicated_benchmark_cohort_is_the_same_written_by_one_thread_or_many(demo_prepared, tmp_path):
     """The benchmarks' cohort of a chosen size: each split holds its rows, every file passes the shard checks, and
     writing a file per thread gives byte for byte what one thread writes."""
-    from gx_ray.data.ingest_benchmark import SHARD_ROWS, replicate_splits
+    from benchmarks.ingest import SHARD_ROWS, replicate_splits
     from gx_ray.data.shards import check_shards
 
     rows = {"train": SHARD_ROWS + 5, "val": 3, "test": 2 * SHARD_ROWS}

@@ -439,8 +439,8 @@ def test_checkpointing_switched_on_after_the_fact_keeps_the_gradients():
 
 
 def test_the_projection_spreads_every_cell_over_the_gpus_with_the_measured_packing():
+    from benchmarks.cluster import GASTRIC_X, PAPER_ABLATION, project
     from gx_ray.schema import PAPER_TASKS as TASKS
-    from gx_ray.sweep.cluster_benchmark import GASTRIC_X, PAPER_ABLATION, project
 
     cells = {}
     for i, task in enumerate(TASKS):

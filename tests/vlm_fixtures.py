@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gx_ray.models.vlm_benchmark import LLAVA_TEMPLATE_HAND_WRITTEN, offline_vlm_tokenizer
+from benchmarks.vlm import LLAVA_TEMPLATE_HAND_WRITTEN, offline_vlm_tokenizer
 
 SIZE = 32
 INIT = 1.0

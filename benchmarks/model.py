@@ -4,7 +4,7 @@ Both sides train on the same fixed random batch with the same AMP setting: the r
 :func:`~gx_ray.models.build_encoder` with a linear head on ``Encoded.pooled`` and :func:`param_groups`; the raw
 side is the same MONAI class instantiated with the same arguments, its deepest features mean-pooled into a
 linear head, and a plain AdamW. Warm-up steps are not timed; the device is synchronised before every clock
-read. Their ratio is the cost of the platform's wrapping (issue 3 asks for it to stay within 10 %); for ``swin3d``
+read. Their ratio is the cost of the platform's wrapping; for ``swin3d``
 it also holds the registry's fused window attention against MONAI's explicit one in training (``--attention
 explicit`` on the registry side leaves the wrapping alone).
 

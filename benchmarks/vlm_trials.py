@@ -1,6 +1,6 @@
 """`python jobs/benchmark.py vlm --trials TASKS`: whole VLM trials through the sweep, beside the LoRA step's rate.
 
-The step benchmark (:mod:`gx_ray.models.vlm_benchmark`) times one LoRA step, gx-ray's against raw transformers'. This
+The step benchmark (:mod:`benchmarks.vlm`) times one LoRA step, gx-ray's against raw transformers'. This
 runs the ``vlm_lora`` space's ``bench`` preset (the same view, LoRA and micro-batch) through the sweep itself on a
 model of the same size, one trial per task, and reads each trial back from MLflow: its training rate per epoch, the
 time it spends evaluating by generation, and its process's peak GPU memory. A VQA sample is a case with all its
@@ -17,8 +17,8 @@ import torch
 import yaml
 from mlflow.tracking import MlflowClient
 
-from gx_ray.models.vlm_benchmark import build_llava
-from gx_ray.sweep.cluster_benchmark import run_epochs
+from benchmarks.cluster import run_epochs
+from benchmarks.vlm import build_llava
 from gx_ray.sweep.driver import SweepOptions, run_sweep
 from gx_ray.sweep.spaces import space_path
 from gx_ray.tracking import child_runs

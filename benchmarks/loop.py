@@ -2,7 +2,7 @@
 
 Each (task, schema, variant) runs the trial's own loop (:func:`~gx_ray.train.loop.run_loop`, Ray Data stream and
 all) in one process per GPU (in this process on a machine without one), with no sweep around it, right after the raw
-step of the same model on one batch already on the device (:func:`~gx_ray.sweep.cluster_benchmark.raw_step_rate`).
+step of the same model on one batch already on the device (:func:`~benchmarks.cluster.raw_step_rate`).
 Their ratio is the loop's cost alone, apart from packing and start-up; the variants tell which part of the loop
 costs it:
 
@@ -44,9 +44,7 @@ from typing import Any
 
 import ray
 
-from gx_ray.runtime import GpuProcess, init_ray, one_process_per_gpu
-from gx_ray.schema import PAPER_TASKS
-from gx_ray.sweep.cluster_benchmark import (
+from benchmarks.cluster import (
     SLICE_SCHEMAS,
     ClusterBenchmarkConfig,
     HostCpuSampler,
@@ -57,6 +55,8 @@ from gx_ray.sweep.cluster_benchmark import (
     format_host,
     raw_step_rate,
 )
+from gx_ray.runtime import GpuProcess, init_ray, one_process_per_gpu
+from gx_ray.schema import PAPER_TASKS
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "stream": {"data.in_memory": False},

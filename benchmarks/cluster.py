@@ -37,8 +37,8 @@ import ray
 import yaml
 from mlflow.tracking import MlflowClient
 
+from benchmarks.ingest import replicate_splits
 from gx_ray.data.demo.cohort import DemoConfig
-from gx_ray.data.ingest_benchmark import replicate_splits
 from gx_ray.data.prepare import PrepareConfig, prepare_data
 from gx_ray.data.preprocess import PreprocessConfig
 from gx_ray.runtime import init_ray, one_process_per_gpu
@@ -316,7 +316,7 @@ def raw_step_rate(flat: dict[str, Any], steps: int = 10, warmup: int = 3) -> dic
 
     import torch
 
-    from gx_ray.models.benchmark import synchronize
+    from benchmarks.model import synchronize
     from gx_ray.train import probe
     from gx_ray.train.config import TrialConfig
     from gx_ray.train.loop import build_trial, first_rows, loss_function, on_device

@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.model import peak_memory, synchronize
 from gx_ray.metrics.cascade import question_prompt
 from gx_ray.modalities.views import ViewRecipe, ct_images
-from gx_ray.models.benchmark import peak_memory, synchronize
 from gx_ray.models.vlm import VLM_LORA, VisionLanguageModel, VLMConfig
 
 LLAVA_TEMPLATE_HAND_WRITTEN = (
