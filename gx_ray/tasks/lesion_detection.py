@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from gx_ray.tasks.retinanet import ATSSRetinaNetDetector
 
 BOX_KEY, LABEL_KEY, SCORE_KEY = "boxes", "labels", "labels_scores"  # RetinaNetDetector's default keys
-CLS_KEY, BOX_REG_KEY = "classification", "box_regression"
 ANCHOR_QUANTILES = (0.2, 0.5, 0.8)
 
 
@@ -110,10 +109,12 @@ class LesionDetection(Task):
     def forward(self, encoder: nn.Module, head: nn.Module, inputs: ModelInputs, batch: Batch) -> Outputs:
         maps = head.network(encoder(inputs).feature_maps)
         head.generate_anchors(inputs.ct, maps)  # strides = CT size // map size, so anchors live on the CT grid
-        locations = [m.shape[2:].numel() for m in maps[CLS_KEY]]
+        locations = [m.shape[2:].numel() for m in maps[head.cls_key]]
         # float32 from here on: under bf16 autocast, decoded boxes would otherwise be rounded to bf16 (steps of
         # 1-2 voxels at the paper's crop size)
-        flat = {key: flatten_maps(maps[key], head.num_anchors_per_loc).float() for key in (CLS_KEY, BOX_REG_KEY)}
+        flat = {
+            key: flatten_maps(maps[key], head.num_anchors_per_loc).float() for key in (head.cls_key, head.box_reg_key)
+        }
         # the matcher, sampler and loss functions live in the detector: the loss terms are computed here
         outputs = {"losses": self._losses(head, flat, locations, batch)}
         if not head.training:
@@ -136,7 +137,7 @@ class LesionDetection(Task):
         if not present.any():
             return [sum(v.sum() for v in flat.values()) * 0.0]
         keep = np.flatnonzero(present)
-        device = flat[CLS_KEY].device
+        device = flat[detector.cls_key].device
         index = torch.as_tensor(keep, device=device)
         targets = [
             {
@@ -151,7 +152,7 @@ class LesionDetection(Task):
             [detector.anchors[i] for i in keep],
             locations,
         )
-        return [losses[CLS_KEY], losses[BOX_REG_KEY]]
+        return [losses[detector.cls_key], losses[detector.box_reg_key]]
 
     def loss(self, outputs: Outputs, batch: Batch) -> torch.Tensor:
         """Anchor classification (BCE over sampled anchors) plus box regression (smooth L1)."""

@@ -14,7 +14,8 @@ from monai.apps.detection.networks.retinanet_network import RetinaNetClassificat
 from monai.apps.detection.utils.anchor_utils import AnchorGeneratorWithAnchorShape
 from torch import nn
 
-from gx_ray.tasks.lesion_detection import BOX_REG_KEY, CLS_KEY
+CLS_KEY, BOX_REG_KEY = "classification", "box_regression"
+"""The network's outputs, by the keys ``RetinaNetDetector`` reads them under (its ``cls_key``, ``box_reg_key``)."""
 
 
 class DetectionHead(nn.Module):
