@@ -317,9 +317,10 @@ def raw_step_rate(flat: dict[str, Any], steps: int = 10, warmup: int = 3) -> dic
     import torch
 
     from benchmarks.model import synchronize
+    from gx_ray.data.stream import first_rows, on_device
     from gx_ray.train import probe
+    from gx_ray.train.build import build_trial, loss_function
     from gx_ray.train.config import TrialConfig
-    from gx_ray.train.loop import build_trial, first_rows, loss_function, on_device
 
     gc.collect()  # the previous cell's model and optimiser state, before this one's peak is measured
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+AUTO = "auto"
+"""A setting measured or chosen at run time rather than given (``data.micro_batch``, ``resources.gpus_per_worker``)."""
+
 # --- CT phases --------------------------------------------------------------------------------------
 
 PHASES: tuple[str, ...] = ("non_contrast", "arterial", "venous", "delayed")

@@ -17,10 +17,10 @@ from gx_ray.data import endoscopy_annotations as ea
 from gx_ray.data.demo.cohort import DemoConfig, frame_annotation, generate_case
 from gx_ray.data.demo.endoscopy import endoscopic_lesion
 from gx_ray.data.demo.findings import sample_findings, sample_staging
+from gx_ray.data.stream import split_rows
 from gx_ray.modalities import PRESETS, LeakageError, ModalitySchema, check_leakage
 from gx_ray.tasks import build_task
 from gx_ray.tasks.endoscopy import rec_metrics
-from gx_ray.train.loop import split_rows
 
 from .conftest import smoke_sweep, tiny_prepare
 
@@ -178,9 +178,9 @@ def endo_rows(demo_prepared):
 @pytest.mark.parametrize("family", ["cls", "reg", "rec", "cap"])
 def test_each_family_asks_every_annotated_frame_and_trains_on_it(demo_prepared, endo_rows, family):
     from gx_ray.data.shards import TensorLayout, read_manifest
+    from gx_ray.data.stream import first_rows
     from gx_ray.models.registry import ModelConfig, build_encoder
     from gx_ray.tasks.base import TaskModel
-    from gx_ray.train.loop import first_rows
 
     manifest = read_manifest(demo_prepared.shard_dir)
     task = build_task("endoscopy", family=family, view_depth=10, view_kwargs={"block_inplanes": [4, 8, 8, 8]})
@@ -266,7 +266,7 @@ def test_the_endoscopy_smoke_sweep_runs_end_to_end(demo_prepared, tmp_path):
 
 def test_reg_outlines_the_asked_region_and_nothing_else(demo_prepared, endo_rows):
     from gx_ray.data.shards import TensorLayout, read_manifest
-    from gx_ray.train.loop import first_rows
+    from gx_ray.data.stream import first_rows
 
     manifest = read_manifest(demo_prepared.shard_dir)
     layout = TensorLayout(tuple(manifest["ct_shape"]), tuple(manifest["endoscopy_shape"]), tuple(manifest["lab_names"]))
@@ -315,9 +315,9 @@ def test_a_caption_decoder_conditioned_on_the_frame_learns_to_write_each_frames_
     """Overfit four frames with different captions: greedy decoding must then give each frame its own caption, which
     it can only do by reading the frame (the decoder's one memory token)."""
     from gx_ray.data.shards import TensorLayout, read_manifest
+    from gx_ray.data.stream import first_rows
     from gx_ray.models.registry import ModelConfig, build_encoder
     from gx_ray.tasks.base import TaskModel
-    from gx_ray.train.loop import first_rows
 
     torch.manual_seed(0)
     manifest = read_manifest(demo_prepared.shard_dir)

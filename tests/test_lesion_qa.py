@@ -20,6 +20,7 @@ from gx_ray.analysis.runs import load_runs
 from gx_ray.data.demo.cohort import DemoConfig
 from gx_ray.data.prepare import prepare_data
 from gx_ray.data.shards import BatchCollate, ShardFormatError, TensorLayout, read_manifest, split_files
+from gx_ray.data.stream import split_rows
 from gx_ray.modalities import PRESETS, LeakageError, resolve_schema
 from gx_ray.modalities.boxes import tumour_boxes
 from gx_ray.modalities.views import OVERLAY_COLOUR
@@ -39,7 +40,6 @@ from gx_ray.tasks.lesion_qa import (
     write_question_file,
 )
 from gx_ray.train.config import TrialConfig
-from gx_ray.train.loop import split_rows
 
 from .conftest import smoke_sweep, tiny_prepare
 

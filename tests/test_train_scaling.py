@@ -16,13 +16,16 @@ import torch
 import yaml
 from mlflow.tracking import MlflowClient
 
+from gx_ray.data import stream as data_stream
 from gx_ray.data.shards import TensorLayout, rank_pieces, read_manifest, row_groups
+from gx_ray.data.stream import first_rows
 from gx_ray.sweep.driver import EXPERIMENT, SweepOptions, run_sweep
 from gx_ray.tracking import PARENT_TAG
 from gx_ray.tracking.server import LocalMlflowServer
 from gx_ray.train import loop, probe
+from gx_ray.train.build import build_trial, loss_function
 from gx_ray.train.config import TrialConfig
-from gx_ray.train.loop import build_trial, first_rows, loss_function, optimiser_steps
+from gx_ray.train.loop import optimiser_steps
 
 GIB = 2**30
 
@@ -186,18 +189,17 @@ def test_ranks_read_disjoint_parts_that_cover_the_split_in_a_seeded_order_per_ep
 
 def _stream(
     shards, in_memory: bool | str, rank: int = 0, world: int = 1, seed: int = 3, shuffle_buffer: int = 16
-) -> loop.SplitStream:
+) -> data_stream.SplitStream:
     config = TrialConfig.from_flat(
         {"task": "stage_classification", "data.shards": str(shards), "data.in_memory": in_memory, "seed": seed,
          "data.shuffle_buffer": shuffle_buffer}
     )  # fmt: skip
     manifest = read_manifest(shards)
     layout = TensorLayout(tuple(manifest["ct_shape"]), tuple(manifest["endoscopy_shape"]), tuple(manifest["lab_names"]))
-    ctx = loop.WorkerContext(rank, world, torch.device("cpu"), lambda *args, **kwargs: None, None)
-    return loop.SplitStream(config, "train", layout, ctx, batch_size=3)
+    return data_stream.SplitStream(config.data, "train", layout, 3, seed=config.seed, rank=rank, world_size=world)
 
 
-def _epoch(stream: loop.SplitStream, epoch: int) -> dict[str, torch.Tensor]:
+def _epoch(stream: data_stream.SplitStream, epoch: int) -> dict[str, torch.Tensor]:
     return {case: ct for batch in stream.batches(epoch) for case, ct in zip(batch["case_id"], batch["ct"], strict=True)}
 
 
@@ -205,8 +207,8 @@ def test_an_in_memory_split_gives_every_epoch_the_streamed_rows_in_a_seeded_orde
     ray_cluster, demo_prepared, monkeypatch
 ):
     reads = []
-    real_read = loop.read_shard
-    monkeypatch.setattr(loop, "read_shard", lambda path, **kw: reads.append((path, kw)) or real_read(path, **kw))
+    real_read = data_stream.read_shard
+    monkeypatch.setattr(data_stream, "read_shard", lambda path, **kw: reads.append((path, kw)) or real_read(path, **kw))
     kept, again = _stream(demo_prepared.shard_dir, True), _stream(demo_prepared.shard_dir, True)
     streamed = _stream(demo_prepared.shard_dir, False)
     orders = []
@@ -237,7 +239,7 @@ def test_an_in_memory_splits_first_epoch_flows_as_its_row_groups_are_read_shuffl
     the next epoch, every group kept, the whole share is permuted."""
     small, again = (_stream(demo_prepared.shard_dir, True, shuffle_buffer=1) for _ in range(2))  # a window: a batch
     pieces = small.my_pieces(0)
-    groups = [[c.as_py() for c in loop.read_shard(p["path"], row_group=p["row_group"])["case_id"]] for p in pieces]
+    groups = [data_stream.read_shard(p["path"], row_group=p["row_group"])["case_id"].to_pylist() for p in pieces]
     assert len(groups) >= 2 and len(groups[0]) >= small.batch_size
     rows = list(_epoch(small, 0))
     assert rows == list(_epoch(again, 0)) and sorted(rows) == sorted(c for group in groups for c in group)
@@ -257,7 +259,7 @@ def test_the_first_epochs_windows_hold_every_row_once_near_its_groups_place(seed
     rng = np.random.default_rng(seed)
     batch, buffer = int(rng.integers(1, 9)), int(rng.integers(0, 33))
     sizes = [int(n) for n in rng.integers(1, 12, size=int(rng.integers(1, 30)))]
-    stream = loop.SplitStream.__new__(loop.SplitStream)  # the ordering alone: no shards needed
+    stream = data_stream.SplitStream.__new__(data_stream.SplitStream)  # the ordering alone: no shards needed
     stream.batch_size, stream.shuffle = batch, buffer
     chunks = stream._windowed_order(sizes, np.random.default_rng(seed))
     order = [tuple(row) for chunk in chunks for row in chunk]
@@ -275,18 +277,24 @@ def test_auto_keeps_a_share_in_memory_only_while_it_fits_half_the_available_memo
 ):
     pieces = row_groups(demo_prepared.shard_dir, "train")
     for piece in pieces:  # a row group's footer size is what keeping it costs (Arrow's buffers, within 5 %)
-        kept = loop.read_shard(piece["path"], row_group=piece["row_group"]).nbytes
+        kept = data_stream.read_shard(piece["path"], row_group=piece["row_group"]).nbytes
         assert 0.95 < kept / piece["bytes"] < 1.05
     auto, kept = _stream(demo_prepared.shard_dir, "auto"), _stream(demo_prepared.shard_dir, True)
     assert auto.in_memory and list(_epoch(auto, 0)) == list(_epoch(kept, 0))  # the demo cohort fits: the same rows
     budget = psutil.virtual_memory().available / 2 / os.cpu_count()  # a worker of one CPU: one slot per core
-    assert loop.in_memory_budget(1) == pytest.approx(budget, rel=0.05)
-    assert loop.in_memory_budget(2 * os.cpu_count()) == pytest.approx(loop.in_memory_budget(1) * os.cpu_count(), 0.05)
+    assert data_stream.in_memory_budget(1) == pytest.approx(budget, rel=0.05)
+    assert data_stream.in_memory_budget(2 * os.cpu_count()) == pytest.approx(
+        data_stream.in_memory_budget(1) * os.cpu_count(), 0.05
+    )
     half, double = [{**pieces[0], "bytes": budget / 2}], [{**pieces[0], "bytes": budget}] * 2
-    assert loop.keeps_in_memory("auto", half, 1) and not loop.keeps_in_memory("auto", double, 1)  # the full crop
+    assert data_stream.keeps_in_memory("auto", half, 1) and not data_stream.keeps_in_memory(
+        "auto", double, 1
+    )  # the full crop
     larger = [{**pieces[0], "bytes": 1.5 * budget}]  # over one core's slot, within the host's half (2 cores or more)
-    assert not loop.keeps_in_memory("auto", larger, 1) and loop.keeps_in_memory("auto", larger, 4 * os.cpu_count())
-    assert loop.keeps_in_memory(True, double) and not loop.keeps_in_memory(False, half)  # set: as set
+    assert not data_stream.keeps_in_memory("auto", larger, 1) and data_stream.keeps_in_memory(
+        "auto", larger, 4 * os.cpu_count()
+    )
+    assert data_stream.keeps_in_memory(True, double) and not data_stream.keeps_in_memory(False, half)  # set: as set
     assert not _stream(demo_prepared.shard_dir, False).in_memory
 
 
@@ -604,8 +612,9 @@ def test_select_last_tests_the_final_epochs_model_where_best_tests_the_best_vali
         task, model, layout = build_trial(config, torch.device("cpu"))
         state = torch.load(kept / loop.CHECKPOINT_FILE, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
-        ctx = loop.WorkerContext(0, 1, torch.device("cpu"), lambda *a, **k: None, None)
-        stream = loop.SplitStream(config, "test", layout, ctx, config.data.eval_batch_size or 2)
+        stream = data_stream.SplitStream(
+            config.data, "test", layout, config.data.eval_batch_size or 2, seed=config.seed
+        )
         return loop.evaluate(model, task, stream, config, torch.device("cpu"))[0][task.primary_metric]
 
     last_config, last, last_kept = run("last")

@@ -35,6 +35,7 @@ from gx_ray.data.demo.cohort import DemoConfig
 from gx_ray.data.prepare import SHARD_DIR, PrepareConfig, prepare_data
 from gx_ray.data.preprocess import PreprocessConfig
 from gx_ray.data.shards import FORMAT_VERSION, MANIFEST_FILE, check_shards, read_manifest
+from gx_ray.data.stream import split_rows
 from gx_ray.runtime import init_ray, mlflow_retries, nodes_without, one_process_per_gpu
 from gx_ray.sweep.plan_cache import measured_plan
 from gx_ray.sweep.resume import check_resumable, record_inputs, sweep_inputs
@@ -54,8 +55,7 @@ from gx_ray.tracking import (
 )
 from gx_ray.tracking.server import LocalMlflowServer, free_port
 from gx_ray.train.config import AUTO
-from gx_ray.train.loop import probe_trial, split_rows
-from gx_ray.train.probe import CONTEXT_BYTES, MAX_TRIALS_PER_GPU, gpu_share, trials_per_gpu
+from gx_ray.train.probe import CONTEXT_BYTES, MAX_TRIALS_PER_GPU, gpu_share, probe_trial, trials_per_gpu
 from gx_ray.train.telemetry import GpuSampler, busy_fraction, sample_metrics
 
 SWEEP_FILE = "sweep.json"

@@ -13,11 +13,12 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, get_args, get_type_hints
 
+from gx_ray.data.stream import DataConfig
 from gx_ray.modalities import ModalitySchema, check_leakage, resolve_schema
 from gx_ray.modalities.views import ViewsConfig
 from gx_ray.models.registry import ModelConfig
 from gx_ray.models.vlm import VLMConfig
-from gx_ray.schema import TASKS
+from gx_ray.schema import AUTO, TASKS
 
 
 @dataclass(frozen=True)
@@ -44,13 +45,7 @@ class ScheduleConfig:
     patients picks their noise as well: ``last`` is for schedules that decay to zero on a small validation split."""
 
 
-AUTO = "auto"
 SELECTIONS = ("best", "last")
-IN_MEMORY_SHARE_OF_SLOT = 1 / 2
-"""``data.in_memory: auto`` keeps a split whose share is at most this fraction of the host memory available over the
-trial workers the host's CPUs hold (its cores over ``resources.cpus_per_worker``): trials start side by side and each
-sees the memory before the others fill it, and Ray starts no more of them than the CPUs hold, so however many start
-at once their kept training splits take at most half of it."""
 RETIRED_KEYS = {
     "data.batch_size": "data.batch_size is ambiguous (per forward pass or per optimiser step?) and no longer read: "
     "set data.effective_batch (samples per optimiser step over all ranks: the batch size papers report) and "
@@ -58,43 +53,6 @@ RETIRED_KEYS = {
     "data.grad_accum": "data.grad_accum is no longer set by hand: it is data.effective_batch / (resources.workers x "
     "data.micro_batch)",
 }
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    shards: str = ""
-    """The shard folder (``prepare_data`` output's ``shards/``); filled in by the sweep."""
-    effective_batch: int = 32
-    """Samples per optimiser step, over all ranks and accumulation steps: the batch size a paper reports."""
-    micro_batch: int | str = AUTO
-    """Samples per rank per forward pass; ``auto``: the whole per-rank batch on the CPU, on a GPU the largest divisor
-    of it whose training step fits the trial's share of the card (measured). Accumulation makes up the rest."""
-    eval_batch_size: int | None = None
-    """Samples per rank per evaluation forward pass; None: the micro-batch."""
-    shuffle_buffer: int = 16
-    """Rows in the local shuffle buffer, on top of a seeded per-epoch order of row groups (8 rows each)."""
-    read_cpus: float = 0.0
-    """CPUs each read task asks for. 0: the trial's workers already hold the CPUs the sweep gave them, and a read
-    task that waits for one more would wait for ever on a machine whose CPUs the trials fill; reading then runs
-    beside training, ``read_concurrency`` tasks at a time per split."""
-    read_concurrency: int = 2
-    in_memory: bool | str = AUTO
-    """Read this rank's row groups once and keep them in the trial's memory; each epoch then takes them in its seeded
-    order with its rows permuted, instead of streaming the split through Ray Data again. ``auto``: a split is kept
-    when this rank's share of it, uncompressed, is at most half of the host memory available as the trial starts over
-    the trial workers the host's CPUs hold (:data:`IN_MEMORY_SHARE_OF_SLOT`), streamed otherwise (the paper's full
-    crop at Gastric-X size).
-
-    Why: on a GPU node full of trials a streamed trial trains at a fraction of its raw step while its card idles
-    (lesion detection 0.11-0.15 of raw beside six neighbour trials on 4 x H200; kept in memory 0.94: README,
-    "Benchmarks"); on two cores a stream's start-up costs 0.1-3 s per epoch and split, most of a short trial."""
-
-    def per_rank_batch(self, workers: int) -> int:
-        return self.effective_batch // workers
-
-    def accumulation(self, workers: int, micro_batch: int) -> int:
-        """Micro-batches per optimiser step on each rank."""
-        return self.per_rank_batch(workers) // micro_batch
 
 
 @dataclass(frozen=True)

@@ -18,44 +18,28 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import random
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
-import pyarrow as pa
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from gx_ray.data.shards import (
-    TENSOR_COLUMNS,
-    BatchCollate,
-    TensorLayout,
-    open_shard,
-    rank_pieces,
-    read_manifest,
-    read_shard,
-    read_split,
-    row_groups,
-    split_files,
-    to_device,
-)
-from gx_ray.models.registry import build_encoder, param_groups
-from gx_ray.models.text import choose_attention_backends
+from gx_ray.data.shards import TensorLayout
+from gx_ray.data.stream import SplitStream, first_rows, on_device, split_rows
+from gx_ray.models.registry import param_groups
 from gx_ray.runtime import quiet_data_context
-from gx_ray.tasks import Task, TaskModel, build_task, gather_state
+from gx_ray.tasks import TaskModel, gather_state
 from gx_ray.tracking import TrialTracker
 from gx_ray.train import probe
-from gx_ray.train.config import AUTO, IN_MEMORY_SHARE_OF_SLOT, TrialConfig
+from gx_ray.train.build import autocast, build_trial, loss_function
+from gx_ray.train.config import TrialConfig
 
 CHECKPOINT_FILE = "state.pt"
 
@@ -113,169 +97,14 @@ def restore_random_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def autocast(config: TrialConfig, device: torch.device):
-    use_bf16 = config.amp == "bf16" or (config.amp == "auto" and device.type == "cuda")
-    return torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
-
-
-class SplitStream:
-    """One split's batches for one rank, epoch by epoch, on the device.
-
-    The row groups are ordered by a seed per epoch (training only) and dealt to the ranks, so every rank streams its
-    own rows and an epoch's batches are the same on every run with the same seed. :meth:`prefetch` starts the next
-    epoch's stream (its first batch waits for reads and the shuffle buffer to fill) while the current epoch ends.
-    """
-
-    def __init__(self, config: TrialConfig, split: str, layout: TensorLayout, ctx: WorkerContext, batch_size: int):
-        self.config, self.split, self.layout, self.ctx, self.batch_size = config, split, layout, ctx, batch_size
-        self.pieces = row_groups(config.data.shards, split)
-        self.shuffle = config.data.shuffle_buffer if split == "train" else 0
-        self.collate = BatchCollate(layout, pin_memory=ctx.device.type == "cuda")
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"prefetch-{split}")
-        self._next: tuple[int, Iterator, Future] | None = None
-        self._kept: dict[tuple[str, int], Future] = {}
-        """Row groups read or being read, with ``data.in_memory``: (path, row group) → the read's table."""
-        self.waited = 0.0
-        self.in_memory = keeps_in_memory(config.data.in_memory, self.my_pieces(0), config.resources.cpus_per_worker)
-        self._collator = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"collate-{split}")
-        """With ``data.in_memory``: collates (and pins) the next batch while the loop trains on this one, as Ray's
-        prefetch threads do for a stream."""
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"read-{split}")
-        """With ``data.in_memory``: reads the row groups, in the order an epoch first asks for them."""
-
-    def order_seed(self, epoch: int) -> int | None:
-        return self.config.seed * 1000 + epoch if self.split == "train" else None
-
-    def my_pieces(self, epoch: int, rank: int | None = None) -> list[dict[str, Any]]:
-        rank = self.ctx.rank if rank is None else rank
-        return rank_pieces(self.pieces, rank, self.ctx.world_size, self.order_seed(epoch))
-
-    def fewest_rows(self, epoch: int) -> int:
-        """The rows of the rank with fewest this epoch: every rank takes as many optimiser steps as it allows."""
-        return min(sum(p["rows"] for p in self.my_pieces(epoch, r)) for r in range(self.ctx.world_size))
-
-    def _iterator(self, epoch: int) -> Iterator[dict]:
-        data = self.config.data
-        if self.in_memory:
-            return self._kept_batches(epoch)
-        dataset = read_split(
-            data.shards, self.split, num_cpus=data.read_cpus, concurrency=data.read_concurrency,
-            pieces=self.my_pieces(epoch),
-        )  # fmt: skip
-        seed = self.order_seed(epoch)
-        batches = dataset.iter_torch_batches(
-            batch_size=self.batch_size,
-            collate_fn=self.collate,
-            prefetch_batches=2,
-            local_shuffle_buffer_size=max(self.shuffle, self.batch_size) if self.shuffle else None,
-            local_shuffle_seed=seed if self.shuffle else None,
-        )
-        return iter(batches)
-
-    def _kept_batches(self, epoch: int) -> Iterator[dict]:
-        """``data.in_memory``: the epoch's row groups (each read once, pages verified) in its order. A reader thread
-        reads the groups an epoch asks for first in the epoch's order. In epoch 0 the rows flow as their groups arrive,
-        shuffled within windows of ``data.shuffle_buffer`` rows as the stream shuffles: the first batch waits for its
-        own groups, not for the whole share (11.5 s of a 9.5 GB share on an H200 node). Every later epoch permutes the
-        whole share with the epoch's seed when training shuffles, whether or not this process has read its groups
-        yet: a trial resumed at epoch k (its first here) draws epoch k's batches as the uninterrupted trial did."""
-        pieces = self.my_pieces(epoch)
-        keys = [(piece["path"], piece["row_group"]) for piece in pieces]
-        unread = [key for key in keys if key not in self._kept]
-        for key in unread:  # read in the epoch's order, each group once
-            self._kept[key] = self._reader.submit(read_shard, key[0], row_group=key[1])
-        rng = np.random.default_rng(self.order_seed(epoch)) if self.shuffle else None
-        # the order depends on the epoch and the seed only: never on how fast the reads went, nor on which epoch this
-        # process started at (choosing the windowed order by "some group unread" trained a resumed trial on another
-        # order: report generation's ROUGE-L 28.3 against 46.0 uninterrupted, killed at epoch 3 of 6)
-        if epoch == 0:
-            chunks = self._windowed_order([piece["rows"] for piece in pieces], rng)
-        else:
-            starts = np.cumsum([0] + [piece["rows"] for piece in pieces])
-            order = rng.permutation(starts[-1]) if rng is not None else np.arange(starts[-1])
-            group = np.searchsorted(starts, order, side="right") - 1
-            rows = np.stack([group, order - starts[group]], axis=1)
-            chunks = [rows[start : start + self.batch_size] for start in range(0, len(rows), self.batch_size)]
-
-        def collated(chunk: np.ndarray) -> dict:
-            """The rows ``chunk`` (row group, row) in that order, sliced from their own row groups and copied once: a
-            take on the concatenated share would copy the whole share for every batch (Arrow joins a column's chunks
-            first: 2.7 samples/s against 37 streamed at the bench shape, H200)."""
-            rows = pa.concat_tables([self._kept[keys[g]].result().slice(i, 1) for g, i in chunk])
-            return self.collate(rows.combine_chunks())
-
-        ahead = [self._collator.submit(collated, chunk) for chunk in chunks[:1]]
-        for chunk in chunks[1:]:  # one batch gathered and collated ahead, in its own thread
-            ahead.append(self._collator.submit(collated, chunk))
-            yield ahead.pop(0).result()
-        yield from (batch.result() for batch in ahead)
-
-    def _windowed_order(self, group_rows: list[int], rng: np.random.Generator | None) -> list[np.ndarray]:
-        """Batches of (row group, row) in the groups' order, the rows of each window of consecutive groups (at least
-        ``data.shuffle_buffer`` rows) permuted together, after the few rows the window before left over."""
-        window = max(self.shuffle, self.batch_size)
-        chunks, carried, filling = [], np.empty((0, 2), dtype=np.int64), []
-        for g, count in enumerate(group_rows):
-            filling.append(np.stack([np.full(count, g), np.arange(count)], axis=1))
-            last = g == len(group_rows) - 1
-            if sum(map(len, filling)) < window and not last:
-                continue
-            rows = np.concatenate(filling)
-            pending = np.concatenate([carried, rows[rng.permutation(len(rows))] if rng is not None else rows])
-            whole = len(pending) if last else len(pending) // self.batch_size * self.batch_size
-            chunks += [pending[start : start + self.batch_size] for start in range(0, whole, self.batch_size)]
-            carried, filling = pending[whole:], []
-        return chunks
-
-    def prefetch(self, epoch: int) -> None:
-        """Start the stream of ``epoch`` now: its first batch is fetched in the background."""
-        if self._next is None or self._next[0] != epoch:
-            iterator = self._iterator(epoch)
-            self._next = (epoch, iterator, self._pool.submit(next, iterator, None))
-
-    def batches(self, epoch: int) -> Iterator[dict]:
-        """The epoch's batches on the device, each copied while the one before it trains. ``waited``: the seconds the
-        loop has spent in this epoch waiting for a batch (the data path not keeping up)."""
-        self.prefetch(epoch)
-        _, iterator, first = self._next
-        self._next = None
-        asked = time.perf_counter()
-        batch = first.result()
-        self.waited = time.perf_counter() - asked
-        if batch is None:
-            return
-        current = on_device(batch, self.ctx.device)
-        while True:
-            asked = time.perf_counter()
-            batch = next(iterator, None)
-            self.waited += time.perf_counter() - asked
-            if batch is None:
-                break
-            upcoming = on_device(batch, self.ctx.device)
-            yield current
-            current = upcoming
-        yield current
-
-
-def keeps_in_memory(setting: bool | str, pieces: list[dict[str, Any]], cpus_per_worker: float = 1.0) -> bool:
-    """``data.in_memory`` for a rank's share of a split: as set, or with ``auto`` whether the share (uncompressed)
-    is at most :func:`in_memory_budget` bytes."""
-    if setting != AUTO:
-        return bool(setting)
-    return sum(p["bytes"] for p in pieces) <= in_memory_budget(cpus_per_worker)
-
-
-def in_memory_budget(cpus_per_worker: float) -> float:
-    """:data:`IN_MEMORY_SHARE_OF_SLOT` of the host memory available now, over the trial workers its CPUs hold (a
-    1 x H200 VM of 16 cores and 126 GiB, 4 CPUs a worker: 15.7 GB; a sixteenth of the host, the rule before, kept the
-    bench cohort's 9.5 GB share out of memory there, and streamed VQA trained at 0.31 of its raw step)."""
-    slots = max(1, int((os.cpu_count() or 1) / cpus_per_worker))  # the config holds cpus_per_worker positive
-    return IN_MEMORY_SHARE_OF_SLOT * psutil.virtual_memory().available / slots
-
-
-def on_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """A batch with its volumes on ``device`` (asynchronously, from pinned memory); the rest stays on the host."""
-    return to_device(batch, device, keys=TENSOR_COLUMNS)
+def stream_of(
+    config: TrialConfig, split: str, layout: TensorLayout, ctx: WorkerContext, batch_size: int
+) -> SplitStream:
+    """This rank's stream of ``split``, in the trial's seeded order."""
+    return SplitStream(
+        config.data, split, layout, batch_size, seed=config.seed, rank=ctx.rank, world_size=ctx.world_size,
+        device=ctx.device, cpus_per_worker=config.resources.cpus_per_worker,
+    )  # fmt: skip
 
 
 def evaluate(
@@ -297,74 +126,6 @@ def evaluate(
     return metric.compute(), [r for part in gather_state({"records": [kept]}).get("records", []) for r in part]
 
 
-def build_trial(
-    config: TrialConfig, device: torch.device, train_rows: list[dict] | None = None
-) -> tuple[Any, TaskModel, TensorLayout]:
-    """The trial's task (fitted on the training split: ``train_rows``, read here when not given) and model."""
-    manifest = read_manifest(config.data.shards)
-    layout = TensorLayout(tuple(manifest["ct_shape"]), tuple(manifest["endoscopy_shape"]), tuple(manifest["lab_names"]))
-    task = build_task(config.task, **config.task_options)
-    train_rows = split_rows(config.data.shards, "train") if train_rows is None else train_rows
-    task.prepare(train_rows)  # training split only
-    if type(task).attach_splits is not Task.attach_splits:  # only a task that asks reads the other splits
-        splits = {"train": train_rows, **{s: split_rows(config.data.shards, s) for s in ("val", "test")}}
-        task.attach_splits(splits, manifest, str(config.data.shards))
-    if device.type == "cuda":
-        choose_attention_backends()
-    if config.model.family == "vlm":
-        return (*build_vlm_trial(config, task, device), layout)
-    model = TaskModel(task, build_encoder(config.model, config.schema), config.schema).to(device)
-    return task, model, layout
-
-
-def build_vlm_trial(config: TrialConfig, task: Task, device: torch.device) -> tuple[Any, torch.nn.Module]:
-    """``model.family: vlm``: the task asked of a vision-language model in words (:mod:`gx_ray.tasks.vlm`); the loop
-    trains, evaluates, logs and checkpoints it as any task model."""
-    from gx_ray.models.vlm import VisionLanguageModel  # transformers and peft load only for a VLM trial
-    from gx_ray.tasks.vlm import VisionLanguageTask, VisionLanguageTaskModel
-
-    asked = VisionLanguageTask(task, config.vlm.max_new_tokens)
-    vlm = VisionLanguageModel.from_config(config.vlm, device)
-    return asked, VisionLanguageTaskModel(asked, vlm, config.views.recipe(config.schema), config.schema)
-
-
-def loss_function(task: Any, config: TrialConfig, device: torch.device) -> Callable[[torch.nn.Module, dict], Any]:
-    def loss_of(model: torch.nn.Module, batch: dict) -> torch.Tensor:
-        with autocast(config, device):
-            return task.loss(model(batch), batch)
-
-    return loss_of
-
-
-def micro_batch_for(
-    config: TrialConfig, model: TaskModel, task: Any, layout: TensorLayout, device: torch.device, world_size: int
-) -> tuple[int, int | None]:
-    """The trial's micro-batch and its measured step peak (bytes; None where not measured). ``auto``: the whole
-    per-rank batch on the CPU; on a GPU the largest divisor of it whose step fits the trial's share of the card
-    (a fixed ``gpus_per_worker`` fraction, else the whole card). Where not even one sample fits, gradient
-    checkpointing is switched on in the model (blocks that offer it) and the choice made again."""
-    per_rank = config.data.per_rank_batch(world_size)
-    if config.data.micro_batch != AUTO:
-        return int(config.data.micro_batch), None
-    if device.type != "cuda":
-        return per_rank, None
-    rows = first_rows(config.data.shards, "train", per_rank, layout)
-    loss_of = loss_function(task, config, device)
-
-    def peak_of(micro: int) -> int | None:
-        return probe.step_peak_bytes(model, loss_of, on_device(slice_batch(rows, micro), device), device)
-
-    gpus = config.resources.gpus_per_worker
-    share = float(gpus) if gpus != AUTO and 0 < float(gpus) < 1 else 1.0
-    budget = torch.cuda.get_device_properties(device).total_memory * share * (1 - probe.MARGIN) - probe.CONTEXT_BYTES
-    try:
-        return probe.choose_micro_batch(per_rank, peak_of, budget)
-    except MemoryError:
-        if not probe.enable_checkpointing(model):
-            raise
-        return probe.choose_micro_batch(per_rank, peak_of, budget)
-
-
 def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
     """Train, validate every epoch, test the best model; returns the final metrics."""
     setup_started = time.perf_counter()
@@ -372,12 +133,12 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
     train_rows = split_rows(config.data.shards, "train")  # the task's fit and, at the end, its chance level
     task, model, layout = build_trial(config, ctx.device, train_rows)
     built = time.perf_counter() - setup_started
-    micro = ctx.micro_batch or micro_batch_for(config, model, task, layout, ctx.device, ctx.world_size)[0]
+    micro = ctx.micro_batch or probe.micro_batch_for(config, model, task, layout, ctx.device, ctx.world_size)[0]
     accumulation = config.data.accumulation(ctx.world_size, micro)
     if ctx.tracker:
         ctx.tracker.set_tags({"gx_ray.micro_batch": str(micro), "gx_ray.accumulation": str(accumulation)})
     eval_size = config.data.eval_batch_size or micro
-    streams = {split: SplitStream(config, split, layout, ctx, micro if split == "train" else eval_size)
+    streams = {split: stream_of(config, split, layout, ctx, micro if split == "train" else eval_size)
                for split in ("train", "val", "test")}  # fmt: skip
     if ctx.tracker:  # with `auto`, which way each split went (a share too large for the host streams)
         ctx.tracker.set_tags({f"gx_ray.in_memory.{split}": str(s.in_memory).lower() for split, s in streams.items()})
@@ -561,33 +322,6 @@ def _report(ctx: WorkerContext, metrics: dict, model, optimiser, scheduler, epoc
         ctx.report(metrics, checkpoint=Checkpoint.from_directory(folder))
 
 
-def split_rows(shard_dir: str, split: str) -> list[dict]:
-    """A split's rows without the image columns (what a task may learn from, e.g. VQA answers)."""
-    files = split_files(shard_dir, split)
-    columns = [c for c in open_shard(files[0]).schema_arrow.names if c not in TENSOR_COLUMNS]
-    return [row for f in files for row in read_shard(f, columns=columns).to_pylist()]
-
-
-def first_rows(shard_dir: Path | str, split: str, rows: int, layout: TensorLayout) -> dict[str, Any]:
-    """The first ``rows`` rows of a split as one collated batch (what a probe step trains on)."""
-    tables = []
-    for f in split_files(shard_dir, split):
-        for batch in open_shard(f).iter_batches(batch_size=rows):  # page checksums verified
-            tables.append(batch)
-            if sum(len(b) for b in tables) >= rows:
-                break
-        if sum(len(b) for b in tables) >= rows:
-            break
-    return slice_batch(BatchCollate(layout)(pa.Table.from_batches(tables).slice(0, rows)), rows)
-
-
-def slice_batch(batch: dict[str, Any], rows: int) -> dict[str, Any]:
-    """The first ``rows`` samples of a collated batch; a batch smaller than ``rows`` is repeated to fill it."""
-    size = len(batch["case_id"])
-    index = [i % size for i in range(rows)]
-    return {k: v[index] if isinstance(v, torch.Tensor) else [v[i] for i in index] for k, v in batch.items()}
-
-
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Ray Train's entry point (one call per DDP rank): the same loop; each rank reads its own row groups."""
     import ray.train
@@ -629,42 +363,3 @@ def linear_warmup_decay(
         return warmup
     decay = LinearLR(optimiser, start_factor=1.0, end_factor=0.0, total_iters=total_steps - warmup_steps)
     return SequentialLR(optimiser, [warmup, decay], milestones=[warmup_steps])
-
-
-def probe_trial(flat: dict[str, Any]) -> dict[str, Any]:
-    """One measured training step and one evaluation forward of a trial's model on a whole GPU, before the sweep
-    places its trials: the micro-batch it will use (``auto``: the largest that fits the card) and the peak memory of
-    the step at it or of the evaluation at ``data.eval_batch_size``, whichever is higher."""
-    config = TrialConfig.from_flat(flat)
-    device = torch.device("cuda")
-    task, model, layout = build_trial(config, device)
-    micro, peak = micro_batch_for(config, model, task, layout, device, config.resources.workers)
-    if peak is None:
-        rows = first_rows(config.data.shards, "train", micro, layout)
-        peak = probe.step_peak_bytes(model, loss_function(task, config, device), on_device(rows, device), device)
-    eval_size = config.data.eval_batch_size or micro
-    batch = on_device(first_rows(config.data.shards, "val", eval_size, layout), device)
-
-    def forward() -> None:
-        model.eval()
-        with torch.no_grad(), autocast(config, device):
-            model(batch)
-        model.train()
-
-    eval_peak = probe.eval_peak_bytes(forward, device)
-    properties = torch.cuda.get_device_properties(device)
-    if eval_peak is None:
-        raise MemoryError(
-            f"{config.task} x {config.schema}: an evaluation batch of {eval_size} does not fit a whole "
-            f"{properties.name}: give data.eval_batch_size a smaller value"
-        )
-    return {
-        "micro_batch": micro,
-        "peak_bytes": max(peak, eval_peak),  # what the trial needs at its peak, training or evaluating
-        "train_peak_bytes": peak,
-        "eval_peak_bytes": eval_peak,
-        "eval_batch": eval_size,
-        "card_bytes": properties.total_memory,
-        "gpu": properties.name,
-        "gradient_checkpointing": probe.checkpointing(model),
-    }

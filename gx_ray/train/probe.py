@@ -1,5 +1,6 @@
 """Measured training steps: the GPU memory a trial's step takes, the micro-batch that fits, how many trials share a
-GPU, and which parameters a model leaves without a gradient (DDP must be told).
+GPU, and which parameters a model leaves without a gradient (DDP must be told); :func:`probe_trial` measures a whole
+trial's step before the sweep places its trials.
 
 Nothing here guesses memory from parameter counts: a real step (forward, backward, AdamW) of the trial's own model
 on rows of its own training split is measured on the device it will train on.
@@ -16,7 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from gx_ray.data.shards import TensorLayout
+from gx_ray.data.stream import first_rows, on_device, slice_batch
 from gx_ray.models.registry import compile_in_place
+from gx_ray.schema import AUTO
+from gx_ray.tasks import TaskModel
+from gx_ray.train.build import autocast, build_trial, loss_function
+from gx_ray.train.config import TrialConfig
 
 CONTEXT_BYTES = 768 * 2**20
 """What a CUDA process holds outside PyTorch's allocator (context, cuBLAS/cuDNN handles and workspaces), added to
@@ -188,3 +195,71 @@ def trials_per_gpu(share: float) -> int:
 
 def _gib(value: float | None) -> str:
     return "more memory than the card has" if value is None else f"{value / 2**30:.1f} GiB"
+
+
+def micro_batch_for(
+    config: TrialConfig, model: TaskModel, task: Any, layout: TensorLayout, device: torch.device, world_size: int
+) -> tuple[int, int | None]:
+    """The trial's micro-batch and its measured step peak (bytes; None where not measured). ``auto``: the whole
+    per-rank batch on the CPU; on a GPU the largest divisor of it whose step fits the trial's share of the card
+    (a fixed ``gpus_per_worker`` fraction, else the whole card). Where not even one sample fits, gradient
+    checkpointing is switched on in the model (blocks that offer it) and the choice made again."""
+    per_rank = config.data.per_rank_batch(world_size)
+    if config.data.micro_batch != AUTO:
+        return int(config.data.micro_batch), None
+    if device.type != "cuda":
+        return per_rank, None
+    rows = first_rows(config.data.shards, "train", per_rank, layout)
+    loss_of = loss_function(task, config, device)
+
+    def peak_of(micro: int) -> int | None:
+        return step_peak_bytes(model, loss_of, on_device(slice_batch(rows, micro), device), device)
+
+    gpus = config.resources.gpus_per_worker
+    share = float(gpus) if gpus != AUTO and 0 < float(gpus) < 1 else 1.0
+    budget = torch.cuda.get_device_properties(device).total_memory * share * (1 - MARGIN) - CONTEXT_BYTES
+    try:
+        return choose_micro_batch(per_rank, peak_of, budget)
+    except MemoryError:
+        if not enable_checkpointing(model):
+            raise
+        return choose_micro_batch(per_rank, peak_of, budget)
+
+
+def probe_trial(flat: dict[str, Any]) -> dict[str, Any]:
+    """One measured training step and one evaluation forward of a trial's model on a whole GPU, before the sweep
+    places its trials: the micro-batch it will use (``auto``: the largest that fits the card) and the peak memory of
+    the step at it or of the evaluation at ``data.eval_batch_size``, whichever is higher."""
+    config = TrialConfig.from_flat(flat)
+    device = torch.device("cuda")
+    task, model, layout = build_trial(config, device)
+    micro, peak = micro_batch_for(config, model, task, layout, device, config.resources.workers)
+    if peak is None:
+        rows = first_rows(config.data.shards, "train", micro, layout)
+        peak = step_peak_bytes(model, loss_function(task, config, device), on_device(rows, device), device)
+    eval_size = config.data.eval_batch_size or micro
+    batch = on_device(first_rows(config.data.shards, "val", eval_size, layout), device)
+
+    def forward() -> None:
+        model.eval()
+        with torch.no_grad(), autocast(config, device):
+            model(batch)
+        model.train()
+
+    eval_peak = eval_peak_bytes(forward, device)
+    properties = torch.cuda.get_device_properties(device)
+    if eval_peak is None:
+        raise MemoryError(
+            f"{config.task} x {config.schema}: an evaluation batch of {eval_size} does not fit a whole "
+            f"{properties.name}: give data.eval_batch_size a smaller value"
+        )
+    return {
+        "micro_batch": micro,
+        "peak_bytes": max(peak, eval_peak),  # what the trial needs at its peak, training or evaluating
+        "train_peak_bytes": peak,
+        "eval_peak_bytes": eval_peak,
+        "eval_batch": eval_size,
+        "card_bytes": properties.total_memory,
+        "gpu": properties.name,
+        "gradient_checkpointing": checkpointing(model),
+    }
