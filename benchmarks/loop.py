@@ -142,7 +142,7 @@ class Neighbour:
         # short epochs: the first ends (and the measured cells start) soon after the neighbour trains at all
         config = TrialConfig.from_flat({**flat, "schedule.epochs": 10_000, "schedule.max_steps_per_epoch": 10})
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        run_loop(config, WorkerContext(0, 1, device, count, None))
+        run_loop(config, WorkerContext(rank=0, world_size=1, device=device, report=count, latest_checkpoint=None))
 
     def epochs_done(self) -> int:
         return self.epochs
@@ -297,7 +297,7 @@ def loop_against_raw(item: dict[str, Any]) -> dict[str, Any]:
         epochs.append(metrics)
         print(f"{name}: epoch {metrics['epoch']} {metrics['train_samples_per_second']:.1f} samples/s", flush=True)
 
-    ctx = WorkerContext(0, 1, device, report, None)
+    ctx = WorkerContext(rank=0, world_size=1, device=device, report=report, latest_checkpoint=None)
     before = sys.getswitchinterval()
     profiler = cProfile.Profile() if item["profile"] else None
     with StackSampler() if item.get("sample_stacks") else nullcontext() as sampler:

@@ -363,7 +363,7 @@ def test_a_question_file_is_written_once_per_cohort_and_recipe_and_refused_for_a
     shards = str(demo_prepared.shard_dir)
     manifest = read_manifest(demo_prepared.shard_dir)
     rows = {s: split_rows(shards, s) for s in ("train", "val", "test")}
-    location = write_question_file(rows, manifest, shards, str(tmp_path), "img2txt", "random", seed=1)
+    location = write_question_file(shards, str(tmp_path), "img2txt", "random", seed=1)
     assert location == question_file(str(tmp_path), manifest_sha256(shards), "img2txt", "random", 1)
     recipe = {"family": "img2txt", "distractors": "random", "seed": 1, "options": 4}
     read = read_question_file(location, recipe, shards)
@@ -372,7 +372,7 @@ def test_a_question_file_is_written_once_per_cohort_and_recipe_and_refused_for_a
     # a second sweep on the same cohort finds the file and keeps it as it is
     Path(location).write_text(Path(location).read_text("utf-8").replace('"format"', '"format" '), "utf-8")
     before = Path(location).read_text(encoding="utf-8")
-    assert write_question_file(rows, manifest, shards, str(tmp_path), "img2txt", "random", seed=1) == location
+    assert write_question_file(shards, str(tmp_path), "img2txt", "random", seed=1) == location
     assert Path(location).read_text(encoding="utf-8") == before
     with pytest.raises(ValueError, match="its recipe is .* this trial's"):
         read_question_file(location, {**recipe, "distractors": "matched"}, shards)

@@ -75,8 +75,12 @@ def test_the_plan_tells_settings_apart_by_what_decides_their_memory():
     """The evaluation batch decides a trial's peak as much as its micro-batch (a 3D Swin evaluated 32 at a time
     needed more than its training step at 8); a seed or a learning rate decides nothing."""
     from gx_ray.sweep.trial import gpu_plan_key
+    from gx_ray.train.config import TrialConfig
+
+    def key(flat: dict) -> str:
+        return gpu_plan_key(TrialConfig.from_flat(flat))
 
     base = {"task": "vqa", "schema": "image_only", "model.vision": "swin3d", "data.micro_batch": 8, "seed": 0}
-    assert gpu_plan_key({**base, "data.eval_batch_size": 32}) != gpu_plan_key({**base, "data.eval_batch_size": 8})
-    assert gpu_plan_key({**base, "seed": 1, "optimiser.lr": 1e-3}) == gpu_plan_key(base)
-    assert gpu_plan_key({**base, "model.compile": True}) != gpu_plan_key(base)
+    assert key({**base, "data.eval_batch_size": 32}) != key({**base, "data.eval_batch_size": 8})
+    assert key({**base, "seed": 1, "optimiser.lr": 1e-3}) == key(base)
+    assert key({**base, "model.compile": True}) != key(base)

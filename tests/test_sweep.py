@@ -351,20 +351,20 @@ def test_the_same_loop_runs_under_a_torch_trainer(ray_cluster, demo_prepared, ml
 def test_run_names_lead_with_task_inputs_and_seed_also_when_the_space_fixes_them():
     from types import SimpleNamespace
 
-    from gx_ray.sweep.driver import _trial_name
+    from gx_ray.sweep.summary import trial_name
 
     varied = SimpleNamespace(
         trial_id="5c0a1_00015", config={"task": "stage_classification", "schema": "image_table_bbox", "seed": 0}
     )
-    assert _trial_name({}, varied) == "stage img+tab+box s0 #15"
+    assert trial_name({}, varied) == "stage img+tab+box s0 #15"
     fixed = SimpleNamespace(trial_id="5c0a1_00000", config={"seed": 1})  # Tune's config holds only what varies
-    assert _trial_name({"task": "vqa", "schema": "image_only"}, fixed) == "vqa img s1 #0"
+    assert trial_name({"task": "vqa", "schema": "image_only"}, fixed) == "vqa img s1 #0"
 
 
 def test_the_summary_leaves_out_trials_a_time_budget_never_started():
     """A time-boxed sweep (benchmark.py cluster --budget) can end before some trials start: Tune keeps them without
     a config. They are no cell; before, their task None failed the whole summary ("unknown task None")."""
-    from gx_ray.sweep.driver import summarise
+    from gx_ray.sweep.summary import format_summary, summarise
 
     done = {"schema": "image_only", "error": None, "completed": True, "trial": "t0", "chosen": {}}
     rows = [
@@ -381,7 +381,6 @@ def test_the_summary_leaves_out_trials_a_time_budget_never_started():
     )
     assert cell["test_mean"] == pytest.approx(62.0)
     assert cell["chance"] == pytest.approx(50.0)  # the one trial that logged it (the other predates test_chance)
-    from gx_ray.sweep.driver import format_summary
 
     header, row = format_summary([cell], 2, 0, 3).splitlines()[-2:]
     assert "chance" in header and row.split()[-4:] == ["50.0", "80.0", "→", "64.0"]
@@ -390,7 +389,7 @@ def test_the_summary_leaves_out_trials_a_time_budget_never_started():
 def test_the_progress_bar_counts_a_trial_the_time_budget_ended_as_stopped_not_finished(capsys):
     from types import SimpleNamespace
 
-    from gx_ray.sweep.driver import TrialProgress
+    from gx_ray.sweep.callbacks import TrialProgress
 
     progress = TrialProgress(total=4)
     progress.setup()
@@ -409,9 +408,9 @@ def test_the_progress_bar_counts_a_trial_the_time_budget_ended_as_stopped_not_fi
 def test_the_report_s_imports_are_warmed_once_the_first_trial_ends(tmp_path, monkeypatch):
     """The driver imports what the report needs while trials still run: MONAI's box matching only when the sweep has
     detection trials, and nothing before the first trial ends (the sweep's start stays short)."""
-    from gx_ray.sweep.driver import DETECTION_MATCHING, REPORT_MODULES, ReportWarmUp, report_modules
+    from gx_ray.sweep.callbacks import REPORT_MODULES, ReportWarmUp, report_modules
 
-    assert report_modules(load_space("modality_ablation")) == (*REPORT_MODULES, DETECTION_MATCHING)
+    assert report_modules(load_space("modality_ablation")) == (*REPORT_MODULES, "monai.apps.detection.metrics.matching")
     assert report_modules(load_space("modality_ablation", ("planted",))) == REPORT_MODULES  # stage only
     (tmp_path / "warmed_for_the_report.py").write_text("import time\ntime.sleep(0.2)\nVALUE = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))

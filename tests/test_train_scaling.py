@@ -58,19 +58,18 @@ def test_gpu_share_on_random_cases_never_overcommits_and_never_wastes_a_slot():
 
 def test_auto_packs_every_task_but_the_one_that_waits_on_the_gpu_each_step():
     from gx_ray.schema import PAPER_TASKS
-    from gx_ray.sweep.driver import _auto_share
+    from gx_ray.sweep.gpu_plan import auto_share
 
     measured = {"peak_bytes": 20 * GIB, "card_bytes": 141 * GIB}
-    shares = {task: _auto_share({"task": task}, measured) for task in PAPER_TASKS}
+    shares = {task: auto_share(task, measured) for task in PAPER_TASKS}
     assert shares.pop("lesion_detection") == 1.0  # a whole card: packed, it trained at a ninth of its rate
     assert all(probe.trials_per_gpu(share) >= 2 for share in shares.values()), shares
     # no more than the sweep needs: as many trials as cards get a card each (Ray fills one card before the next)
-    vqa = {"task": "vqa"}
-    assert _auto_share(vqa, measured, trials_per_card=1) == 1.0
-    assert probe.trials_per_gpu(_auto_share(vqa, measured, trials_per_card=2)) == 2
-    assert _auto_share(vqa, measured, trials_per_card=100) == _auto_share(vqa, measured)  # memory bounds it
+    assert auto_share("vqa", measured, trials_per_card=1) == 1.0
+    assert probe.trials_per_gpu(auto_share("vqa", measured, trials_per_card=2)) == 2
+    assert auto_share("vqa", measured, trials_per_card=100) == auto_share("vqa", measured)  # memory bounds it
     big = {"peak_bytes": 60 * GIB, "card_bytes": 141 * GIB}  # two fit: a sweep of 3 trials a card still gets two
-    assert probe.trials_per_gpu(_auto_share(vqa, big, trials_per_card=3)) == 2
+    assert probe.trials_per_gpu(auto_share("vqa", big, trials_per_card=3)) == 2
 
 
 def test_gpu_share_refuses_nonsense():
@@ -78,40 +77,59 @@ def test_gpu_share_refuses_nonsense():
         probe.gpu_share(0, 80 * GIB)
 
 
-def test_a_trial_is_reserved_and_logs_its_fixed_or_measured_gpu_share():
+def _context(tmp_path: Path, fixed: dict, grid: dict, **kwargs):
+    """A sweep's context over a space of ``fixed`` and ``grid`` keys, as the driver builds it."""
+    import yaml
+
+    from gx_ray.sweep.spaces import load_space
+    from gx_ray.sweep.trial import SweepContext
+
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump({"fixed": fixed, "grid": grid}), encoding="utf-8")
+    return SweepContext("sweep", load_space(str(path)), "/cohort", str(tmp_path / "ray"), **kwargs)
+
+
+def test_a_trial_is_reserved_and_logs_its_fixed_or_measured_gpu_share(tmp_path):
     """The share Ray reserves is the one the trial logs and keeps its memory to: the plan's for ``auto``, the space's
     own for a fixed fraction (a fixed share logged as a whole card made the cluster benchmark project 3/2 x the
     GPU-hours of a slice packed two to a card)."""
-    from gx_ray.sweep.trial import gpu_plan_key, gpu_share_of, trial_resources
+    from gx_ray.sweep.trial import gpu_plan_key
 
-    flat = {"task": "vqa", "schema": "image_only", "resources.cpus_per_worker": 4}
-    measured = {"task": "vqa", "schema": "image_only", "resources.gpus_per_worker": "auto"}
-    context = {"fixed": {}, "overrides": [], "gpu_plan": {gpu_plan_key(measured): {"share": 0.3333}}}
+    fixed = {"task": "vqa", "resources.cpus_per_worker": 4}
+    measured = _context(tmp_path, {**fixed, "resources.gpus_per_worker": "auto"}, {"schema": ["image_only"]})
+    key = gpu_plan_key(measured.setting({"schema": "image_only"}).config)
     for gpus, share in ((0.25, 0.25), (1, 1.0), (0, 0.0), ("auto", 0.3333)):
-        chosen = {**flat, "resources.gpus_per_worker": gpus}
-        assert gpu_share_of(context, chosen) == share
-        assert trial_resources(context, chosen) == {"cpu": 4, "gpu": share}
-    unknown = {**flat, "schema": "image_table", "resources.gpus_per_worker": "auto"}  # a setting the plan never saw
-    assert gpu_share_of(context, unknown) == 1.0
+        space = {**fixed, "resources.gpus_per_worker": gpus}
+        context = _context(
+            tmp_path, space, {"schema": ["image_only", "image_table"]}, gpu_plan={key: {"share": 0.3333}}
+        )
+        assert context.setting({"schema": "image_only"}).gpu_share == share
+        assert context.resources({"schema": "image_only"}) == {"cpu": 4, "gpu": share}
+    # a setting the plan never saw gets a whole GPU
+    assert context.setting({"schema": "image_table"}).gpu_share == 1.0
 
 
-def test_a_trial_finds_the_plan_it_was_reserved_by_before_its_config_grows():
-    """A lesion QA trial gains its questions file and a checkpointed one gradient checkpointing after the driver
-    measured it; both are in the plan's key, so the plan and the share are looked up before they are added."""
-    from gx_ray.sweep.trial import gpu_plan_key, trial_resources, trial_setting
+def test_a_trial_finds_the_plan_it_was_reserved_by_before_its_config_grows(tmp_path):
+    """A trial whose measured step fitted only with gradient checkpointing gains it after the plan is looked up (it
+    is in the plan's key); a task's sweep inputs (lesion QA's question file) are in the config the driver measured."""
+    from gx_ray.sweep.trial import gpu_plan_key, task_key
 
-    params = {"task": "lesion_qa", "schema": "image_only", "seed": 0}
-    fixed = {"resources.gpus_per_worker": "auto", "resources.cpus_per_worker": 2, "task_options.family": "t_stage"}
-    measured = {**fixed, **params, "data.shards": "/cohort"}
+    fixed = {"task": "lesion_qa", "resources.gpus_per_worker": "auto", "resources.cpus_per_worker": 2,
+             "task_options.family": "img2size"}  # fmt: skip
+    params = {"schema": "image_only", "seed": 0}
+    bare = _context(tmp_path, fixed, {"schema": ["image_only"], "seed": [0]})
+    inputs = {task_key(bare.setting(params).config): {"questions_file": "/questions/img2size.json"}}
+    measured = _context(tmp_path, fixed, {"schema": ["image_only"], "seed": [0]}, task_inputs=inputs)
     entry = {"share": 0.25, "micro_batch": 4, "gradient_checkpointing": True}
-    recipe = "t_stage.random.0"
-    context = {"fixed": fixed, "overrides": [], "shards": "/cohort", "gpu_plan": {gpu_plan_key(measured): entry},
-               "questions": {recipe: "/questions/t_stage.json"}}  # fmt: skip
-    flat, plan, share = trial_setting(context, params)
-    assert plan == entry and share == 0.25 == trial_resources(context, params)["gpu"]
-    assert flat["task_options.questions_file"] == "/questions/t_stage.json"
-    assert flat["model.gradient_checkpointing"] is True
-    assert gpu_plan_key(flat) not in context["gpu_plan"]  # looked up after, it would have found nothing
+    key = gpu_plan_key(measured.setting(params).config)
+    context = _context(
+        tmp_path, fixed, {"schema": ["image_only"], "seed": [0]}, task_inputs=inputs, gpu_plan={key: entry}
+    )
+    setting = context.setting(params)
+    assert setting.plan == entry and setting.gpu_share == 0.25 == context.resources(params)["gpu"]
+    assert setting.config.task_options["questions_file"] == "/questions/img2size.json"
+    assert setting.config.model.gradient_checkpointing is True
+    assert gpu_plan_key(setting.config) not in context.gpu_plan  # looked up after, it would have found nothing
 
 
 def test_micro_batch_choice_is_the_largest_divisor_that_fits_in_few_measurements():
@@ -530,7 +548,14 @@ def test_the_run_ends_before_the_last_report_which_a_scheduler_may_stop_the_tria
         if "test_primary" in metrics:
             raise _StoppedByTheScheduler
 
-    ctx = loop.WorkerContext(0, 1, torch.device("cpu"), report, None, before_final_report=lambda: calls.append("end"))
+    ctx = loop.WorkerContext(
+        rank=0,
+        world_size=1,
+        device=torch.device("cpu"),
+        report=report,
+        latest_checkpoint=None,
+        before_final_report=lambda: calls.append("end"),
+    )
     with pytest.raises(_StoppedByTheScheduler):
         loop.run_loop(config, ctx)
     assert calls == [("report", False), "end", ("report", True)]
@@ -567,7 +592,12 @@ def test_a_trial_resumed_from_its_checkpoint_ends_as_the_uninterrupted_one(ray_c
             if checkpoint is not None and metrics["epoch"] == 0:  # the one a retried trial would start from
                 checkpoint.to_directory(str(tmp_path / "epoch0"))
 
-        loop.run_loop(config, loop.WorkerContext(0, 1, torch.device("cpu"), report, latest))
+        loop.run_loop(
+            config,
+            loop.WorkerContext(
+                rank=0, world_size=1, device=torch.device("cpu"), report=report, latest_checkpoint=latest
+            ),
+        )
         return reports
 
     whole = run(None)
@@ -605,7 +635,10 @@ def test_select_last_tests_the_final_epochs_model_where_best_tests_the_best_vali
             if checkpoint is not None and metrics["epoch"] == config.schedule.epochs - 1:
                 checkpoint.to_directory(str(kept))
 
-        loop.run_loop(config, loop.WorkerContext(0, 1, torch.device("cpu"), report, None))
+        loop.run_loop(
+            config,
+            loop.WorkerContext(rank=0, world_size=1, device=torch.device("cpu"), report=report, latest_checkpoint=None),
+        )
         return config, reports, kept
 
     def rescored(config: TrialConfig, kept: Path) -> float:

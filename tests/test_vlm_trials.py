@@ -331,7 +331,10 @@ def test_a_vlm_trials_memory_plan_tells_models_and_views_apart():
     """The GPU plan (one measured step per distinct memory footprint) keys on what decides a VLM trial's memory."""
     from gx_ray.sweep.trial import gpu_plan_key
 
+    def key(flat: dict) -> str:
+        return gpu_plan_key(TrialConfig.from_flat(flat))
+
     base = {**VLM, "task": "vqa", "seed": 0, "data.effective_batch": 8}
     for change in ({"vlm.name": "other/vlm"}, {"vlm.lora_rank": 32}, {"views.slices": 9}, {"views.mode": "mip"}):
-        assert gpu_plan_key({**base, **change}) != gpu_plan_key(base), change
-    assert gpu_plan_key({**base, "seed": 1}) == gpu_plan_key(base)
+        assert key({**base, **change}) != key(base), change
+    assert key({**base, "seed": 1}) == key(base)

@@ -30,8 +30,8 @@ from typing import Any
 
 import yaml
 
-from gx_ray.schema import TASKS
-from gx_ray.train.config import AUTO, TrialConfig, valid_keys
+from gx_ray.schema import AUTO, TASKS
+from gx_ray.train.config import TrialConfig, valid_keys
 
 SPACES_DIR = Path(__file__).resolve().parents[2] / "search_spaces"
 TOP_LEVEL_KEYS = (
@@ -84,8 +84,10 @@ class SearchSpace:
     presets_applied: tuple[str, ...] = field(default_factory=tuple)
 
     def resolve(self, chosen: dict[str, Any]) -> dict[str, Any]:
-        """A trial's flat config: the fixed values, the chosen grid/sampled values, then matching overrides."""
-        flat = {**self.fixed, **chosen}
+        """A trial's flat config: what the ``resources`` section says, the fixed values (which may refine it), the
+        chosen grid/sampled values, then the matching overrides. Trials take their config from here alone
+        (:meth:`gx_ray.sweep.trial.SweepContext.setting`)."""
+        flat = {**self.resource_keys(), **self.fixed, **chosen}
         for rule in self.overrides:
             if all(flat.get(k) == v for k, v in rule["when"].items()):
                 flat.update(rule["set"])
@@ -210,7 +212,7 @@ def _parse(path: Path, doc: dict[str, Any], presets: tuple[str, ...]) -> SearchS
     if searcher == "grid" and sample:
         raise SpaceError(path, "sample", "sampled parameters need searcher: optuna")
     if searcher == "optuna" and grid:
-        # OptunaSearch cannot take Tune's grid_search (DESIGN.md); factorial axes belong to a grid space
+        # OptunaSearch cannot take Tune's grid_search; factorial axes belong to a grid space
         raise SpaceError(path, "grid", "searcher optuna takes no grid axes: put them in `sample` as categorical")
     if "task" not in fixed and "task" not in grid and "task" not in sample:
         raise SpaceError(path, "task", f"every space sets the task (fixed, grid or sample); valid: {', '.join(TASKS)}")
@@ -270,7 +272,7 @@ def _validate_trials(space: SearchSpace) -> None:
     """Build the trial config of every grid cell (sampled keys at a valid value): bad names and leaks fail here."""
     probe = {key: _probe_value(spec) for key, spec in space.sample.items()}
     for cell in space.cells():
-        flat = {**space.resource_keys(), **space.resolve({**probe, **cell})}
+        flat = space.resolve({**probe, **cell})
         try:
             TrialConfig.from_flat(flat)
         except ValueError as err:

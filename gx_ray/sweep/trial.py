@@ -1,5 +1,11 @@
-"""One Tune trial, and what Ray needs to place it: the only part of a sweep that runs in trial processes, so it
-imports what training needs and nothing of the driver's (Optuna, the MLflow server, data preparation, analysis).
+"""One Tune trial, and the one route from its chosen values to its config: the only part of a sweep that runs in trial
+processes, so it imports what training needs and nothing of the driver's (Optuna, the MLflow server, data
+preparation, analysis).
+
+A trial's config takes one route: Tune's chosen values → :meth:`SweepContext.setting` (the space's
+:meth:`~gx_ray.sweep.spaces.SearchSpace.resolve`, the shards, what the task built before the trials, the GPU plan's
+measured share) → a validated :class:`~gx_ray.train.config.TrialConfig`. The driver places trials, names their
+results and measures the GPU plan through the same method, so what Ray reserves is what the trial runs with.
 
 A Tune trial is :func:`run_trial`. With one worker it runs the training loop itself (it is already a Ray actor
 holding the trial's resources, and a ``TorchTrainer`` would add ~20 s of start-up); with several it starts a
@@ -8,11 +14,13 @@ Ray Train ``TorchTrainer`` for DDP, whose metrics reach Tune through Train's Tun
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
 import time
 import traceback
+from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
@@ -22,23 +30,90 @@ from mlflow.tracking import MlflowClient
 from ray import tune
 
 from gx_ray.runtime import quiet_data_context
+from gx_ray.schema import AUTO
+from gx_ray.sweep.spaces import SearchSpace
 from gx_ray.tasks import task_class
 from gx_ray.tracking import ChildRun, TrialTracker, child_run, log_series, set_tags
-from gx_ray.train.config import AUTO, TrialConfig
+from gx_ray.train.config import TrialConfig
 from gx_ray.train.loop import WorkerContext, run_loop, train_loop_per_worker
 from gx_ray.train.telemetry import GpuSampler, sample_metrics, visible_gpu_uuids
+
+
+@dataclass(frozen=True)
+class TrialSetting:
+    """What one trial runs with: its config, its GPU plan entry (measured step, micro-batch; empty where nothing was
+    measured) and the GPU share Ray reserves for it."""
+
+    config: TrialConfig
+    plan: dict[str, Any]
+    gpu_share: float
+
+
+@dataclass(frozen=True)
+class SweepContext:
+    """What every trial of a live sweep shares, handed to trials by ``tune.with_parameters``: never kept in Tune's
+    saved trial configs, so a resumed sweep's trials log to the resumed sweep's MLflow server and parent run."""
+
+    sweep_id: str
+    space: SearchSpace
+    shards: str
+    """The prepared cohort every trial reads (a path or URI)."""
+    storage_path: str
+    """Tune's and Train's state (a Ray Train ``TorchTrainer`` of a DDP trial keeps its own there)."""
+    provenance: dict[str, str] = field(default_factory=dict)
+    """Tags every run carries: the code, libraries and cohort it ran on."""
+    task_inputs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Task options built once before the trials (:meth:`~gx_ray.tasks.Task.sweep_inputs`), by :func:`task_key`."""
+    gpu_plan: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Measured model settings by :func:`gpu_plan_key` (``gpus_per_worker: auto`` and ``micro_batch: auto``)."""
+    tracking_uri: str = ""
+    parent_run_id: str = ""
+
+    def setting(self, chosen: dict[str, Any]) -> TrialSetting:
+        """The trial of ``chosen`` (Tune's values for the space's grid and sampled keys)."""
+        config = TrialConfig.from_flat({**self.space.resolve(chosen), "data.shards": self.shards})
+        if inputs := self.task_inputs.get(task_key(config)):
+            config = dataclasses.replace(config, task_options={**config.task_options, **inputs})
+        plan = self.gpu_plan.get(gpu_plan_key(config), {})
+        gpus = config.resources.gpus_per_worker
+        # ``auto`` a setting the plan could not know (a sampled model key, say) gets a whole GPU
+        share = float(plan.get("share", 1.0)) if gpus == AUTO else float(gpus)
+        if plan.get("gradient_checkpointing"):  # the measured step fitted only with it
+            config = dataclasses.replace(config, model=dataclasses.replace(config.model, gradient_checkpointing=True))
+        return TrialSetting(config, plan, share)
+
+    def resources(self, chosen: dict[str, Any]) -> dict[str, float]:
+        """What Ray reserves for a trial: the worker's CPUs and its GPU share. A trial that starts a TorchTrainer holds
+        a sliver; the trainer's workers ask for theirs."""
+        setting = self.setting(chosen)
+        resources = setting.config.resources
+        if resources.workers > 1 or resources.torch_trainer:
+            return {"cpu": 0.1}
+        return {"cpu": resources.cpus_per_worker, "gpu": setting.gpu_share}
+
+
+def task_key(config: TrialConfig) -> str:
+    """A trial's task and its options: which of the task's sweep inputs it reads."""
+    return json.dumps([config.task, config.task_options], sort_keys=True, default=str)
+
+
+def gpu_plan_key(config: TrialConfig) -> str:
+    """What decides a trial's GPU memory: task, inputs, model, batches and workers (not its seed or learning rate)."""
+    sections = ("task", "schema", "model", "task_options", "vlm", "views")
+    flat = config.to_flat()
+    kept = {k: v for k, v in flat.items() if k.split(".")[0] in sections}
+    keys = ("data.effective_batch", "data.micro_batch", "data.eval_batch_size", "resources.workers")
+    kept.update({k: flat[k] for k in keys})
+    return json.dumps(kept, sort_keys=True, default=str)
+
 
 _process_started: list[float] = []
 """This process's age when its first trial began (Ray's start of the actor and the imports): reused actors' later
 trials have none."""
 
 
-def run_trial(params: dict[str, Any], context: dict[str, Any]) -> None:
-    """One Tune trial: build its config, open its MLflow child run, train (directly or with a TorchTrainer).
-
-    ``context`` is the live sweep's (tracking URI, parent run, fixed keys, GPU plan), bound with
-    ``tune.with_parameters``: never kept in Tune's saved trial configs, so a resumed sweep's trials log to the resumed
-    sweep's MLflow server and parent run, not to the killed one's."""
+def run_trial(params: dict[str, Any], context: SweepContext) -> None:
+    """One Tune trial: build its config, open its MLflow child run, train (directly or with a TorchTrainer)."""
     trial_started = time.perf_counter()
     cold = not _process_started
     if cold:
@@ -46,16 +121,16 @@ def run_trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     quiet_data_context()
     # MLflow prints two "View run" lines whenever a run ends: 120 lines per sweep; the parent run's are enough
     os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
-    flat, plan, share = trial_setting(context, params)
-    config = TrialConfig.from_flat(flat)
+    setting = context.setting(params)
+    config, plan, share = setting.config, setting.plan, setting.gpu_share
     trial = tune.get_context()
-    client = MlflowClient(context["tracking_uri"])
+    client = MlflowClient(context.tracking_uri)
     task = task_class(config.task)  # its primary metric and direction are class attributes: nothing to build
     tags = {
         "task": config.task,
         "schema": config.schema.name,
         "seed": str(config.seed),
-        "space": context["space"],
+        "space": context.space.name,
         "gx_ray.trial": trial.get_trial_id().rsplit("_", 1)[-1],  # the counter the run name ends with
         # what val_primary/test_primary are for this task, and which way is better (the MLflow UI cannot tell)
         "gx_ray.primary_metric": task.primary_metric,
@@ -63,16 +138,14 @@ def run_trial(params: dict[str, Any], context: dict[str, Any]) -> None:
         # every metric is on the paper's 0-100 scale (accuracy, AUC, recall, ROUGE, AP ...), a median rank is a rank
         "gx_ray.primary_unit": "rank" if "rank" in task.primary_metric else "%",
     }
-    run = child_run(
-        client, context["parent_run_id"], trial.get_trial_id(), trial.get_trial_name(), tags, _params(config)
-    )
+    run = child_run(client, context.parent_run_id, trial.get_trial_id(), trial.get_trial_name(), tags, _params(config))
     run_id = run.run_id
     if run.status == "FINISHED":  # done before the sweep was killed, its end not saved by Tune: never trained twice
         tune.report(run.metrics)
         return
     # a retried or resumed trial logs into its earlier run: what that attempt logged is kept, never logged twice
-    tracker = TrialTracker(context["tracking_uri"], run_id, resumed=run.status is not None)
-    tracker.set_tags({**context.get("provenance", {}), **_device_tags(config)})
+    tracker = TrialTracker(context.tracking_uri, run_id, resumed=run.status is not None)
+    tracker.set_tags({**context.provenance, **_device_tags(config)})
     if run.status is None:
         client.log_dict(run_id, config.to_flat(), "config.json")
     if config.resources.use_gpu:
@@ -95,10 +168,12 @@ def run_trial(params: dict[str, Any], context: dict[str, Any]) -> None:
             device = torch.device("cuda" if config.resources.use_gpu and torch.cuda.is_available() else "cpu")
             if device.type == "cuda" and share < 1:  # a packed trial keeps to its share of the card's memory
                 torch.cuda.set_per_process_memory_fraction(share, torch.cuda.current_device())
+            started = {"trial_start_seconds": time.perf_counter() - trial_started}
+            if cold:
+                started["process_start_seconds"] = _process_started[0]
             worker = WorkerContext(
-                0, 1, device, tune.report, tune.get_checkpoint(), tracker, plan.get("micro_batch"),
-                {"trial_start_seconds": time.perf_counter() - trial_started,
-                 **({"process_start_seconds": _process_started[0]} if cold else {})}, end_run,
+                rank=0, world_size=1, device=device, report=tune.report, latest_checkpoint=tune.get_checkpoint(),
+                tracker=tracker, micro_batch=plan.get("micro_batch"), timing=started, before_final_report=end_run,
             )  # fmt: skip
             try:
                 run_loop(config, worker)
@@ -109,7 +184,7 @@ def run_trial(params: dict[str, Any], context: dict[str, Any]) -> None:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         else:
-            _fit_torch_trainer(config, flat, context, run, trial, plan.get("micro_batch"))
+            _fit_torch_trainer(config, context, run, trial, plan.get("micro_batch"))
         end_run()
     except Exception as err:
         if not ended:
@@ -149,7 +224,7 @@ def _device_tags(config: TrialConfig) -> dict[str, str]:
 
 
 def _fit_torch_trainer(
-    config: TrialConfig, flat: dict, context: dict, run: ChildRun, trial: Any, micro_batch: int | None
+    config: TrialConfig, context: SweepContext, run: ChildRun, trial: Any, micro_batch: int | None
 ) -> None:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -159,8 +234,8 @@ def _fit_torch_trainer(
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
-            "trial": flat,
-            "tracking_uri": context["tracking_uri"],
+            "trial": config,
+            "tracking_uri": context.tracking_uri,
             "run_id": run.run_id,
             "micro_batch": micro_batch,
             "resumed": run.status is not None,
@@ -171,74 +246,9 @@ def _fit_torch_trainer(
             resources_per_worker={"CPU": config.resources.cpus_per_worker, **({"GPU": gpus} if gpus else {})},
         ),
         run_config=RunConfig(
-            name=f"{context['sweep_id']}-{trial.get_trial_id()}",  # deterministic: Train resumes by name
-            storage_path=context["storage_path"],
+            name=f"{context.sweep_id}-{trial.get_trial_id()}",  # deterministic: Train resumes by name
+            storage_path=context.storage_path,
             callbacks=[TuneReportCallback()],
         ),
     )
     trainer.fit()
-
-
-def trial_setting(context: dict[str, Any], params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], float]:
-    """A trial's flat config, its GPU plan entry and its GPU share. The plan and the share are found by the key the
-    driver measured and Ray reserved with, before the config gains its questions file (lesion QA) or gradient
-    checkpointing (where the measured step fitted only with it), either of which changes that key."""
-    flat = {**resolve(context, params), "data.shards": context["shards"]}
-    plan = context["gpu_plan"].get(gpu_plan_key(flat), {})
-    share = gpu_share_of(context, flat)
-    if flat.get("task") == "lesion_qa":  # the questions the driver built once for this recipe and cohort
-        flat = {**question_file_of(context, flat), **flat}
-    if plan.get("gradient_checkpointing"):
-        flat["model.gradient_checkpointing"] = True
-    return flat, plan, share
-
-
-def gpu_plan_key(flat: dict[str, Any]) -> str:
-    """What decides a trial's GPU memory: task, inputs, model, batches and workers (not its seed or learning rate)."""
-    sections = ("task", "schema", "model", "task_options", "vlm", "views")
-    kept = {k: v for k, v in flat.items() if k.split(".")[0] in sections}
-    keys = ("data.effective_batch", "data.micro_batch", "data.eval_batch_size", "resources.workers")
-    kept.update({k: flat.get(k) for k in keys})
-    return json.dumps(kept, sort_keys=True, default=str)
-
-
-def trial_resources(context: dict[str, Any], params: dict[str, Any]) -> dict[str, float]:
-    """What Ray reserves for a trial: the worker's CPUs and its GPU share (the measured one for ``auto``). A trial that
-    starts a TorchTrainer holds a sliver; the trainer's workers ask for theirs."""
-    flat = resolve(context, params)
-    if flat.get("resources.workers", 1) > 1 or flat.get("resources.torch_trainer"):
-        return {"cpu": 0.1}
-    return {"cpu": flat.get("resources.cpus_per_worker", 1), "gpu": gpu_share_of(context, flat)}
-
-
-def gpu_share_of(context: dict[str, Any], flat: dict[str, Any]) -> float:
-    """A one-worker trial's GPU share: the space's fixed ``resources.gpus_per_worker``, or for ``auto`` the plan's
-    measured share (a setting the plan could not know, a sampled model key say, gets a whole GPU)."""
-    gpus = flat.get("resources.gpus_per_worker", 0)
-    if gpus == AUTO:
-        return float(context["gpu_plan"].get(gpu_plan_key(flat), {}).get("share", 1.0))
-    return float(gpus)
-
-
-def question_file_of(context: dict, flat: dict[str, Any]) -> dict[str, str]:
-    """``{"task_options.questions_file": …}`` for a lesion QA trial whose recipe the driver wrote, else nothing."""
-    from gx_ray.tasks.lesion_qa import recipe_options
-
-    location = context.get("questions", {}).get(".".join(map(str, recipe_options(task_options(flat)))))
-    return {"task_options.questions_file": location} if location else {}
-
-
-def task_options(flat: dict[str, Any]) -> dict[str, Any]:
-    """A flat config's ``task_options.*`` keys, by option name."""
-    return {k.removeprefix("task_options."): v for k, v in flat.items() if k.startswith("task_options.")}
-
-
-def resolve(context: dict, chosen: dict[str, Any]) -> dict[str, Any]:
-    flat = {**context["fixed"], **chosen}
-    for rule in context["overrides"]:
-        if all(flat.get(k) == v for k, v in rule["when"].items()):
-            flat.update(rule["set"])
-    return flat
-
-
-# --- the sweep -------------------------------------------------------------------------------------------

@@ -93,6 +93,17 @@ class Task:
     label_options: ClassVar[tuple[str, ...]] = ()
     """Options that make another question of the same task: results are never pooled across them
     (:func:`gx_ray.tasks.task_label`)."""
+    short_name: ClassVar[str] = ""
+    """What run names call the task (MLflow's table cuts names at ~20 characters); its name where empty."""
+    report_imports: ClassVar[tuple[str, ...]] = ()
+    """Modules the report imports to score this task's trials again, imported ahead while the trials run."""
+
+    @classmethod
+    def sweep_inputs(cls, options: Mapping[str, Any], shards: str, root: str) -> dict[str, Any]:
+        """Task options built once for a cohort before any trial of a sweep starts, for the trials asked with
+        ``options``: written under ``root`` (the sweep's output or storage), read by every trial. None by default;
+        lesion QA builds its question files here."""
+        return {}
 
     @classmethod
     def primary_metric_for(cls, options: Mapping[str, Any]) -> str:

@@ -76,7 +76,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gx_ray import storage
-from gx_ray.data.shards import MANIFEST_FILE, check_format, hounsfield
+from gx_ray.data.shards import MANIFEST_FILE, check_format, hounsfield, read_manifest
+from gx_ray.data.stream import split_rows
 from gx_ray.metrics import MCQ_METRICS, mcq_metrics
 from gx_ray.metrics.mcq import option_letter
 from gx_ray.modalities import ModalitySchema, ModelInputs
@@ -193,21 +194,15 @@ def question_file(root: str, manifest_sha: str, family: str, distractors: str, s
     return storage.join(root, "questions", manifest_sha[:16], name)
 
 
-def write_question_file(
-    rows: Mapping[str, Sequence[Mapping[str, Any]]],
-    manifest: Mapping[str, Any],
-    shards: str,
-    root: str,
-    family: str,
-    distractors: str,
-    seed: int = 0,
-) -> str:
-    """Build a recipe's questions once for the cohort at ``shards`` (``rows``: split → rows without images) and write
-    them under ``root``; a file already there (an earlier sweep's: same cohort and recipe) is kept. Returns where."""
+def write_question_file(shards: str, root: str, family: str, distractors: str, seed: int = 0) -> str:
+    """Build a recipe's questions once for the cohort at ``shards`` and write them under ``root``; a file already
+    there (an earlier sweep's: same cohort and recipe) is kept. Returns where."""
     sha = manifest_sha256(shards)
     location = question_file(root, sha, family, distractors, seed)
     if storage.exists(location):
         return location
+    manifest = read_manifest(shards)
+    rows = {split: split_rows(shards, split) for split in ("train", "val", "test")}
     spacing, shape = manifest["preprocess"]["spacing_zyx_mm"], manifest["ct_shape"][1:]
     neighbours = lesion_neighbours_of(rows, shards, seed) if distractors == "appearance" else None
     questions = build_questions(rows, family, distractors, spacing, seed, shape, neighbours)
@@ -263,13 +258,13 @@ def build_questions(
     result = QuestionSet(recipe)
     # an attribute's options are its vocabulary: category names, the same for every split (no patient's material)
     vocabulary: dict[str, set[str]] = defaultdict(set)
-    for row in (r for split_rows in rows.values() for r in split_rows):
+    for row in (r for part in rows.values() for r in part):
         for item in row.get("vqa") or ():
             if item["category"] in ATTRIBUTE_CATEGORIES:
                 vocabulary[item["question"]].add(item["answer"])
-    for split, split_rows in rows.items():
+    for split, part in rows.items():
         material = {}
-        for row in sorted(split_rows, key=lambda r: r["case_id"]):
+        for row in sorted(part, key=lambda r: r["case_id"]):
             boxes, present = tumour_boxes(row["boxes"], row["box_present"])
             if not present[0]:
                 result.skipped[row["case_id"]] = f"no {TARGET_PHASE} tumour box"
@@ -471,14 +466,22 @@ class LesionQA(Task):
     """MONAI ResNet arguments of the view encoder (``block_inplanes`` for a CPU-sized one)."""
     embedding_dim: int = 128
     questions_file: str | None = None
-    """A question file of this recipe and cohort (:func:`write_question_file`; a sweep sets it); None: the questions
-    are built from the rows."""
+    """A question file of this recipe and cohort (:func:`write_question_file`; a sweep sets it: :meth:`sweep_inputs`);
+    None: the questions are built from the rows."""
     questions: QuestionSet | None = field(default=None, init=False)
     shards: str | None = field(default=None, init=False)
     option_views: dict[str, np.ndarray] | None = field(default=None, init=False, repr=False)
     """``txt2img``: every case's key slice, read at the first step (the options are other cases' images)."""
     overlay: bool = field(default=False, init=False)
     phase: str = field(default=TARGET_PHASE, init=False)
+
+    @classmethod
+    def sweep_inputs(cls, options: Mapping[str, Any], shards: str, root: str) -> dict[str, Any]:
+        """The recipe's question file for the cohort, built once before the trials (every trial of the recipe reads
+        it; an earlier sweep's under the same ``root`` is reused), unless the space names one."""
+        if options.get("questions_file"):
+            return {}
+        return {"questions_file": write_question_file(shards, root, *recipe_options(options))}
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:

@@ -191,6 +191,7 @@ class ReportDecoder(nn.Module):
 @dataclass
 class ReportGeneration(Task):
     name = "report_generation"
+    short_name = "report"
     primary_metric = "rouge_l"
     mode = "max"
 

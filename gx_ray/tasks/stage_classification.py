@@ -46,6 +46,7 @@ def tnm_labels(values: Sequence[str | None], categories: tuple[str, ...]) -> tor
 @dataclass
 class StageClassification(Task):
     name = "stage_classification"
+    short_name = "stage"
     primary_metric = "auc"
     mode = "max"
 

@@ -44,7 +44,7 @@ from gx_ray.train.config import TrialConfig
 CHECKPOINT_FILE = "state.pt"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class WorkerContext:
     """Where this copy of the loop runs: its rank, its device, and how it reports."""
 
@@ -328,7 +328,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     import ray.train.torch
 
     quiet_data_context()
-    config = TrialConfig.from_flat(loop_config["trial"])
+    config: TrialConfig = loop_config["trial"]
     context = ray.train.get_context()
     rank = context.get_world_rank()
     tracker = (
@@ -337,13 +337,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         else None
     )
     worker = WorkerContext(
-        rank,
-        context.get_world_size(),
-        ray.train.torch.get_device(),
-        ray.train.report,
-        ray.train.get_checkpoint(),
-        tracker,
-        loop_config.get("micro_batch"),
+        rank=rank,
+        world_size=context.get_world_size(),
+        device=ray.train.torch.get_device(),
+        report=ray.train.report,
+        latest_checkpoint=ray.train.get_checkpoint(),
+        tracker=tracker,
+        micro_batch=loop_config.get("micro_batch"),
     )
     run_loop(config, worker)
 
