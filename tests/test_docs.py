@@ -8,9 +8,12 @@ belong there, so the word list skips it (its links are still checked).
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 import re
+import shlex
 from pathlib import Path
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -253,6 +256,71 @@ def test_anchors_follow_githubs_rules():
     assert slug("Interruptions, faults and `--resume`") == "interruptions-faults-and---resume"
     assert slug("`vlm.*`: a vision-language model") == "vlm-a-vision-language-model"
     assert slug("The main command's aims") == "the-main-commands-aims"
+
+
+# --- commands --------------------------------------------------------------------------------------------------------
+
+
+def documented_commands() -> list[tuple[str, int, str, list[str]]]:
+    """``(file, line, script, arguments)`` of every ``python jobs/<script>.py …`` in a fenced block of README.md and
+    docs/ (outside docs/lab/): continuations joined, ``# comments`` and ``[optional parts]`` dropped."""
+    found = []
+    for path in doc_files(include_lab=False):
+        lines, fenced = path.read_text(encoding="utf-8").splitlines(), False
+        for number, line in enumerate(lines, 1):
+            if FENCE.match(line):
+                fenced = not fenced
+                continue
+            if not fenced or not line.lstrip().startswith("python jobs/"):
+                continue
+            command, follow = line, number
+            while command.rstrip().endswith("\\"):
+                command = command.rstrip()[:-1] + " " + lines[follow].split(" #", 1)[0]
+                follow += 1
+            command = re.sub(r"\[[^\]]*\]", " ", command.split(" #", 1)[0])
+            script, *arguments = shlex.split(command)[1:]
+            found.append((rel(path), number, Path(script).stem, arguments))
+    return found
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"gx_docs_{name}", ROOT / "jobs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_documented_commands_parse(monkeypatch: pytest.MonkeyPatch):
+    """Every command the docs show goes through its script's own argument parser (the work itself replaced by a
+    recorder); a sweep's space and presets exist; a benchmark's or check's subcommand and options are the script's."""
+    from gx_ray.sweep.spaces import available_presets
+
+    commands = documented_commands()
+    assert {script for *_, script, _ in commands} >= {"sweep", "prepare_data", "benchmark", "validate"}
+    sweep, prepare = load_script("sweep"), load_script("prepare_data")
+    seen: list = []
+    done = SimpleNamespace(output=Path("sweep-id"), interrupted=False, finished=1, mlflow_error=None)
+    monkeypatch.setattr(sweep, "run_sweep", lambda options: seen.append(options) or done)
+    monkeypatch.setattr(prepare, "prepare_data", lambda *a: seen.append(a) or SimpleNamespace(summary=lambda: ""))
+    for where, number, script, argv in commands:
+        at = f"{where}:{number}: python jobs/{script}.py {shlex.join(argv)}"
+        if script in ("sweep", "prepare_data"):
+            try:
+                status = (sweep if script == "sweep" else prepare).main(list(argv))
+            except SystemExit as err:
+                pytest.fail(f"{at}: refused by its parser (exit {err.code})")
+            assert status == 0, at
+            if script == "sweep":
+                options = seen[-1]
+                missing = set(options.presets) - set(available_presets(options.space))
+                assert not missing, f"{at}: space {options.space!r} has no preset {sorted(missing)}"
+            continue
+        source = (ROOT / "jobs" / f"{script}.py").read_text(encoding="utf-8")
+        assert script in ("benchmark", "validate"), f"{at}: an unknown script"
+        subcommands = re.findall(r'add_parser\(\s*"([\w-]+)"', source)
+        assert argv and argv[0] in subcommands, f"{at}: not one of its subcommands {subcommands}"
+        for option in (a.split("=", 1)[0] for a in argv if a.startswith("--")):
+            assert f'"{option}"' in source, f"{at}: {option} is not an option of jobs/{script}.py"
 
 
 # --- the config reference and the citation --------------------------------------------------------------------------
