@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--endoscopy-size", type=int, default=64, help="endoscopy image side in the shards")
     parser.add_argument(
         "--endoscopy-annotations",
-        help="endoscopy frame annotations (site, boxes, region classes, caption; README: Endoscopy tasks); "
-        "default: the cohort's own endoscopy_annotations.json where there is one",
+        help="endoscopy frame annotations (site, boxes, region classes, caption: "
+        "docs/how-to/lesion-qa-and-endoscopy.md); default: the cohort's own endoscopy_annotations.json if any",
     )
     parser.add_argument("--split-seed", type=int, default=0)
     parser.add_argument("--strict", action="store_true", help="stop at the first bad case instead of skipping it")

@@ -55,7 +55,7 @@ MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = 2
 """See ``FORMAT_HISTORY``: 2 added ``ct_hu_mean``/``ct_hu_std`` (HU windows, e.g. CT-Bench's soft-tissue window)."""
 COMPRESSION = "lz4"
-"""Parquet codec of the shards, chosen with `python jobs/benchmark.py ingest --codec ...` (README)."""
+"""Parquet codec of the shards, chosen with `python jobs/benchmark.py ingest --codec ...` (docs/benchmarks.md)."""
 TENSOR_COLUMNS = ("ct", "endoscopy")
 
 _VQA_TYPE = pa.list_(pa.struct([("question", pa.string()), ("answer", pa.string()), ("category", pa.string())]))

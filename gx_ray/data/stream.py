@@ -67,8 +67,8 @@ class DataConfig:
     crop at Gastric-X size).
 
     Why: on a GPU node full of trials a streamed trial trains at a fraction of its raw step while its card idles
-    (lesion detection 0.11-0.15 of raw beside six neighbour trials on 4 x H200; kept in memory 0.94: README,
-    "Benchmarks"); on two cores a stream's start-up costs 0.1-3 s per epoch and split, most of a short trial."""
+    (lesion detection 0.11-0.15 of raw beside six neighbour trials on 4 x H200; kept in memory 0.94:
+    docs/benchmarks.md); on two cores a stream's start-up costs 0.1-3 s per epoch and split, most of a short trial."""
 
     def per_rank_batch(self, workers: int) -> int:
         return self.effective_batch // workers

@@ -7,7 +7,7 @@ table carries the stage's markers. Checked: (1) on every task the full-input sch
 clears the task's chance level (its metric for a predictor that never looks at the patient), (2) image + table +
 boxes beats image only significantly (paired over seeds and test patients, Holm) on at least two tasks, (3) the
 whole command takes at most ten minutes. The project ranks them in that order, and on two cores the third gives way
-to the first two (README, "What the demo shows": 57 min): it is shown (INFO), not checked. The models must learn it:
+to the first two (docs/explanation/demo-cohort.md: 57 min): it is shown (INFO), not checked. The models must learn it:
 nothing here is fitted to the answer.
 
 ``ct-bench``: CT-Bench's two findings on a demo cohort, where the drawn box outlines what the lesion's description

@@ -49,7 +49,8 @@ class ReportDecoder(nn.Module):
     besides cross-attending to the memory, the decoder reads its (masked) mean, projected to the decoder's width and
     added to the token embeddings at every position (the image as an input of every step, as Show-and-Tell and prefix
     captioners feed it): on the demo, cross-attention alone, started at random, wrote nearly one template for every
-    patient. The pooled path wrote more distinct reports but did not score higher (README, "The image at every step").
+    patient. The pooled path wrote more distinct reports but did not score higher (docs/lab/demo_log.md, "The image
+    at every step").
     """
 
     def __init__(

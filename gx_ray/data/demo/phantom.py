@@ -135,7 +135,7 @@ class PhantomConfig:
     tumour_enhancement_hu: float = 300.0
     """HU added to the tumour in every contrast phase. 0 is realistic (the tumour enhances about as the gastric wall it
     thickens, no brighter than its surroundings); the demo plants it brighter so that a detector trained from scratch
-    for minutes can find it (docs/demo_log.md: +150 HU is not enough)."""
+    for minutes can find it (docs/lab/demo_log.md: +150 HU is not enough)."""
 
 
 @dataclass

@@ -1,0 +1,367 @@
+"""The documentation's rules, checked: a short README, docs that describe the product and not how it was built, links
+that resolve, the README's commands the ones CI runs, every trial config key documented, a valid CITATION.cff.
+
+Each check reports the file and line that breaks it. ``docs/lab/`` is the lab notebook: dated runs and history
+belong there, so the word list skips it (its links are still checked).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import re
+import shlex
+from pathlib import Path
+from types import SimpleNamespace
+
+import jsonschema
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+LAB = DOCS / "lab"
+CI = ROOT / ".ci" / "run"
+CONFIG_DOC = DOCS / "reference" / "config.md"
+GETTING_STARTED = DOCS / "getting-started.md"
+CFF_SCHEMA = Path(__file__).parent / "data" / "cff" / "schema-1.2.0.json.gz"
+
+README_MAX_LINES = 150
+SETUP = 'pip install torch==2.13.0 && pip install -e ".[dev]" && python -m gx_ray.metrics.wordnet_setup'
+MAIN_JOB = "python jobs/sweep.py --space modality_ablation"
+TESTS = "pytest"
+MAIN_JOB_TIMES = ("57 min", "6.9 min")
+"""The main job's measured time on 2 CPU cores and on a 16-core machine: stated alike wherever it is stated."""
+
+FORBIDDEN: dict[str, str] = {
+    r"\bsessions?\b": "a 'session' is how the project was built, not what it does",
+    r"\blease[sd]?\b": "GPU machines' leases are the project's history",
+    r"\bdevice time\b": "device time is the project's history",
+    r"\bwork periods?\b": "numbered work periods are the project's history",
+    r"\bloans?\b|\blent\b": "loans of GPU machines are the project's history",
+    r"(?-i:DESIGN)\.md": "DESIGN.md is not in the repository (the architecture is docs/design.md)",
+    r"\.\./shared|/work/shared": "shared/ is not part of the repository",
+    r"(?<![\w.\-/])#\d+\b": "this project's issue numbers are its history (an upstream owner/repo#N is fine)",
+    r"\bissues? \d+\b|\b(?:the|this|next|open) issue\b": "this project's issues are its history",
+    r"\bthis change\b": "a before/after narrative belongs in docs/lab/",
+    r"\b20\d\d-[01]\d-[0-3]\d\b": "dated runs belong in docs/lab/",
+}
+"""Pattern → why it may not appear in README.md or docs/ outside docs/lab/ (case-insensitive)."""
+CODE_SPAN_EXEMPT = (r"(?<![\w.\-/])#\d+\b",)
+"""Patterns not looked for inside `code spans`: a run name such as `stage img+tab+box s0 #15` holds a trial counter."""
+
+EXPECTED_ELSEWHERE = {"docs/design.md", "docs/reference/answer-scoring.md"}
+"""Pages linked from README.md and docs/ that are written on other branches: a link to one of them is not an error
+while it is missing. Delete an entry once its page is on main."""
+
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+FENCE = re.compile(r"^\s*(```|~~~)")
+CODE_SPAN = re.compile(r"`[^`]*`")
+
+
+def prose_lines(path: Path) -> list[tuple[int, str]]:
+    """``(line number, text)`` of a Markdown file, fenced code blocks left out."""
+    lines, fenced = [], False
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        if not fenced:
+            lines.append((number, line))
+    return lines
+
+
+def doc_files(include_lab: bool) -> list[Path]:
+    files = [README, *sorted(DOCS.rglob("*.md"))]
+    return [f for f in files if include_lab or LAB not in f.parents]
+
+
+def rel(path: Path) -> str:
+    """The path as a message names it: relative to the repository, or as given for a file outside it."""
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation other than ``-`` and ``_`` dropped, spaces to ``-``."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    result = set()
+    for _, line in prose_lines(path):
+        match = re.match(r"^(#{1,6})\s+(.*?)\s*#*\s*$", line)
+        if match:
+            base = slug(match.group(2))
+            count = seen.get(base, 0)
+            seen[base] = count + 1
+            result.add(base if count == 0 else f"{base}-{count}")
+    return result
+
+
+# --- the README -----------------------------------------------------------------------------------------------------
+
+
+def test_readme_is_short():
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= README_MAX_LINES, (
+        f"README.md has {len(lines)} lines, more than {README_MAX_LINES}: move the detail to a page under docs/"
+    )
+
+
+def readme_quick_start() -> list[str]:
+    """The commands of the README's first fenced block under '## Quick start', comments stripped."""
+    text = README.read_text(encoding="utf-8")
+    section = text.split("## Quick start", 1)
+    assert len(section) == 2, "README.md has no '## Quick start' section"
+    block = re.search(r"```(?:bash)?\n(.*?)```", section[1], re.S)
+    assert block, "README.md's quick start has no fenced block of commands"
+    return [line.split("#", 1)[0].strip() for line in block.group(1).splitlines() if line.split("#", 1)[0].strip()]
+
+
+def ci_commands() -> list[str]:
+    """``.ci/run``'s commands, ``python -m pip install --quiet X`` read as ``pip install X``, ``python -m pytest`` as
+    ``pytest``: the forms a reader types."""
+    commands = []
+    for line in CI.read_text(encoding="utf-8").splitlines():
+        command = line.split(" #", 1)[0].strip()
+        if not command or command.startswith("#"):
+            continue
+        command = re.sub(r"^python -m pip install (--quiet |-q )?", "pip install ", command)
+        commands.append(re.sub(r"^python -m pytest\b", "pytest", command))
+    return commands
+
+
+def test_readme_commands_are_the_ones_ci_and_getting_started_use():
+    assert readme_quick_start() == [SETUP, MAIN_JOB, TESTS], (
+        f"README.md's quick start should be exactly the set-up, main job and test commands: {readme_quick_start()}"
+    )
+    ci = ci_commands()
+    for part in [p.strip() for p in SETUP.split("&&")] + [TESTS]:
+        assert part in ci, f"README.md's {part!r} is not what .ci/run runs ({CI}): {ci}"
+    guide = GETTING_STARTED.read_text(encoding="utf-8")
+    for command in (SETUP, MAIN_JOB):
+        assert command in guide, f"{rel(GETTING_STARTED)} does not give the README's command {command!r}"
+    space = MAIN_JOB.split("--space ", 1)[1].split()[0]
+    assert (ROOT / "search_spaces" / f"{space}.yaml").is_file(), f"the main job's space {space!r} does not exist"
+
+
+def test_main_job_time_is_stated_alike():
+    for path in (README, GETTING_STARTED, DOCS / "benchmarks.md"):
+        text = path.read_text(encoding="utf-8")
+        for figure in MAIN_JOB_TIMES:
+            assert figure in text, f"{rel(path)} does not state the main job's time {figure!r}"
+
+
+# --- what the docs may say ------------------------------------------------------------------------------------------
+
+
+def forbidden_words(path: Path) -> list[str]:
+    found = []
+    for number, line in prose_lines(path):
+        without_code = CODE_SPAN.sub("", line)
+        for pattern, why in FORBIDDEN.items():
+            text = without_code if pattern in CODE_SPAN_EXEMPT else line
+            match = re.search(pattern, text, re.IGNORECASE)
+            if match:
+                found.append(f"{rel(path)}:{number}: {match.group(0)!r}: {why}")
+    return found
+
+
+@pytest.mark.parametrize("path", doc_files(include_lab=False), ids=rel)
+def test_docs_describe_the_product_not_its_history(path: Path):
+    found = forbidden_words(path)
+    assert not found, "\n".join(found)
+
+
+def test_the_word_list_catches_what_it_names(tmp_path: Path):
+    """Each pattern fires on a sentence written as the history was, and not on the product's own words."""
+    caught = [
+        "In the fifth session we measured",
+        "the device lease gave a one-card host",
+        "device time ran out",
+        "work period 3",
+        "a GPU machine was lent",
+        "see DESIGN.md",
+        "read ../shared/seeds",
+        "fixed in #11",
+        "the issue's figures",
+        "before this change",
+        "run on 2026-11-27",
+    ]
+    allowed = [
+        "getmoto/moto#10055 answers malformed uploads",
+        "Ray's release notes",
+        "please resume",
+        "the sweep's own server",
+        "run names such as `stage img s0 #15`",
+        "data.in_memory",
+    ]
+    page = tmp_path / "page.md"
+    for sentence in caught:
+        page.write_text(sentence + "\n", encoding="utf-8")
+        assert forbidden_words(page), f"the word list misses {sentence!r}"
+    for sentence in allowed:
+        page.write_text(sentence + "\n", encoding="utf-8")
+        assert not forbidden_words(page), f"the word list refuses {sentence!r}: {forbidden_words(page)}"
+
+
+# --- links ----------------------------------------------------------------------------------------------------------
+
+
+def broken_links(path: Path) -> list[str]:
+    broken = []
+    for number, line in prose_lines(path):
+        for target in LINK.findall(CODE_SPAN.sub("", line)):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.IGNORECASE):  # https:, mailto:
+                continue
+            file_part, _, anchor = target.partition("#")
+            resolved = (path.parent / file_part).resolve() if file_part else path
+            where = f"{rel(path)}:{number}: {target}"
+            if not resolved.exists():
+                if not (resolved.is_relative_to(ROOT) and rel(resolved) in EXPECTED_ELSEWHERE):
+                    broken.append(f"{where}: no such file")
+                continue
+            if anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+                broken.append(f"{where}: no heading #{anchor} in {rel(resolved)}")
+    return broken
+
+
+@pytest.mark.parametrize("path", [*doc_files(include_lab=True), ROOT / "jobs" / "cluster" / "README.md"], ids=rel)
+def test_relative_links_resolve(path: Path):
+    broken = broken_links(path)
+    assert not broken, "\n".join(broken)
+
+
+def test_link_check_sees_a_missing_file_and_heading(tmp_path: Path):
+    """The check itself: links to a missing file or a missing heading are reported with their line; links to a file,
+    its heading, a heading of the page itself, a web address, and links inside code are not."""
+    (tmp_path / "other.md").write_text("# Other page\n\n## A `code` heading: here\n", encoding="utf-8")
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# Page\n[ok](other.md) [ok](other.md#a-code-heading-here) [ok](#page) [ok](https://example.org/x.md)\n"
+        "[gone](no-such-page.md)\n"
+        "[gone](other.md#no-such-heading)\n"
+        "`[not a link](nowhere.md)`\n```\n[in a block](nowhere.md)\n```\n",
+        encoding="utf-8",
+    )
+    broken = broken_links(page)
+    assert [b.split(": ", 2)[0].rsplit(":", 1)[1] for b in broken] == ["3", "4"], broken
+
+
+def test_anchors_follow_githubs_rules():
+    assert slug("Interruptions, faults and `--resume`") == "interruptions-faults-and---resume"
+    assert slug("`vlm.*`: a vision-language model") == "vlm-a-vision-language-model"
+    assert slug("The main command's aims") == "the-main-commands-aims"
+
+
+# --- commands --------------------------------------------------------------------------------------------------------
+
+
+def documented_commands() -> list[tuple[str, int, str, list[str]]]:
+    """``(file, line, script, arguments)`` of every ``python jobs/<script>.py …`` in a fenced block of README.md and
+    docs/ (outside docs/lab/): continuations joined, ``# comments`` and ``[optional parts]`` dropped."""
+    found = []
+    for path in doc_files(include_lab=False):
+        lines, fenced = path.read_text(encoding="utf-8").splitlines(), False
+        for number, line in enumerate(lines, 1):
+            if FENCE.match(line):
+                fenced = not fenced
+                continue
+            if not fenced or not line.lstrip().startswith("python jobs/"):
+                continue
+            command, follow = line, number
+            while command.rstrip().endswith("\\"):
+                command = command.rstrip()[:-1] + " " + lines[follow].split(" #", 1)[0]
+                follow += 1
+            command = re.sub(r"\[[^\]]*\]", " ", command.split(" #", 1)[0])
+            script, *arguments = shlex.split(command)[1:]
+            found.append((rel(path), number, Path(script).stem, arguments))
+    return found
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"gx_docs_{name}", ROOT / "jobs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_documented_commands_parse(monkeypatch: pytest.MonkeyPatch):
+    """Every command the docs show goes through its script's own argument parser (the work itself replaced by a
+    recorder); a sweep's space and presets exist; a benchmark's or check's subcommand and options are the script's."""
+    from gx_ray.sweep.spaces import available_presets
+
+    commands = documented_commands()
+    assert {script for *_, script, _ in commands} >= {"sweep", "prepare_data", "benchmark", "validate"}
+    sweep, prepare = load_script("sweep"), load_script("prepare_data")
+    seen: list = []
+    done = SimpleNamespace(output=Path("sweep-id"), interrupted=False, finished=1, mlflow_error=None)
+    monkeypatch.setattr(sweep, "run_sweep", lambda options: seen.append(options) or done)
+    monkeypatch.setattr(prepare, "prepare_data", lambda *a: seen.append(a) or SimpleNamespace(summary=lambda: ""))
+    for where, number, script, argv in commands:
+        at = f"{where}:{number}: python jobs/{script}.py {shlex.join(argv)}"
+        if script in ("sweep", "prepare_data"):
+            try:
+                status = (sweep if script == "sweep" else prepare).main(list(argv))
+            except SystemExit as err:
+                pytest.fail(f"{at}: refused by its parser (exit {err.code})")
+            assert status == 0, at
+            if script == "sweep":
+                options = seen[-1]
+                missing = set(options.presets) - set(available_presets(options.space))
+                assert not missing, f"{at}: space {options.space!r} has no preset {sorted(missing)}"
+            continue
+        source = (ROOT / "jobs" / f"{script}.py").read_text(encoding="utf-8")
+        assert script in ("benchmark", "validate"), f"{at}: an unknown script"
+        subcommands = re.findall(r'add_parser\(\s*"([\w-]+)"', source)
+        assert argv and argv[0] in subcommands, f"{at}: not one of its subcommands {subcommands}"
+        for option in (a.split("=", 1)[0] for a in argv if a.startswith("--")):
+            assert f'"{option}"' in source, f"{at}: {option} is not an option of jobs/{script}.py"
+
+
+# --- the config reference and the citation --------------------------------------------------------------------------
+
+
+def test_every_trial_config_key_is_documented():
+    from gx_ray.train.config import valid_keys
+
+    documented = set(re.findall(r"`([^`\s]+)`", CONFIG_DOC.read_text(encoding="utf-8")))
+    missing = [key for key in valid_keys() if key not in documented]
+    assert not missing, f"{rel(CONFIG_DOC)} does not document the trial config keys {missing}"
+
+
+def load_cff(path: Path) -> dict:
+    """CITATION.cff as the CFF schema reads it: YAML timestamps (``date-released``) kept as strings."""
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_constructor("tag:yaml.org,2002:timestamp", Loader.construct_yaml_str)
+    return yaml.load(path.read_text(encoding="utf-8"), Loader=Loader)
+
+
+def test_citation_file_is_valid_cff():
+    schema = json.loads(gzip.decompress(CFF_SCHEMA.read_bytes()))
+    citation = load_cff(ROOT / "CITATION.cff")
+    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(citation), key=lambda e: list(e.absolute_path))
+    assert not errors, "\n".join(f"CITATION.cff: {'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors)
+    version = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(encoding="utf-8"), re.M)
+    assert version and citation["version"] == version.group(1), "CITATION.cff's version is not pyproject.toml's"
+    paper = citation["references"][0]
+    assert "2603.19516" in json.dumps(paper) and paper["title"].startswith("Gastric-X"), paper
+    assert [a["family-names"] for a in paper["authors"]] == ["Lu", "Chen", "Yin", "Ba", "Zhang", "Li"]
+
+
+def test_cff_schema_refuses_a_broken_citation():
+    schema = json.loads(gzip.decompress(CFF_SCHEMA.read_bytes()))
+    citation = load_cff(ROOT / "CITATION.cff")
+    for broken in (
+        {**citation, "cff-version": "1.2"},
+        {k: v for k, v in citation.items() if k != "authors"},
+        {**citation, "references": [{"title": "no type, no authors"}]},
+    ):
+        assert list(jsonschema.Draft7Validator(schema).iter_errors(broken)), broken
