@@ -37,8 +37,7 @@ def shape(text: str) -> tuple[int, int, int, int]:
     return sizes
 
 
-def main(argv: list[str] | None = None) -> int:
-    tolerant_console()
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
@@ -124,6 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     vlm.add_argument("--trials", help="then whole trials through the sweep, a task each (stage_classification,vqa)")
     vlm.add_argument("--cases", type=int, default=160, help="demo cases for --trials")
     vlm.add_argument("--output", type=Path, default=Path("outputs/benchmarks/vlm"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    tolerant_console()
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     def record(command: str, conditions: dict, figures: object) -> None:

@@ -16,8 +16,7 @@ from gx_ray.runtime import tolerant_console
 from gx_ray.sweep.validate import CT_BENCH_CASES, ct_bench, demo, planted_signal
 
 
-def main(argv: list[str] | None = None) -> int:
-    tolerant_console()
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     checks = parser.add_subparsers(dest="check", required=True)
     planted = checks.add_parser("planted-signal", help="a stage signal only in the lab table, and none there")
@@ -33,7 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     main_command = checks.add_parser("demo", help="the main command's demo learns every task and finds inputs help")
     main_command.add_argument("--output", type=Path, default=Path("outputs/validate/demo"))
     main_command.add_argument("--address", help="an existing Ray cluster; default: a local one")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    tolerant_console()
+    args = build_parser().parse_args(argv)
     if args.check == "demo":
         results = demo(args.output, args.address)
     elif args.check == "ct-bench":
