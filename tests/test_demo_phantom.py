@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +20,6 @@ from gx_ray.data.demo.phantom import (
 )
 from gx_ray.schema import PHASES, REFERENCE_PHASE, REQUIRED_PHASES, Staging
 
-REAL_CT = Path("/work/shared/data/real_ct")
 COARSE = PhantomConfig(in_plane_spacing_mm=(4.0, 5.0), slice_spacing_mm=(5.0, 6.0), z_extent_mm=(180.0, 200.0))
 """Coarse voxels for the tests that need many cases; the default geometry is tested on its own."""
 
@@ -199,10 +197,10 @@ def test_same_seed_gives_identical_case():
 
 
 @pytest.fixture(scope="module")
-def real_ct():
-    if not (REAL_CT / "example_ct_sm.nii.gz").exists():
-        pytest.skip("the real CT example is not available")
-    return sitk.ReadImage(str(REAL_CT / "example_ct_sm.nii.gz")), sitk.ReadImage(str(REAL_CT / "example_seg.nii.gz"))
+def real_ct(real_ct_dir):
+    return sitk.ReadImage(str(real_ct_dir / "example_ct_sm.nii.gz")), sitk.ReadImage(
+        str(real_ct_dir / "example_seg.nii.gz")
+    )
 
 
 def test_template_case_on_real_ct(real_ct):

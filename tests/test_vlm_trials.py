@@ -1,4 +1,4 @@
-"""Trials through a vision-language model (``model.family: vlm``, issue 13): the trial-config keys and what they
+"""Trials through a vision-language model (``model.family: vlm``): the trial-config keys and what they
 refuse, the CT views and prompt text a batch becomes, the scoring of written answers and option log-likelihoods, and
 the ``vlm_lora`` smoke sweep end to end on the tiny LLaVA and PaliGemma models (``tests/vlm_fixtures.py``): real Ray,
 a real MLflow server, LoRA training, generation, the cascade and the metrics logged."""

@@ -1,11 +1,13 @@
 """The Gastric-X paper's published numbers, and our cell statistics placed beside them.
 
-The paper's tables ship as ``analysis/gastric_x_paper_results.csv`` (one row per printed number; the columns are
-described in ``/work/shared/reference/README.md``). :func:`load_reference` maps its retrieval rows (``direction``
-+ ``metric``) to our metric names (``image_to_text_recall_at_5`` …). :func:`beside_paper` puts each of our cells
-next to every paper model's value for the same (task, schema, metric), with a ``cohort`` column that says plainly
-whether our numbers come from the paper's test set at all. The paper does not ablate retrieval and lesion
-detection by input setting; their rows carry ``image_only`` and are matched to our ``image_only`` cells only.
+The paper's tables ship as ``analysis/gastric_x_paper_results.csv``: one row per printed number (369), with columns
+``task, model, schema, direction, metric, value, higher_is_better, source_table``; ``value`` is exactly as printed, on
+the paper's percent scale (ranks as ranks) and ``direction`` set for retrieval only. :func:`load_reference` maps its
+retrieval rows (``direction`` + ``metric``) to our metric names (``image_to_text_recall_at_5`` …).
+:func:`beside_paper` puts each of our cells next to every paper model's value for the same (task, schema, metric),
+with a ``cohort`` column that says plainly whether our numbers come from the paper's test set at all. The paper does
+not ablate retrieval and lesion detection by input setting; their rows carry ``image_only`` and are matched to our
+``image_only`` cells only.
 """
 
 from __future__ import annotations

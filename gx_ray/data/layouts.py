@@ -3,7 +3,7 @@
 Two layouts exist (their trees are below). Either may hold a phase as a volume file (``.nii.gz``, ``.nii``,
 ``.mha``) or as a folder of DICOM slices, since hospitals export DICOM.
 
-**release** — the public Hugging Face release (``shared/seeds/README.md``), plus the paper's extras
+**release** — the public Hugging Face release (``HaoChen2/Gastric-X``), plus the paper's extras
 (``endoscopy/``, ``clinical/``, ``endoscopy_report``, boxes on every phase) that the demo cohort writes::
 
     ROOT/imaging/<ID>/<phase>.nii.gz | <phase>/*.dcm     non_contrast, venous, delayed; arterial optional

@@ -1,5 +1,5 @@
-"""The paper's five tasks and CT-Bench's lesion QA, one module each: head, loss, predictions and a DDP-correct
-metric (DESIGN.md).
+"""The paper's five tasks, CT-Bench's lesion QA and the endoscopy tasks, one module each: head, loss, predictions
+and a DDP-correct metric (docs/design.md).
 
 ``build_task(name, **options)`` gives a :class:`Task`; :class:`TaskModel` joins it to an encoder. A task's module
 is imported when the task is first built: detection pulls in MONAI and report generation transformers, which a
