@@ -27,6 +27,7 @@ from gx_ray import storage
 from gx_ray.data import endoscopy_annotations
 from gx_ray.data.catalogue import describe_abnormal, load_catalogue
 from gx_ray.data.demo.cohort import COHORT_FILE, DemoConfig, generate_cohort
+from gx_ray.data.fingerprint import case_fingerprint, cohort_fingerprint, write_fingerprint
 from gx_ray.data.layouts import FLOAT32_MAX, read_cohort
 from gx_ray.data.parallel import ordered_results
 from gx_ray.data.preprocess import PreprocessConfig, PreprocessedCase, preprocess_case
@@ -176,6 +177,11 @@ def case_row(case: Case, split: str, config: PrepareConfig) -> tuple[dict[str, A
         "anatomy": pre.anatomy,
         "warnings": pre.warnings,
         "crop_origin_zyx": list(pre.crop_origin_zyx),
+        "fingerprint": case_fingerprint(
+            pre.source_spacing_zyx, pre.source_shape_zyx, pre.volume, pre.phase_present, pre.hu_mean, pre.hu_std,
+            pre.boxes, config.preprocess.spacing_zyx_mm, case.labs, catalogue.names,
+        ),  # fmt: skip
+        "demographics": {"age": case.labs.get("age"), "sex": case.labs.get("sex")},
     }
     return row, qc
 
@@ -254,6 +260,18 @@ def prepare_shards(
             "format": endoscopy_annotations.FORMAT,
             "frames": len(frames),
         }
+    manifest_extra["fingerprint"] = write_fingerprint(
+        shard_dir,
+        cohort_fingerprint(
+            {cid: qc["fingerprint"] for cid, qc in qc_cases.items()},
+            {c.case_id: kept[c.patient_id] for c in cases if c.case_id in qc_cases},
+            {c.case_id: c.staging.group if c.staging else None for c in cases if c.case_id in qc_cases},
+            {cid: qc["demographics"] for cid, qc in qc_cases.items()},
+            config.preprocess.spacing_zyx_mm,
+            config.preprocess.shape_zyx,
+            catalogue.names,
+        ),
+    )
     write_manifest(shard_dir, files, layout_info, manifest_extra)
     rows = {s: sum(f["rows"] for f in files if f["split"] == s) for s in SPLITS}
     qc_path = write_qc_report(

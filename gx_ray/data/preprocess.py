@@ -178,6 +178,9 @@ class PreprocessedCase:
     hu_std: tuple[float, ...] = ()
     """Per phase (PHASES order, NaN where absent): the HU mean and sd over the crop that the z-score divided out,
     so ``volume * hu_std + hu_mean`` gives HU back (within the clip window) for windowed views."""
+    source_spacing_zyx: tuple[float, ...] = ()
+    source_shape_zyx: tuple[int, ...] = ()
+    """The reference phase's voxel spacing (mm) and shape as acquired, before resampling (the cohort's fingerprint)."""
 
 
 # --- grids ------------------------------------------------------------------------------------------
@@ -464,6 +467,8 @@ def _preprocess(case: Case, config: PreprocessConfig) -> PreprocessedCase:
         anatomy=anatomy,
         hu_mean=hu_mean,
         hu_std=hu_std,
+        source_spacing_zyx=tuple(float(s) for s in reversed(venous.GetSpacing())),
+        source_shape_zyx=tuple(int(s) for s in reversed(venous.GetSize())),
     )
 
 
