@@ -178,3 +178,13 @@ def test_unicode_letters_read_as_their_nfkc_letter_or_as_no_option_and_never_rai
             hex(ord(char)),
             text,
         )
+
+
+def test_long_answers_are_read_in_linear_time():
+    """Whitespace runs after a letter once made the end-of-line rule backtrack quadratically (5 s for 5,000 spaces)."""
+    import time
+
+    started = time.perf_counter()
+    for text in ("a" + " " * 50_000 + "x", ("a " + " " * 100) * 500, "There is a mass. " * 3000 + "Answer: (b)"):
+        parse_choice(text, 4)
+    assert time.perf_counter() - started < 1.0

@@ -18,14 +18,15 @@ answers in words; each answer is scored by the first stage that can decide it:
 3. **judge**: an open-ended answer the rules did not match, when a judge is given: an LLM asked with MedEvalKit's
    judge prompt (:data:`JUDGE_PROMPT`, versioned by :data:`JUDGE_PROMPT_VERSION`), answering
    ``<judge>0</judge>`` for correct (its convention) or ``1``; a reply whose ``<judge>`` tags disagree, or hold
-   anything else, names no verdict. Verdicts are cached by (prompt version, question,
-   reference, answer), so a rerun asks nothing twice. The judge is any ``ask(prompt) -> reply``; the backends (a local
-   transformers model, an OpenAI-compatible endpoint) are in :mod:`gx_ray.models.judge`. Without a judge an open
-   answer the rules did not match is wrong (MedEvalKit's exact match), decided by the rule.
+   anything else, names no verdict. Verdicts are cached by (prompt version, question, reference, answer), so a rerun
+   asks nothing twice. The judge is any ``ask(prompt) -> reply``; the backends (a local transformers model, an
+   OpenAI-compatible endpoint) are in :mod:`gx_ray.models.judge`. Without a judge an open answer the rules did not
+   match is wrong (MedEvalKit's exact match), decided by the rule.
 
-:func:`cascade_metrics` reports accuracy, the parse-failure rate apart from it (an MCQ answer naming no option, a
-judge reply naming no verdict), the share each stage decided, and, where the judge also saw answers the rules
-decided (``audit``), how often the two agree.
+:func:`cascade_metrics` reports accuracy, the parse-failure rate apart from it (an MCQ answer naming no option or
+several, a judge reply naming no verdict), the share each stage decided, and, where the judge also saw answers the
+rules decided (``audit``), how often the two agree. docs/reference/answer-scoring.md says where this departs from
+MedEvalKit, and why.
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ Wilson's score interval (``scipy.stats.binomtest(...).proportion_ci(method="wils
 and keeps its coverage at the small counts of a per-task, per-condition cell, where the normal approximation
 does not.
 
-A model that answers in free text (a VLM) may name no option at all: :func:`parse_choice` reads the option letter,
-and an answer it cannot read counts as wrong *and* as a parse failure, reported beside the accuracy, so that a
-format failure (CT-Bench's fine-tuned RadFM scoring 0.0 everywhere) is not mistaken for not knowing.
+A model that answers in free text (a VLM) may name no option at all, or several: :func:`parse_choice` reads the
+option letter, and an answer it cannot read (none named, or more than one) counts as wrong *and* as a parse failure,
+reported beside the accuracy, so that a format failure (CT-Bench's fine-tuned RadFM scoring 0.0 everywhere) is not
+mistaken for not knowing.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ _TAG = re.compile(r"</?[A-Za-z][\w-]*>")  # <answer>B</answer>: a tag ends a lin
 # Where "a"/"A" and "I" are options, not the article and the pronoun. After the letter: a closing mark or quote, the
 # end of its line, or a word that cannot follow an article ("a or b", "A is correct", "a, b", "A (or B)").
 _MARKED_AFTER = re.compile(
-    r"[)\]:.*`'\"\u2019\u201d]|\s*[.!?,;:)\]}]*\s*(?:\n|$)|\s*\(?\s*(?:[,/;&|+\u2013\u2014]|(?:and|or|nor|but|vs"
+    r"[)\]:.*`'\"\u2019\u201d]|[.!?,;:)\]}\s]*(?:\n|$)|\s*(?:\(\s*)?(?:[,/;&|+\u2013\u2014]|(?:and|or|nor|but|vs"
     r"|versus|is|are|was|were|seems|appears|looks|because|since|as|too|also|would|could|should|might|must)(?![\w-]))",
     re.IGNORECASE,
 )
