@@ -25,6 +25,7 @@ from gx_ray.metrics.cascade import (
     token_f1,
 )
 from gx_ray.models.judge import endpoint_judge, local_judge
+from tests.test_metrics_mcq import NOISE, TWO_OPTIONS, _render_letter
 
 OPTIONS = ["Borrmann I", "Borrmann II", "Borrmann III", "Borrmann IV"]
 
@@ -87,8 +88,9 @@ def test_open_answers_go_to_the_judge_only_when_the_rules_do_not_match_and_verdi
     # a reply without a verdict is a parse failure, not a wrong answer
     mute = score_answer("open", "the pylorus", reference, question, judge=lambda p: "I think so", cache=cache)
     assert (mute.correct, mute.stage) == (None, "unparsed")
-    # without a judge an open answer is scored by token F1, and says so
-    assert score_answer("open", "the cardia", reference, question).stage == "similarity"
+    # without a judge an open answer the rules did not match is wrong, as MedEvalKit's exact match has it
+    assert score_answer("open", "in the antrum of the stomach", reference, question) == Scored(False, "rule")
+    assert score_answer("open", "The answer is: gastric antrum.", reference, question) == Scored(True, "rule")
 
 
 def test_verdicts_follow_medevalkits_convention():
@@ -190,3 +192,104 @@ def test_questions_are_put_in_medevalkits_words():
     assert score_answer("mcq", "B", "body", options=["cardia", "body"]).correct
     with pytest.raises(ValueError, match="needs its options"):
         question_prompt("mcq", "Which site?")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the cascade on generated answers: two options named, options whose text starts with a letter, negations, judge tags
+
+CASES = 300
+PHRASES = [
+    "gastric wall thickening", "perigastric lymph node", "serosal invasion", "liver metastasis", "ascites",
+    "ulcerated mucosa", "Borrmann type lesion", "antral mass", "diffuse infiltration", "fat stranding",
+]  # fmt: skip
+
+
+def test_an_answer_naming_two_options_is_a_parse_failure_in_the_cascade():
+    for case in range(CASES):
+        rng = np.random.default_rng([40, case])
+        options = [str(p) for p in rng.choice(PHRASES, int(rng.integers(3, 7)), replace=False)]
+        x, y, z = (str(letter) for letter in rng.choice(list("ABCDEF"[: len(options)]), 3, replace=False))
+        letters = {name: _render_letter(rng, letter) for name, letter in zip("xyz", (x, y, z), strict=True)}
+        answer = str(rng.choice(NOISE)) + str(rng.choice(TWO_OPTIONS)).format(**letters)
+        for reference in (x, y, options["ABCDEF".index(x)]):
+            assert score_answer("mcq", answer, reference, options=options) == Scored(None, "unparsed"), (case, answer)
+
+
+GERMS = ["C. difficile", "E. coli", "H. pylori", "B. fragilis", "A. baumannii", "D. dubius", "F. nucleatum"]
+
+
+def test_an_options_own_text_wins_over_a_letter_read_from_its_start():
+    """Options such as "C. difficile colitis" (option B): as the reference, as the answer, and quoted after the
+    answer's letter, the text is its own option, not the option its first letter names."""
+    for case in range(CASES):
+        rng = np.random.default_rng([41, case])
+        count = int(rng.integers(2, 7))
+        germs = [str(g) for g in rng.choice(GERMS, count, replace=False)]
+        options = [f"{germ} {rng.choice(['colitis', 'infection', 'sepsis', 'gastritis'])}" for germ in germs]
+        k = int(rng.integers(0, count))
+        letter = "ABCDEF"[k]
+        text = options[k]
+        varied = str(rng.choice([text, text.lower(), text.upper(), f"{text}.", f" {text} "]))
+        for answer, reference in [
+            (letter, varied), (varied, letter), (varied, varied), (f"{letter}. {text}", text),
+            (f"The answer is {letter}: {text.lower()}", letter), (f"({letter.lower()}) {text}", varied),
+        ]:  # fmt: skip
+            scored = score_answer("mcq", answer, reference, options=options)
+            where = (case, options, answer, reference)
+            assert (scored.correct, scored.stage, scored.choice) == (True, "rule", k), where
+        wrong = "ABCDEF"[(k + 1) % count]
+        assert score_answer("mcq", wrong, varied, options=options).correct is False
+
+
+NEGATIONS = ["no {p}", "not {p}", "without {p}", "absence of {p}", "{p} absent", "negative for {p}", "{p} not seen"]
+
+
+def _phrase(rng: np.random.Generator) -> str:
+    words = "lymph node metastasis gastric wall thickening serosal invasion liver perigastric ulcer".split()  # noqa: SIM905
+    return " ".join(str(w) for w in rng.choice(words, int(rng.integers(1, 5)), replace=False))
+
+
+def test_a_close_ended_answer_is_right_only_when_it_is_the_reference_and_never_by_dropping_a_negation():
+    """MedEvalKit's close-ended rule: the normalised final answer equals the reference; so a phrase never matches its
+    negation however long it is (token F1 of "p" against "no p" reaches 0.8 from two words on)."""
+    for case in range(CASES):
+        rng = np.random.default_rng([42, case])
+        phrase = _phrase(rng)
+        negated = str(rng.choice(NEGATIONS)).format(p=phrase)
+        for answer, reference in ((phrase, negated), (negated, phrase)):
+            said = str(rng.choice(["{}", "The answer is {}.", "Answer: {}", "\\boxed{{{}}}", "{}."])).format(answer)
+            assert score_answer("close", said, reference) == Scored(False, "rule"), (case, said, reference)
+        forms = ["{}", "The {}.", "Answer: {}", "The answer is {}!", "\\boxed{{{}}}", "<answer>{}</answer>"]
+        restated = str(rng.choice(forms))
+        for text in (phrase, negated):
+            said = restated.format(str(rng.choice([text, text.upper(), text.capitalize()])))
+            assert score_answer("close", said, text) == Scored(True, "rule"), (case, said, text)
+
+
+def test_a_yes_no_answer_is_right_when_it_says_the_references_word_and_not_the_other():
+    for case in range(CASES):
+        rng = np.random.default_rng([43, case])
+        reference, said = str(rng.choice(["yes", "no"])), str(rng.choice(["yes", "no"]))
+        phrase = _phrase(rng)
+        if said == "yes":
+            answer = str(rng.choice(["Yes", "yes.", "Yes, {p} is present.", "The answer is yes", "YES"]))
+        else:
+            answer = str(rng.choice(["No", "no.", "No, there is no {p}.", "The answer is no", "NO"]))
+        mixed = str(rng.choice(["Yes, but no {p}.", "yes or no", "No... yes, {p}", "Yes and no"]))
+        assert score_answer("close", answer.format(p=phrase), reference).correct is (said == reference), (case, answer)
+        assert score_answer("close", mixed.format(p=phrase), reference) == Scored(False, "rule"), (case, mixed)
+
+
+def test_a_judge_reply_whose_verdict_tags_disagree_names_no_verdict():
+    fillers = ["", "<think>The answer names the antrum.</think>", "So:", "\n", "Let me check. "]
+    for case in range(CASES):
+        rng = np.random.default_rng([44, case])
+        tags = [str(rng.choice(["0", "1", " 0 ", "1\n", "", "maybe"], p=[0.4, 0.4, 0.05, 0.05, 0.05, 0.05]))]
+        tags += [str(rng.choice(["0", "1"])) for _ in range(int(rng.integers(0, 4)))]
+        rng.shuffle(tags)
+        reply = "".join(f"{rng.choice(fillers)}<{rng.choice(['judge', 'JUDGE'])}>{t}</judge>" for t in tags)
+        values = {t.strip() for t in tags} - {""}
+        expected = values == {"0"} if values in ({"0"}, {"1"}) else None
+        assert parse_verdict(reply) is expected, (case, reply)
+        scored = score_answer("open", "the body", "antrum", "Where?", judge=lambda prompt, reply=reply: reply)
+        assert (scored.correct, scored.stage) == (expected, "judge" if expected is not None else "unparsed")

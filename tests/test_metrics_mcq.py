@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import string
 
 import numpy as np
 import pytest
@@ -74,3 +75,116 @@ def test_accuracy_counts_unreadable_answers_as_wrong_and_reports_them_apart():
     assert [option_letter(i) for i in range(4)] == ["A", "B", "C", "D"]
     with pytest.raises(ValueError, match="3 choices for 2 questions"):
         mcq_metrics([0, 1, 2], [0, 1])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# parse_choice on generated answers: two options named, the article "a", Unicode letters
+
+PARSE_CASES = 400
+LETTERS = "ABCDEF"
+TWO_OPTIONS = [
+    "{x} or {y}", "{x} and {y}", "{x}, {y}", "{x}/{y}", "either {x} or {y}", "The answer is {x} or {y}.",
+    "The answer is {x} or {y}", "Both {x} and {y} are correct.", "Options {x} and {y}", "Option {x} or option {y}.",
+    "{x} or maybe {y}", "I would say {x}, or possibly {y}.", "{x} and {y} are both plausible",
+    "It is between {x} and {y}.", "{x}–{y}", "{x} (or {y})", "The correct answer is {x}, or perhaps {y}, I think",
+    "{x} & {y}", "{x} vs {y}", "{x}; {y}", "Answer: {x}, {y}", "{x}. Or {y}.", "Could be {x} or {y}, hard to say.",
+    "{x}, {y} or {z}", "{x}, {y}, and {z}", "{x} is likely, but {y} is also possible.", "Not sure: {x} or {y}?",
+    "either {x}\nor {y}", "{x}\n{y}", "{x} seems right, {y} too", "Answer: {x}\nFinal answer: {y}",
+]  # fmt: skip
+ONE_OPTION_TWICE = [
+    "{x}. {x} is correct", "The answer is {x}. {x} is correct.", "{x}, definitely {x}", "{x} ({x})", "{x} or {x}",
+    "Answer: {x}\nFinal answer: {x}", "Option {x}, i.e. {x}",
+]  # fmt: skip
+NOISE = ["", "There is a mass in the antrum. ", "I think ", "A careful look helps. ", "Hmm, a hard case: "]
+
+
+def _render_letter(rng: np.random.Generator, letter: str) -> str:
+    """One way a model writes an option letter: either case, bracketed, with ")", in bold, quoted or full width."""
+    forms = ["{L}", "{l}", "({L})", "({l})", "{L})", "{l})", "[{L}]", "**{L}**", "'{l}'", '"{L}"', "{W}", "（{W}）"]
+    form = str(rng.choice(forms))
+    return form.format(L=letter, l=letter.lower(), W=chr(ord(letter) - ord("A") + ord("Ａ")))
+
+
+def test_an_answer_naming_two_options_names_none_and_one_named_twice_is_that_one():
+    for case in range(PARSE_CASES):
+        rng = np.random.default_rng([30, case])
+        options = int(rng.integers(3, 7))
+        x, y, z = (str(letter) for letter in rng.choice(list(LETTERS[:options]), 3, replace=False))
+        noise = str(rng.choice(NOISE))
+        letters = {"x": _render_letter(rng, x), "y": _render_letter(rng, y), "z": _render_letter(rng, z)}
+        two = noise + str(rng.choice(TWO_OPTIONS)).format(**letters)
+        assert parse_choice(two, options) is None, (case, two)
+        twice = noise + str(rng.choice(ONE_OPTION_TWICE)).format(x=letters["x"])
+        assert parse_choice(twice, options) == LETTERS.index(x), (case, twice)
+
+
+ARTICLE_SENTENCES = [
+    "The answer is a {np}.", "There is a {np} in the {site}.", "A {np} is seen in the {site}.", "It looks like a {np}.",
+    "I think it is a {np}", "Answer: a {np}", "a {np}", "Most likely a {np} of the {site}", "The answer is a {np}",
+    "A {np}.", "The answer is: a {np} in the {site}",
+]  # fmt: skip
+NOUN_PHRASES = ["lesion", "3 cm mass", "thickened wall", "large ulcer", "Borrmann type lesion", "polyp", "CT finding"]
+SITES = ["antrum", "body", "cardia", "fundus", "lesser curvature"]
+MARKED = ["({l})", "{L}", "{l}.", "option {l}", "{L})", "{l}"]  # the last as the text's end
+LETTER_A = [
+    "a", "A", "(a)", "a)", "a.", "option a", "The answer is a", "answer: a", "The answer is (a).", "A is correct",
+    "The answer is A based on the wall", "I choose A for this case",  # "A" capitalised inside a sentence
+]  # fmt: skip
+
+
+def test_the_article_a_is_no_option_and_a_marked_letter_still_is():
+    for case in range(PARSE_CASES):
+        rng = np.random.default_rng([31, case])
+        sentence = str(rng.choice(ARTICLE_SENTENCES)).format(np=rng.choice(NOUN_PHRASES), site=rng.choice(SITES))
+        assert parse_choice(sentence, 4) is None, (case, sentence)
+        letter = str(rng.choice(list("ABCD")))
+        marked = str(rng.choice(MARKED)).format(L=letter, l=letter.lower())
+        for text in (f"{sentence} Answer: {marked}", f"{marked.rstrip('.')}. {sentence}"):
+            assert parse_choice(text, 4) == "ABCD".index(letter), (case, text)
+        assert parse_choice(str(rng.choice(LETTER_A)), 4) == 0
+
+
+def _unicode_letters() -> list[str]:
+    """Every character outside ASCII that NFKC-normalises, case-folds, or upper- or lower-cases into an ASCII letter
+    (the Kelvin sign, the long s, full-width, circled and mathematical letters, ...), and 400 other letters."""
+    import sys
+    import unicodedata
+
+    lookalikes, others = [], []
+    for code in range(0x80, sys.maxunicode + 1):
+        char = chr(code)
+        if not unicodedata.category(char).startswith("L") and not unicodedata.normalize("NFKC", char).isalpha():
+            continue
+        forms = {unicodedata.normalize("NFKC", char), char.casefold(), char.lower(), char.upper()}
+        (lookalikes if any(f.isascii() and f.isalpha() for f in forms) else others).append(char)
+    rng = np.random.default_rng(32)
+    return lookalikes + [str(c) for c in rng.choice(others, 400, replace=False)]
+
+
+def test_unicode_letters_read_as_their_nfkc_letter_or_as_no_option_and_never_raise():
+    import unicodedata
+
+    letters = _unicode_letters()
+    assert "\u212a" in letters and "\u017f" in letters and "Ｂ" in letters and len(letters) > 1000
+    templates = ["{c}", "({c})", "The answer is {c}.", "Answer: {c}", "option {c}", "{c})"]
+    for i, char in enumerate(letters):
+        options = 4 + i % 20  # up to 23 options: letters beyond D matter too
+        text = templates[i % len(templates)].format(c=char)
+        normal = unicodedata.normalize("NFKC", char).strip("()")
+        # NFKC (see parse_choice): the letter it stands for when that is one ASCII letter; any other is no option
+        ascii_letter = len(normal) == 1 and normal in string.ascii_letters
+        expected = string.ascii_uppercase.index(normal.upper()) if ascii_letter else None
+        assert parse_choice(text, options) == (expected if expected is not None and expected < options else None), (
+            hex(ord(char)),
+            text,
+        )
+
+
+def test_long_answers_are_read_in_linear_time():
+    """Whitespace runs after a letter once made the end-of-line rule backtrack quadratically (5 s for 5,000 spaces)."""
+    import time
+
+    started = time.perf_counter()
+    for text in ("a" + " " * 50_000 + "x", ("a " + " " * 100) * 500, "There is a mass. " * 3000 + "Answer: (b)"):
+        parse_choice(text, 4)
+    assert time.perf_counter() - started < 1.0

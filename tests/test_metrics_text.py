@@ -170,3 +170,37 @@ def test_metric_selection_and_all_metrics_in_percent():
         text_generation_metrics(predictions, references, metrics=("cider",))
     with pytest.raises(ValueError, match="predictions but"):
         text_generation_metrics(predictions, references[:1])
+
+
+def test_anything_but_two_equally_long_sequences_of_strings_is_refused_naming_the_argument():
+    """A bare string would be scored character by character; bytes, a non-string item (None from a failed
+    generation, a number, a nested list) or sequences of different lengths are refused with the argument named."""
+    reports = [" ".join(VOCABULARY[:5]), " ".join(VOCABULARY[5:12]), "the wall is thick"]
+    not_text = [None, 3, 2.5, b"wall", ["wall"], np.float64(1.0), {"report": "wall"}]
+    for case in range(300):
+        rng = np.random.default_rng([50, case])
+        good = [str(rng.choice(reports)) for _ in range(int(rng.integers(1, 6)))]
+        kind = str(rng.choice(["str", "bytes", "item", "container", "length"]))
+        if kind == "str":
+            bad, expected = " ".join(good), (TypeError, "a str")
+        elif kind == "bytes":
+            bad, expected = " ".join(good).encode(), (TypeError, "a bytes")
+        elif kind == "item":
+            at = int(rng.integers(0, len(good)))
+            item = not_text[int(rng.integers(0, len(not_text)))]
+            bad = (list if rng.random() < 0.5 else tuple)(good[:at] + [item] + good[at + 1 :])
+            expected = (TypeError, rf"\[{at}\] must be a string; got a {type(item).__name__}")
+        elif kind == "container":
+            bad, expected = (set(good) if rng.random() < 0.5 else iter(good)), (TypeError, "sequence of strings")
+        else:
+            bad, expected = good + good[:1], (ValueError, "predictions but")
+        predictions_bad = kind != "length" and rng.random() < 0.5
+        arguments = (bad, good) if predictions_bad or kind == "length" else (good, bad)
+        name = "predictions" if predictions_bad else "references"
+        with pytest.raises(expected[0], match=expected[1]) as raised:
+            text_generation_metrics(*arguments, metrics=("bleu_4",))
+        if kind != "length":
+            assert str(raised.value).startswith(name), (case, kind, str(raised.value))
+    # lists, tuples and arrays of strings are all the same corpus
+    as_list = text_generation_metrics(reports, reports[::-1], metrics=FAST_TEXT_METRICS)
+    assert text_generation_metrics(tuple(reports), np.array(reports[::-1]), metrics=FAST_TEXT_METRICS) == as_list

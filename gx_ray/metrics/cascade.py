@@ -3,24 +3,30 @@
 A generative model (a VLM) is asked with MedEvalKit's prompts (:func:`question_prompt`, :data:`REPORT_PROMPT`) and
 answers in words; each answer is scored by the first stage that can decide it:
 
-1. **rule**: a multiple-choice answer that names an option letter (:func:`~gx_ray.metrics.mcq.parse_choice`) or is
-   exactly one option's text; a close- or open-ended answer equal to the reference (both normalised: lower case,
-   punctuation and articles dropped, as MMMU and MedEvalKit normalise);
-2. **similarity**: a multiple-choice answer the rules cannot read takes the option whose text it says most of (MMMU's
+1. **rule**: a multiple-choice answer that is exactly one option's text (normalised), else that names exactly one
+   option letter (:func:`~gx_ray.metrics.mcq.named_options`, read with the options' own texts blanked out, so that
+   "C. difficile colitis" is not option C); naming two is a parse failure.
+   A close- or open-ended answer is right when its final answer (:func:`final_answer`: the ``\\boxed{}`` or
+   ``<answer>`` content, else what follows the last "answer is"/"answer:") equals the reference, both normalised
+   (lower case, punctuation and articles dropped); a close-ended yes/no question is right when the answer says the
+   reference's word and not the other (MedEvalKit's ``judge_judgement``, on whole words). Close-ended answers are
+   decided here, right or wrong, as MedEvalKit decides them: no similarity, so "lymph node metastasis" is not "no
+   lymph node metastasis";
+2. **similarity**: a multiple-choice answer that names no letter takes the option whose text it says most of (MMMU's
    fallback: the share of the option's tokens in the answer, at least :data:`MIN_SIMILARITY`, then token F1; a tie
-   or less is no option named: a parse failure); a
-   close-ended answer is right when its token F1 with the reference reaches :data:`CLOSE_ENDED_F1`;
+   or less is no option named: a parse failure);
 3. **judge**: an open-ended answer the rules did not match, when a judge is given: an LLM asked with MedEvalKit's
    judge prompt (:data:`JUDGE_PROMPT`, versioned by :data:`JUDGE_PROMPT_VERSION`), answering
-   ``<judge>0</judge>`` for correct (its convention) or ``1``. Verdicts are cached by (prompt version, question,
-   reference, answer), so a rerun asks nothing twice. The judge is any ``ask(prompt) -> reply``; the backends (a local
-   transformers model, an OpenAI-compatible endpoint) are in :mod:`gx_ray.models.judge`. Without a judge an open
-   answer the rules did not match is
-   scored by token F1 as close-ended ones are, and says so (stage ``similarity``).
+   ``<judge>0</judge>`` for correct (its convention) or ``1``; a reply whose ``<judge>`` tags disagree, or hold
+   anything else, names no verdict. Verdicts are cached by (prompt version, question, reference, answer), so a rerun
+   asks nothing twice. The judge is any ``ask(prompt) -> reply``; the backends (a local transformers model, an
+   OpenAI-compatible endpoint) are in :mod:`gx_ray.models.judge`. Without a judge an open answer the rules did not
+   match is wrong (MedEvalKit's exact match), decided by the rule.
 
-:func:`cascade_metrics` reports accuracy, the parse-failure rate apart from it (an MCQ answer naming no option, a
-judge reply naming no verdict), the share each stage decided, and, where the judge also saw answers the rules
-decided (``audit``), how often the two agree.
+:func:`cascade_metrics` reports accuracy, the parse-failure rate apart from it (an MCQ answer naming no option or
+several, a judge reply naming no verdict), the share each stage decided, and, where the judge also saw answers the
+rules decided (``audit``), how often the two agree. docs/reference/answer-scoring.md says where this departs from
+MedEvalKit, and why.
 """
 
 from __future__ import annotations
@@ -34,12 +40,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gx_ray.metrics.mcq import parse_choice
+from gx_ray.metrics.mcq import named_options, parse_choice
 
 QUESTION_TYPES = ("mcq", "close", "open")
 MIN_SIMILARITY = 0.5
 """An MCQ answer that says less than this share of its best option's tokens names no option."""
-CLOSE_ENDED_F1 = 0.8
 JUDGE_PROMPT_VERSION = 1
 JUDGE_PROMPT = (
     "You are a medical expert grading an answer.\n"
@@ -51,7 +56,12 @@ JUDGE_PROMPT = (
     "is not."
 )
 """MedEvalKit's judge prompt (its Table 24), version :data:`JUDGE_PROMPT_VERSION`: change one, bump the other."""
-_VERDICT = re.compile(r"<judge>\s*([01])\s*</judge>", re.IGNORECASE)
+_JUDGE_TAG = re.compile(r"<judge>(.*?)</judge>", re.IGNORECASE | re.DOTALL)
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.IGNORECASE | re.DOTALL)
+_ANSWER_CUE = re.compile(
+    r"\*\*answer\*\*|\b(?:final\s+)?answer\s*(?:is\b\s*:?|:)|\bfinal\s+answer\b|答案\s*[:：]", re.IGNORECASE
+)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 CASCADE_METRICS = ("accuracy", "parse_failure_rate", "decided_by_rule", "decided_by_similarity", "decided_by_judge")
 
@@ -139,9 +149,23 @@ class JudgeCache:
 
 
 def parse_verdict(reply: str | None) -> bool | None:
-    """True for ``<judge>0</judge>`` (correct, MedEvalKit's convention), False for 1, None when the reply has none."""
-    match = _VERDICT.search(reply or "")
-    return None if match is None else match.group(1) == "0"
+    """True for ``<judge>0</judge>`` (correct, MedEvalKit's convention), False for 1; None when the reply has no
+    verdict, or tags that disagree or hold anything but 0 or 1 (empty tags, an echo of the prompt's, are skipped)."""
+    verdicts = {tag.strip() for tag in _JUDGE_TAG.findall(reply or "")} - {""}
+    return verdicts == {"0"} if verdicts in ({"0"}, {"1"}) else None
+
+
+def final_answer(text: str | None) -> str:
+    """The part of a free-text answer that MedEvalKit compares (its ``parse_response``): the last ``\\boxed{}``,
+    else the ``<answer>`` tags' content, else what follows the last "answer is", "answer:", "final answer" or
+    "答案:"; the whole text when that leaves nothing."""
+    text = text or ""
+    if boxed := _BOXED.findall(text):
+        return boxed[-1]
+    if tagged := _ANSWER_TAG.findall(text):
+        return " ".join(tagged)
+    rest = _ANSWER_CUE.split(text)[-1]
+    return rest if normalise(rest) else text
 
 
 def score_answer(
@@ -166,22 +190,25 @@ def score_answer(
     def ask_judge() -> bool | None:
         return cache.get(question, reference, answer or "", judge) if judge else None
 
-    if normalise(answer) == normalise(reference):
-        return Scored(True, "rule", judge=ask_judge() if audit else None)
-    if kind == "open" and judge is not None:
+    said, wanted = normalise(final_answer(answer)), normalise(reference)
+    if kind == "close" and wanted in ("yes", "no"):  # MedEvalKit: one of yes/no, the reference's (here: as words)
+        matched = {"yes", "no"}.intersection(said.split()) == {wanted}
+    else:
+        matched = said == wanted
+    if not matched and kind == "open" and judge is not None:
         verdict = ask_judge()
         return Scored(verdict, "judge" if verdict is not None else "unparsed", judge=verdict)
-    verdict = token_f1(answer, reference) >= CLOSE_ENDED_F1
-    return Scored(verdict, "similarity", judge=ask_judge() if audit else None)
+    return Scored(matched, "rule", judge=ask_judge() if audit else None)
 
 
 def _score_choice(answer: str | None, reference: str, options: Sequence[str]) -> Scored:
     right = _option_index(reference, options)
-    choice = parse_choice(answer, len(options)) if options else None
-    stage = "rule"
-    if choice is None:  # the answer may be an option's own text
-        exact = [i for i, option in enumerate(options) if normalise(option) == normalise(answer)]
-        choice = exact[0] if len(exact) == 1 else None
+    choice, stage = _exact_option(answer, options), "rule"
+    if choice is None:
+        named = named_options(_without_option_texts(answer or "", options), len(options))
+        if len(named) > 1:
+            return Scored(None, "unparsed")  # "A or B": not guessed at, not left to the similarity
+        choice = next(iter(named), None)
     if choice is None and options and normalise(answer):
         # how much of each option the answer says (then how closely): "a Borrmann IV lesion" names option IV, not I
         similarity = [(option_recall(answer, option), token_f1(answer, option)) for option in options]
@@ -193,14 +220,29 @@ def _score_choice(answer: str | None, reference: str, options: Sequence[str]) ->
     return Scored(choice == right, stage, choice)
 
 
+def _exact_option(text: str | None, options: Sequence[str]) -> int | None:
+    """The option whose normalised text the whole text is, if exactly one is (before any letter is read from it)."""
+    matches = [i for i, option in enumerate(options) if normalise(option) and normalise(option) == normalise(text)]
+    return matches[0] if len(matches) == 1 else None
+
+
+def _without_option_texts(answer: str, options: Sequence[str]) -> str:
+    """The answer with every option's text that it quotes blanked out, longest first: the letters in an option's
+    text ("C. difficile colitis", "stage I") are not the answer naming an option."""
+    for option in sorted(options, key=len, reverse=True):
+        if option.strip():
+            pattern = r"(?<!\w)" + r"\s+".join(map(re.escape, option.split())) + r"(?!\w)"
+            answer = re.sub(pattern, " ", answer, flags=re.IGNORECASE)
+    return answer
+
+
 def _option_index(reference: str, options: Sequence[str]) -> int:
-    letter = parse_choice(reference, len(options))
-    if letter is not None:
-        return letter
-    matches = [i for i, option in enumerate(options) if normalise(option) == normalise(reference)]
-    if len(matches) != 1:
+    index = _exact_option(reference, options)
+    if index is None:
+        index = parse_choice(reference, len(options))
+    if index is None:
         raise ValueError(f"the reference {reference!r} is neither an option letter nor exactly one of {list(options)}")
-    return matches[0]
+    return index
 
 
 def cascade_metrics(scored: Sequence[Scored]) -> dict[str, float]:

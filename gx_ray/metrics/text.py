@@ -58,7 +58,8 @@ def text_generation_metrics(
     """Corpus-level report-generation metrics, one reference per prediction.
 
     Args:
-        predictions, references: the generated and the reference reports, aligned.
+        predictions, references: the generated and the reference reports, aligned: sequences of strings of one
+            length (a bare string, bytes or a non-string item is refused with a TypeError).
         language: ``"en"`` or ``"zh"`` (decides METEOR's matchers; tokenization handles both).
         metrics: which of :data:`TEXT_METRICS` to compute; :data:`FAST_TEXT_METRICS` for per-epoch validation.
         bertscore_model: folder of a Hugging Face encoder; None = the packaged all-MiniLM-L6-v2.
@@ -68,6 +69,7 @@ def text_generation_metrics(
     Returns:
         The requested metrics, keyed as in the paper's tables, in percent.
     """
+    predictions, references = _texts("predictions", predictions), _texts("references", references)
     if len(predictions) != len(references):
         raise ValueError(f"{len(predictions)} predictions but {len(references)} references")
     if not predictions:
@@ -87,6 +89,17 @@ def text_generation_metrics(
         "bertscore_f1": lambda: _bertscore_f1(predictions, references, bertscore_model, bertscore_num_layers, device),
     }
     return {name: compute[name]() for name in TEXT_METRICS if name in metrics}
+
+
+def _texts(name: str, texts: Sequence[str]) -> list[str]:
+    """``texts`` as a list, refused unless it is a sequence of strings (a bare string would be scored character by
+    character)."""
+    if isinstance(texts, str | bytes | bytearray) or not isinstance(texts, Sequence | np.ndarray):
+        raise TypeError(f"{name} must be a sequence of strings, one per report; got a {type(texts).__name__}")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"{name}[{i}] must be a string; got a {type(text).__name__}: {text!r:.60}")
+    return list(texts)
 
 
 def _rouge_l(predicted: list[list[str]], reference: list[list[str]]) -> float:
