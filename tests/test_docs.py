@@ -52,10 +52,6 @@ FORBIDDEN: dict[str, str] = {
 CODE_SPAN_EXEMPT = (r"(?<![\w.\-/])#\d+\b",)
 """Patterns not looked for inside `code spans`: a run name such as `stage img+tab+box s0 #15` holds a trial counter."""
 
-EXPECTED_ELSEWHERE = {"docs/reference/answer-scoring.md"}
-"""Pages linked from README.md and docs/ that are written on other branches: a link to one of them is not an error
-while it is missing. Delete an entry once its page is on main."""
-
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 FENCE = re.compile(r"^\s*(```|~~~)")
 CODE_SPAN = re.compile(r"`[^`]*`")
@@ -222,8 +218,7 @@ def broken_links(path: Path) -> list[str]:
             resolved = (path.parent / file_part).resolve() if file_part else path
             where = f"{rel(path)}:{number}: {target}"
             if not resolved.exists():
-                if not (resolved.is_relative_to(ROOT) and rel(resolved) in EXPECTED_ELSEWHERE):
-                    broken.append(f"{where}: no such file")
+                broken.append(f"{where}: no such file")
                 continue
             if anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
                 broken.append(f"{where}: no heading #{anchor} in {rel(resolved)}")

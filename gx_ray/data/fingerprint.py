@@ -44,8 +44,11 @@ def case_fingerprint(
 ) -> dict[str, Any]:
     """One case's numbers: its reference phase's spacing and shape as acquired, its intensities inside the stomach
     per phase (HU), its boxes' sizes (mm, on the training grid), and which catalogue variables it lacks."""
-    stomach = next((b.zyx for b in boxes if b.level == "stomach" and b.phase == REFERENCE_PHASE), None)
-    region = (slice(None),) * 3 if stomach is None else tuple(slice(a, b) for a, b in zip(stomach[:3], stomach[3:]))
+    # boxes on the crop are shared by every phase (registered): the reference phase's stomach box, else any phase's
+    stomach = min((b for b in boxes if b.level == "stomach"), key=lambda b: b.phase != REFERENCE_PHASE, default=None)
+    region = (
+        (slice(None),) * 3 if stomach is None else tuple(slice(stomach.zyx[i], stomach.zyx[i + 3]) for i in range(3))
+    )
     intensity = {}
     for p, phase in enumerate(PHASES):
         if not phase_present[p]:

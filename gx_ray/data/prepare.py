@@ -178,8 +178,16 @@ def case_row(case: Case, split: str, config: PrepareConfig) -> tuple[dict[str, A
         "warnings": pre.warnings,
         "crop_origin_zyx": list(pre.crop_origin_zyx),
         "fingerprint": case_fingerprint(
-            pre.source_spacing_zyx, pre.source_shape_zyx, pre.volume, pre.phase_present, pre.hu_mean, pre.hu_std,
-            pre.boxes, config.preprocess.spacing_zyx_mm, case.labs, catalogue.names,
+            pre.source_spacing_zyx,
+            pre.source_shape_zyx,
+            pre.volume,
+            pre.phase_present,
+            pre.hu_mean,
+            pre.hu_std,
+            pre.boxes,
+            config.preprocess.spacing_zyx_mm,
+            case.labs,
+            catalogue.names,
         ),  # fmt: skip
         "demographics": {"age": case.labs.get("age"), "sex": case.labs.get("sex")},
     }
