@@ -6,8 +6,8 @@ Each case contributes its own numbers while it is preprocessed (:func:`case_fing
 after, intensity percentiles per phase inside the stomach (its box on the crop, else the whole crop; in HU, within
 the preprocessing's clip window), box sizes per level in mm, stage groups per split, age and sex per split where the
 cohort has them, and the share of cases missing each catalogue variable. The manifest records the fingerprint's
-SHA-256, so the manifest's hash (which a resumed sweep checks) covers it, and :func:`fingerprint_changes` names what
-changed between two cohorts.
+SHA-256, so the manifest's hash covers it; a resumed sweep compares fingerprints and names what changed
+(:mod:`gx_ray.sweep.resume`).
 """
 
 from __future__ import annotations
@@ -147,22 +147,6 @@ def read_fingerprint(shards: str, manifest: Mapping[str, Any]) -> dict[str, Any]
     if hashlib.sha256(data).hexdigest() != entry["sha256"]:
         raise ValueError(f"{location}: its SHA-256 does not match the manifest's: the fingerprint was altered")
     return json.loads(data)
-
-
-def fingerprint_changes(before: Mapping[str, Any] | None, now: Mapping[str, Any] | None) -> list[str]:
-    """What differs between two fingerprints, as ``key: before → now`` (nested keys dotted); none when equal."""
-    if before == now:
-        return []
-    if before is None or now is None:
-        return [f"fingerprint: {'none' if before is None else 'recorded'} → {'none' if now is None else 'recorded'}"]
-    changes = []
-    for key in sorted(set(before) | set(now)):
-        a, b = before.get(key), now.get(key)
-        if isinstance(a, Mapping) and isinstance(b, Mapping):
-            changes += [f"{key}.{change}" for change in fingerprint_changes(a, b)]
-        elif a != b:
-            changes.append(f"{key}: {json.dumps(a, default=str)[:60]} → {json.dumps(b, default=str)[:60]}")
-    return changes
 
 
 def _percentiles(values: Sequence[float], levels: Sequence[float] = PERCENTILES) -> dict[str, float]:

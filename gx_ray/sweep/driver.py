@@ -29,6 +29,7 @@ from ray.tune.utils.util import warn_if_slow
 
 from gx_ray import storage
 from gx_ray.data.demo.cohort import DemoConfig
+from gx_ray.data.fingerprint import FINGERPRINT_FORMAT, read_fingerprint
 from gx_ray.data.prepare import SHARD_DIR, PrepareConfig, prepare_data
 from gx_ray.data.preprocess import PreprocessConfig
 from gx_ray.data.shards import FORMAT_VERSION, MANIFEST_FILE, check_shards, read_manifest
@@ -148,7 +149,7 @@ def _prepare_demo(options: SweepOptions) -> None:
     demo = DemoConfig(cases=options.demo_cases)
     stamp = Path(options.demo_dir) / "prepared.json"
     # the shard format too: shards of an older format are remade, not refused by a task that needs the new one
-    wanted = json.dumps([asdict(demo), asdict(config), FORMAT_VERSION], default=str, sort_keys=True)
+    wanted = json.dumps([asdict(demo), asdict(config), FORMAT_VERSION, FINGERPRINT_FORMAT], default=str, sort_keys=True)
     if (
         stamp.is_file()
         and stamp.read_text(encoding="utf-8") == wanted
@@ -305,6 +306,8 @@ def _tune(
         },
         context.provenance,
     )
+    if fingerprint := read_fingerprint(context.shards, read_manifest(context.shards)):
+        client.log_dict(parent, fingerprint, "fingerprint.json")  # what the cohort looked like, beside its runs
     # the live sweep's MLflow reaches trials through the trainable (tune.with_parameters), never through their saved
     # configs: a resumed sweep's trials log to its own MLflow server and parent run
     context = replace(context, tracking_uri=tracking_uri, parent_run_id=parent)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gx_ray import storage
+from gx_ray.data.fingerprint import read_fingerprint
 from gx_ray.data.shards import MANIFEST_FILE
 from gx_ray.sweep.spaces import SearchSpace
 
@@ -24,9 +25,11 @@ class ResumeError(ValueError):
 
 
 def sweep_inputs(space: SearchSpace, shards: str) -> dict[str, Any]:
-    """The space as it decides trials (not its description or time budget: a resumed sweep gets a budget anew) and
-    the SHA-256 of the cohort's shard manifest (which itself holds every shard's SHA-256)."""
+    """The space as it decides trials (not its description or time budget: a resumed sweep gets a budget anew), the
+    SHA-256 of the cohort's shard manifest (which itself holds every shard's SHA-256 and the fingerprint's) and the
+    cohort's fingerprint, so that a changed cohort is refused naming what changed in it."""
     manifest = storage.join(shards, MANIFEST_FILE)
+    present = storage.is_file(manifest)
     return {
         "space": {
             "name": space.name,
@@ -42,9 +45,8 @@ def sweep_inputs(space: SearchSpace, shards: str) -> dict[str, Any]:
             "resources": space.resource_keys(),
         },
         "data": storage.normalize(shards),
-        "manifest_sha256": hashlib.sha256(storage.read_bytes(manifest)).hexdigest()
-        if storage.is_file(manifest)
-        else None,
+        "manifest_sha256": hashlib.sha256(storage.read_bytes(manifest)).hexdigest() if present else None,
+        "fingerprint": read_fingerprint(shards, json.loads(storage.read_bytes(manifest))) if present else None,
     }
 
 
