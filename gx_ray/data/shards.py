@@ -422,7 +422,10 @@ def read_split(
     is gone, ``DataContext.scheduling_strategy`` and per-operator strategies are deprecated: "Ray Data manages
     scheduling internally"). From an object store no node is nearer the data anyway.
     """
-    pieces = [{"path": p["path"], "row_group": p["row_group"]} for p in (pieces or row_groups(shard_dir, split))]
+    pieces = [
+        {"path": p["path"], "row_group": p["row_group"], "keep": p.get("keep")}
+        for p in (pieces or row_groups(shard_dir, split))
+    ]
     if not pieces:
         raise ValueError(f"no {split} row groups to read from {shard_dir}")
     dataset = ray.data.from_items(pieces, override_num_blocks=len(pieces)).map_batches(
@@ -441,10 +444,10 @@ def read_split(
 
 
 def _read_row_groups(pieces: pa.Table, columns: list[str] | None) -> pa.Table:
-    tables = [
-        read_shard(path, columns, group)
-        for path, group in zip(pieces["path"].to_pylist(), pieces["row_group"].to_pylist(), strict=True)
-    ]
+    tables = []
+    for path, group, keep in zip(*(pieces[k].to_pylist() for k in ("path", "row_group", "keep")), strict=True):
+        table = read_shard(path, columns, group)
+        tables.append(table if keep is None else table.take(keep))  # a cross-validation fold's rows of the group
     return pa.concat_tables(tables)
 
 

@@ -32,19 +32,35 @@ def assign_splits(
     """
     if len(fractions) != len(SPLITS) or any(f < 0 for f in fractions) or not np.isclose(sum(fractions), 1.0):
         raise ValueError(f"split fractions must be three non-negative numbers summing to 1, got {fractions}")
+    return {patient: SPLITS[i] for patient, i in _deal(strata, fractions, seed).items()}
+
+
+def assign_folds(strata: dict[str, str | None], folds: int, seed: int = 0) -> dict[str, int]:
+    """Map every patient id to one of ``folds`` cross-validation folds of (near) equal size, each stratum dealt
+    across the folds as :func:`assign_splits` deals it across splits."""
+    if not isinstance(folds, int) or folds < 2:
+        raise ValueError(f"cross-validation needs at least 2 folds, got {folds!r}")
+    if len(strata) < folds:
+        raise ValueError(
+            f"{folds} folds need at least {folds} patients; the training and validation splits hold {len(strata)}"
+        )
+    return _deal(strata, (1 / folds,) * folds, seed)
+
+
+def _deal(strata: dict[str, str | None], fractions: tuple[float, ...], seed: int) -> dict[str, int]:
     by_stratum: dict[str, list[str]] = defaultdict(list)
     for patient, stratum in strata.items():
         by_stratum[stratum or UNSTAGED].append(patient)
-    assigned = np.zeros(len(SPLITS))
+    assigned = np.zeros(len(fractions))
     target = np.asarray(fractions, dtype=float)
-    result: dict[str, str] = {}
+    result: dict[str, int] = {}
     for stratum in sorted(by_stratum):
         patients = sorted(by_stratum[stratum])
         stratum_seed = [seed, *stratum.encode()]
         for index in np.random.default_rng(stratum_seed).permutation(len(patients)):
             deficit = target * (assigned.sum() + 1) - assigned  # ties go to the earlier split
             choice = int(np.argmax(deficit))
-            result[patients[index]] = SPLITS[choice]
+            result[patients[index]] = choice
             assigned[choice] += 1
     return result
 

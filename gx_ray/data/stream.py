@@ -20,6 +20,7 @@ import psutil
 import pyarrow as pa
 import torch
 
+from gx_ray.data.folds import FOLDED_SPLITS, fold_rows
 from gx_ray.data.shards import (
     TENSOR_COLUMNS,
     BatchCollate,
@@ -45,6 +46,11 @@ at once their kept training splits take at most half of it."""
 class DataConfig:
     shards: str = ""
     """The shard folder (``prepare_data`` output's ``shards/``); filled in by the sweep."""
+    folds_file: str = ""
+    """A fold assignment (:mod:`gx_ray.data.folds`); filled in by a sweep whose space asks for ``cv``."""
+    fold: int | None = None
+    """The cross-validation fold this trial validates on (it trains on the others); None: the cohort's own
+    train/val split. A sweep with ``cv`` makes it a grid axis."""
     effective_batch: int = 32
     """Samples per optimiser step, over all ranks and accumulation steps: the batch size a paper reports."""
     micro_batch: int | str = AUTO
@@ -102,7 +108,7 @@ class SplitStream:
         self.data, self.split, self.layout, self.batch_size = data, split, layout, batch_size
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.device = device or torch.device("cpu")
-        self.pieces = row_groups(data.shards, split)
+        self.pieces = split_pieces(data, split)
         self.shuffle = data.shuffle_buffer if split == "train" else 0
         self.collate = BatchCollate(layout, pin_memory=self.device.type == "cuda")
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"prefetch-{split}")
@@ -155,9 +161,9 @@ class SplitStream:
         yet: a trial resumed at epoch k (its first here) draws epoch k's batches as the uninterrupted trial did."""
         pieces = self.my_pieces(epoch)
         keys = [(piece["path"], piece["row_group"]) for piece in pieces]
-        unread = [key for key in keys if key not in self._kept]
-        for key in unread:  # read in the epoch's order, each group once
-            self._kept[key] = self._reader.submit(read_shard, key[0], row_group=key[1])
+        for key, piece in zip(keys, pieces, strict=True):  # read in the epoch's order, each group once
+            if key not in self._kept:
+                self._kept[key] = self._reader.submit(read_piece, piece)
         rng = np.random.default_rng(self.order_seed(epoch)) if self.shuffle else None
         # the order depends on the epoch and the seed only: never on how fast the reads went, nor on which epoch this
         # process started at (choosing the windowed order by "some group unread" trained a resumed trial on another
@@ -252,11 +258,40 @@ def on_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return to_device(batch, device, keys=TENSOR_COLUMNS)
 
 
-def split_rows(shard_dir: str, split: str) -> list[dict]:
-    """A split's rows without the image columns (what a task may learn from, e.g. VQA answers)."""
-    files = split_files(shard_dir, split)
-    columns = [c for c in open_shard(files[0]).schema_arrow.names if c not in TENSOR_COLUMNS]
-    return [row for f in files for row in read_shard(f, columns=columns).to_pylist()]
+def split_rows(shard_dir: str, split: str, folds_file: str = "", fold: int | None = None) -> list[dict]:
+    """A split's rows without the image columns (what a task may learn from, e.g. VQA answers); with a ``fold``, the
+    rows of that fold's ``train`` or ``val`` (their ``split`` says so)."""
+    if fold is None or split == "test":
+        files = split_files(shard_dir, split)
+        columns = [c for c in open_shard(files[0]).schema_arrow.names if c not in TENSOR_COLUMNS]
+        return [row for f in files for row in read_shard(f, columns=columns).to_pylist()]
+    pieces = split_pieces(DataConfig(shards=shard_dir, folds_file=folds_file, fold=fold), split)
+    columns = [c for c in open_shard(pieces[0]["path"]).schema_arrow.names if c not in TENSOR_COLUMNS]
+    return [{**row, "split": split} for piece in pieces for row in read_piece(piece, columns).to_pylist()]
+
+
+def split_pieces(data: DataConfig, split: str) -> list[dict[str, Any]]:
+    """The row groups ``split`` reads (:func:`~gx_ray.data.shards.row_groups`); under a cross-validation fold, the
+    training and validation shards' row groups that hold the fold's rows, each with the rows it keeps (``keep``)."""
+    if data.fold is None or split == "test":
+        return row_groups(data.shards, split)
+    if not data.folds_file:
+        raise ValueError("data.fold needs data.folds_file: a sweep whose space sets cv fills it in")
+    keep = fold_rows(data.shards, split, data.folds_file, data.fold)
+    pieces = []
+    for piece in (p for source in FOLDED_SPLITS for p in row_groups(data.shards, source)):
+        rows = keep.get((piece["path"], piece["row_group"]))
+        if rows:  # a row group's bytes in proportion to the rows kept: what keeping it in memory costs
+            pieces.append(
+                {**piece, "rows": len(rows), "keep": rows, "bytes": piece["bytes"] * len(rows) // piece["rows"]}
+            )
+    return pieces
+
+
+def read_piece(piece: dict[str, Any], columns: list[str] | None = None) -> pa.Table:
+    """One row group of :func:`split_pieces`, only the rows it keeps."""
+    table = read_shard(piece["path"], columns, piece["row_group"])
+    return table.take(piece["keep"]) if piece.get("keep") is not None else table
 
 
 def first_rows(shard_dir: Path | str, split: str, rows: int, layout: TensorLayout) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from ray.tune.utils.util import warn_if_slow
 from gx_ray import storage
 from gx_ray.data.demo.cohort import DemoConfig
 from gx_ray.data.fingerprint import FINGERPRINT_FORMAT, read_fingerprint
+from gx_ray.data.folds import fold_patients, fold_sha256, read_custom_folds, write_fold_file
 from gx_ray.data.prepare import SHARD_DIR, PrepareConfig, prepare_data
 from gx_ray.data.preprocess import PreprocessConfig
 from gx_ray.data.shards import FORMAT_VERSION, MANIFEST_FILE, check_shards, read_manifest
@@ -118,11 +119,8 @@ class SweepResult:
 
 def _sweep_id(space: SearchSpace, shards: str) -> str:
     """Deterministic: the same space, presets and data give the same id (and so the same names on resume)."""
-    digest = hashlib.sha1(
-        json.dumps(
-            [space.fixed, space.grid, space.sample, space.overrides, shards], sort_keys=True, default=str
-        ).encode()
-    ).hexdigest()[:8]
+    decides = [space.fixed, space.grid, space.sample, space.overrides, shards] + ([space.cv] if space.cv else [])
+    digest = hashlib.sha1(json.dumps(decides, sort_keys=True, default=str).encode()).hexdigest()[:8]
     return "-".join([space.name, *space.presets_applied, digest])
 
 
@@ -286,7 +284,12 @@ def _tune(
 ) -> SweepResult:
     # what trials need before any of them starts (a task's sweep inputs, the GPU plan's measured steps) is built while
     # the MLflow server is still starting: the parent run is the first thing that needs it
-    context = replace(context, task_inputs=task_inputs(context, options.storage or str(Path(options.output).resolve())))
+    root = options.storage or str(Path(options.output).resolve())  # where what a cohort's sweeps share is kept
+    if space.cv:  # every run is tagged with the folds' hash
+        folds_file = fold_file(space.cv, context.shards, root)
+        tags = {**context.provenance, "gx_ray.folds_sha256": fold_sha256(folds_file)}
+        context = replace(context, folds_file=folds_file, provenance=tags)
+    context = replace(context, task_inputs=task_inputs(context, root))
     started = time.perf_counter()
     context = replace(context, gpu_plan=gpu_plan(context, output))
     if context.gpu_plan:
@@ -308,6 +311,8 @@ def _tune(
     )
     if fingerprint := read_fingerprint(context.shards, read_manifest(context.shards)):
         client.log_dict(parent, fingerprint, "fingerprint.json")  # what the cohort looked like, beside its runs
+    if context.folds_file:  # which patients each fold held, beside the runs that trained on them
+        client.log_text(parent, storage.read_text(context.folds_file), "folds.json")
     # the live sweep's MLflow reaches trials through the trainable (tune.with_parameters), never through their saved
     # configs: a resumed sweep's trials log to its own MLflow server and parent run
     context = replace(context, tracking_uri=tracking_uri, parent_run_id=parent)
@@ -397,6 +402,16 @@ def _tune(
             file=sys.stderr,
         )
     return result
+
+
+def fold_file(cv: dict[str, Any], shards: str, root: str) -> str:
+    """The sweep's fold assignment (its space's ``cv``), checked against the cohort and written under ``root`` named by
+    its hash: dealt by stratum, or a file of one's own (refused when it leaks or leaves a patient out)."""
+    if "file" in cv:
+        folds, how = read_custom_folds(cv["file"]), {"file": cv["file"]}
+    else:
+        folds, how = fold_patients(shards, cv["folds"], cv["stratify"], cv["seed"]), {"dealt": cv}
+    return write_fold_file(shards, root, folds, how)
 
 
 def task_inputs(context: SweepContext, root: str) -> dict[str, dict[str, Any]]:

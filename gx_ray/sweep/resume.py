@@ -43,6 +43,7 @@ def sweep_inputs(space: SearchSpace, shards: str) -> dict[str, Any]:
             "metric": space.metric,
             "samples": space.samples,
             "resources": space.resource_keys(),
+            **({"cv": space.cv} if space.cv else {}),
         },
         "data": storage.normalize(shards),
         "manifest_sha256": hashlib.sha256(storage.read_bytes(manifest)).hexdigest() if present else None,

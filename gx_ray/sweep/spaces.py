@@ -30,6 +30,7 @@ from typing import Any
 
 import yaml
 
+from gx_ray.data.folds import STRATA_COLUMNS, read_custom_folds
 from gx_ray.schema import AUTO, TASKS
 from gx_ray.train.config import TrialConfig, valid_keys
 
@@ -45,8 +46,17 @@ TOP_LEVEL_KEYS = (
     "metric",
     "budget",
     "resources",
+    "cv",
+    "analysis",
     "presets",
 )
+CV_KEYS = ("folds", "stratify", "seed", "file")
+"""``cv``: patient-level cross-validation over the training and validation patients (:mod:`gx_ray.data.folds`):
+``folds`` (dealt, stratified by ``stratify``, default stage, with ``seed``) or ``file`` (a fold file of one's own,
+gx-ray's or nnU-Net's ``splits_final.json``). It adds the grid axis ``data.fold``."""
+ANALYSIS_KEYS = ("margin",)
+"""``analysis``: how the report reads the sweep; ``margin``: the equivalence margin in the primary metric's units,
+one number or one per task, against which "removing input X does not hurt" is tested."""
 SEARCHERS = ("grid", "optuna")
 SCHEDULERS = ("none", "asha")
 DISTRIBUTIONS = {
@@ -82,6 +92,10 @@ class SearchSpace:
     """GPUs per worker: a whole number, a fraction (trials packed on a GPU) or ``auto`` (packing measured)."""
     overrides: list[dict[str, dict[str, Any]]] = field(default_factory=list)
     presets_applied: tuple[str, ...] = field(default_factory=tuple)
+    cv: dict[str, Any] = field(default_factory=dict)
+    """The ``cv`` section (empty: no cross-validation): folds, stratify, seed or file."""
+    analysis: dict[str, Any] = field(default_factory=dict)
+    """The ``analysis`` section: the equivalence margin(s)."""
 
     def resolve(self, chosen: dict[str, Any]) -> dict[str, Any]:
         """A trial's flat config: what the ``resources`` section says, the fixed values (which may refine it), the
@@ -235,6 +249,21 @@ def _parse(path: Path, doc: dict[str, Any], presets: tuple[str, ...]) -> SearchS
         raise SpaceError(
             path, "scheduler", "a multi-objective search takes no scheduler (each scheduler takes one metric)"
         )
+    cv = _cv(path, doc.get("cv"), searcher, fixed, grid, sample)
+    if cv:  # every cell on every fold: a grid axis as any other
+        grid = {**grid, "data.fold": list(range(cv["folds"]))}
+    analysis = doc.get("analysis") or {}
+    _check_keys(path, "analysis", analysis, ANALYSIS_KEYS)
+    margin = analysis.get("margin")
+    margins = margin.values() if isinstance(margin, dict) else [margin]
+    if margin is not None and not all(
+        isinstance(m, int | float) and not isinstance(m, bool) and m > 0 for m in margins
+    ):
+        raise SpaceError(
+            path, "analysis.margin", f"{margin!r}: a positive number in the metric's units, or one per task"
+        )
+    if isinstance(margin, dict) and (unknown := sorted(set(margin) - set(TASKS))):
+        raise SpaceError(path, "analysis.margin", f"unknown task {unknown[0]!r}; valid: {', '.join(TASKS)}")
     return SearchSpace(
         name=path.stem,
         path=path,
@@ -252,7 +281,37 @@ def _parse(path: Path, doc: dict[str, Any], presets: tuple[str, ...]) -> SearchS
         gpus_per_worker=_gpus(path, resources.get("gpus_per_worker", 0)),
         overrides=overrides,
         presets_applied=tuple(presets),
+        cv=cv,
+        analysis=analysis,
     )
+
+
+def _cv(path: Path, cv: Any, searcher: str, fixed: dict, grid: dict, sample: dict) -> dict[str, Any]:
+    """The ``cv`` section checked and completed (``folds`` from a ``file`` is read when the sweep starts)."""
+    if not cv:
+        return {}
+    _check_keys(path, "cv", cv, CV_KEYS)
+    if searcher != "grid":
+        raise SpaceError(path, "cv", "cross-validation runs every cell on every fold: it needs searcher: grid")
+    if any("data.fold" in section or "data.folds_file" in section for section in (fixed, grid, sample)):
+        raise SpaceError(path, "cv", "cv sets data.fold and data.folds_file itself: remove them from the space")
+    if "file" in cv:
+        if set(cv) - {"file"}:
+            raise SpaceError(path, "cv", "a fold file decides the folds: give cv.file alone")
+        try:  # the file's folds decide the grid axis
+            folds = read_custom_folds(str(cv["file"]))
+        except ValueError as err:
+            raise SpaceError(path, "cv.file", str(err)) from err
+        return {"file": str(cv["file"]), "folds": len(folds)}
+    folds, stratify, seed = cv.get("folds", 5), cv.get("stratify", ["stage"]), cv.get("seed", 0)
+    if not isinstance(folds, int) or isinstance(folds, bool) or folds < 2:
+        raise SpaceError(path, "cv.folds", f"{folds!r}: a whole number of folds >= 2")
+    stratify = [stratify] if isinstance(stratify, str) else list(stratify)
+    if unknown := sorted(set(stratify) - set(STRATA_COLUMNS)):
+        raise SpaceError(path, "cv.stratify", f"unknown column {unknown[0]!r}; valid: {', '.join(STRATA_COLUMNS)}")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise SpaceError(path, "cv.seed", f"{seed!r}: a whole number")
+    return {"folds": folds, "stratify": stratify, "seed": seed}
 
 
 def _gpus(path: Path, value: Any) -> float | str:

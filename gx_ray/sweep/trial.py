@@ -66,12 +66,15 @@ class SweepContext:
     """Task options built once before the trials (:meth:`~gx_ray.tasks.Task.sweep_inputs`), by :func:`task_key`."""
     gpu_plan: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Measured model settings by :func:`gpu_plan_key` (``gpus_per_worker: auto`` and ``micro_batch: auto``)."""
+    folds_file: str = ""
+    """The sweep's fold assignment (:mod:`gx_ray.data.folds`), where its space asks for ``cv``."""
     tracking_uri: str = ""
     parent_run_id: str = ""
 
     def setting(self, chosen: dict[str, Any]) -> TrialSetting:
         """The trial of ``chosen`` (Tune's values for the space's grid and sampled keys)."""
-        config = TrialConfig.from_flat({**self.space.resolve(chosen), "data.shards": self.shards})
+        data = {"data.shards": self.shards, **({"data.folds_file": self.folds_file} if self.folds_file else {})}
+        config = TrialConfig.from_flat({**self.space.resolve(chosen), **data})
         if inputs := self.task_inputs.get(task_key(config)):
             config = dataclasses.replace(config, task_options={**config.task_options, **inputs})
         plan = self.gpu_plan.get(gpu_plan_key(config), {})

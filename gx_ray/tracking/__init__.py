@@ -88,11 +88,14 @@ class TrialTracker:
     def set_tags(self, tags: dict[str, str]) -> None:
         set_tags(self.client, self.run_id, tags)
 
-    def log_predictions(self, records: list[dict[str, Any]], task: Any) -> None:
-        """Every test prediction (what the analysis's paired bootstrap rescoring reads), a readable sample of
-        them (reports, answers, boxes ..., without embeddings), the task's figures and its documents (a task's
-        ``documents()``: artifact path → JSON-able data), as artifacts."""
-        self.client.log_dict(self.run_id, records, "predictions/test.json")
+    def log_predictions(self, records: list[dict[str, Any]], task: Any, split: str = "test") -> None:
+        """Every prediction on ``split`` (the test split's: what the analysis's paired bootstrap rescoring reads; a
+        cross-validation fold's validation patients': its out-of-fold predictions), and for the test split a
+        readable sample of them (reports, answers, boxes ..., without embeddings), the task's figures and its
+        documents (a task's ``documents()``: artifact path → JSON-able data), as artifacts."""
+        self.client.log_dict(self.run_id, records, f"predictions/{split}.json")
+        if split != "test":
+            return
         sample = [{k: v for k, v in r.items() if not k.endswith("_embedding")} for r in records[:PREDICTION_SAMPLE]]
         self.client.log_dict(self.run_id, sample, "predictions/test_sample.json")
         for name, figure in getattr(task, "figures", lambda r: {})(records).items():

@@ -19,6 +19,7 @@ from gx_ray.modalities.views import ViewsConfig
 from gx_ray.models.registry import ModelConfig
 from gx_ray.models.vlm import VLMConfig
 from gx_ray.schema import AUTO, TASKS
+from gx_ray.tasks import Task, task_class
 
 
 @dataclass(frozen=True)
@@ -149,12 +150,18 @@ class TrialConfig:
             ("data.read_concurrency", d.read_concurrency, _integer(d.read_concurrency) and d.read_concurrency >= 1),
             ("data.read_cpus", d.read_cpus, _finite(d.read_cpus) and d.read_cpus >= 0),
             ("data.in_memory", d.in_memory, isinstance(d.in_memory, bool) or d.in_memory == AUTO),
+            ("data.fold", d.fold, d.fold is None or (_integer(d.fold) and d.fold >= 0)),
             ("resources.workers", r.workers, _integer(r.workers) and r.workers >= 1),
             ("resources.cpus_per_worker", r.cpus_per_worker, _positive(r.cpus_per_worker)),
         ]  # fmt: skip
         for key, value, valid in rules:
             if not valid:
                 raise ValueError(f"{key} = {value!r} is not valid: {VALUE_RULES[key.split('.')[-1]]}")
+        if d.fold is not None and task_class(self.task).attach_splits is not Task.attach_splits:
+            raise ValueError(
+                f"task {self.task} builds what it asks from each split's own patients: cross-validation (data.fold) "
+                "is not built for it; use the cohort's train/val split"
+            )
 
     def _check_batch(self) -> None:
         data, workers = self.data, self.resources.workers
@@ -240,6 +247,7 @@ VALUE_RULES = {
     "read_concurrency": "a whole number >= 1",
     "read_cpus": "a finite number >= 0",
     "in_memory": "true, false or auto",
+    "fold": "a fold number >= 0, or unset",
     "workers": "a whole number >= 1",
     "cpus_per_worker": "a positive finite number",
 }

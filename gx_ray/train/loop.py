@@ -130,7 +130,8 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
     """Train, validate every epoch, test the best model; returns the final metrics."""
     setup_started = time.perf_counter()
     seed_everything(config.seed)
-    train_rows = split_rows(config.data.shards, "train")  # the task's fit and, at the end, its chance level
+    # the task's fit and, at the end, its chance level (under cross-validation: the fold's training patients)
+    train_rows = split_rows(config.data.shards, "train", config.data.folds_file, config.data.fold)
     task, model, layout = build_trial(config, ctx.device, train_rows)
     built = time.perf_counter() - setup_started
     micro = ctx.micro_batch or probe.micro_batch_for(config, model, task, layout, ctx.device, ctx.world_size)[0]
@@ -258,6 +259,10 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
             if ctx.tracker:
                 ctx.tracker.log_metrics(final, step=epoch)
                 ctx.tracker.log_predictions(records, task)
+            if config.data.fold is not None:  # the tested model's out-of-fold predictions: every patient once a seed
+                _, out_of_fold = evaluate(model, task, streams["val"], config, ctx.device, records=True)
+                if ctx.tracker:
+                    ctx.tracker.log_predictions(out_of_fold, task, split="val")
             if ctx.before_final_report:
                 ctx.before_final_report()
         else:
