@@ -298,3 +298,30 @@ def test_a_worker_node_lost_mid_trial_resumes_on_a_node_that_joined(nodes, s3, m
         _assert_epochs_once(client, run, epochs)
     resumed = [r for r in trials if "resumed_from_epoch" in r.data.metrics]
     assert len(resumed) == 1 and resumed[0].data.metrics["resumed_from_epoch"] >= 1, "not resumed from a checkpoint"
+
+
+def test_two_nodes_one_host_runs_a_command_on_two_loopback_nodes(tmp_path):
+    """jobs/cluster/two_nodes_one_host.sh on this machine, ``nvidia-smi`` stubbed with two GPUs (Ray counts the GPUs it
+    is told of): the command sees two nodes at 127.0.0.1 of one GPU each, and both nodes are gone once it ends."""
+    stub = tmp_path / "bin" / "nvidia-smi"
+    stub.parent.mkdir()
+    stub.write_text('#!/bin/sh\n[ "$1" = -L ] && printf "GPU 0: stub\\nGPU 1: stub\\n"\n')
+    stub.chmod(0o755)
+    folder = Path(tempfile.mkdtemp(prefix="gx2-"))  # short: the nodes' sockets live under it
+    command = "import json, ray; ray.init(); print(json.dumps([[n['NodeManagerAddress'], n['Resources'].get('GPU')] "
+    command += "for n in ray.nodes() if n['Alive']]))"
+    env = {**os.environ, "PATH": f"{stub.parent}:{os.environ['PATH']}", "GX_TWO_NODES_DIR": str(folder)}
+    env.pop("RAY_ADDRESS", None)
+    try:
+        done = subprocess.run(
+            ["bash", str(ROOT / "jobs" / "cluster" / "two_nodes_one_host.sh"), sys.executable, "-c", command],
+            env=env, capture_output=True, text=True, timeout=400,
+        )  # fmt: skip
+        if done.returncode != 0 and "unshare" in done.stderr:
+            pytest.skip(f"no network namespace here: {done.stderr.strip()[-300:]}")
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert json.loads(done.stdout.strip().splitlines()[-1]) == [["127.0.0.1", 1.0], ["127.0.0.1", 1.0]]
+        left = [p.pid for p in psutil.process_iter(["cmdline"]) if str(folder) in " ".join(p.info["cmdline"] or [])]
+        assert not left, f"the nodes outlived the command: {left}"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
