@@ -166,7 +166,7 @@ def s3(loopback, monkeypatch) -> Iterator[object]:
 @pytest.fixture
 def mlflow_uri(loopback, tmp_path) -> Iterator[str]:
     """A tracking server on 127.0.0.1: every node of this host reaches it."""
-    with LocalMlflowServer(tmp_path / "mlflow").start() as server:
+    with LocalMlflowServer(tmp_path / "mlflow") as server:
         yield server.uri
 
 
