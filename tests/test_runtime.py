@@ -236,6 +236,7 @@ def test_init_ray_joins_a_running_cluster_or_starts_its_own(tmp_path_factory):
     _system_config must not be provided". It joins that cluster now, keeping the cluster's CPUs and taking gx-ray to
     its workers (py_modules), and says so; with nothing running, or with "local", it starts its own of num_cpus."""
     import secrets
+    import shutil
     import subprocess
     import sys
     import tempfile
@@ -246,9 +247,12 @@ def test_init_ray_joins_a_running_cluster_or_starts_its_own(tmp_path_factory):
     # token authentication, as `ray start` has it by default: read by Ray as it is imported, so set before
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "RAY_AUTH_MODE": "token",
            "RAY_AUTH_TOKEN": secrets.token_hex(32)}  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=400, env=env)
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=400, env=env)
+        log = (root / "head.log").read_text(errors="replace")[-2000:] if (root / "head.log").exists() else ""
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    log = (root / "head.log").read_text(errors="replace")[-2000:] if (root / "head.log").exists() else ""
     assert done.returncode == 0 and len(results) == len(JOIN_CASES), done.stderr[-4000:] + log
     for (address, num_cpus, env_address, started, joins), result in zip(JOIN_CASES, results, strict=True):
         case = f"address={address} num_cpus={num_cpus} RAY_ADDRESS={env_address} ray start record={started}"
