@@ -45,7 +45,7 @@ from gx_ray.runtime import init_ray, one_process_per_gpu
 from gx_ray.schema import PAPER_TASKS
 from gx_ray.sweep.driver import SweepOptions, SweepResult, run_sweep
 from gx_ray.sweep.spaces import space_path
-from gx_ray.tracking import child_runs
+from gx_ray.tracking import child_runs, on_one_host
 from gx_ray.tracking.server import LocalMlflowServer
 from gx_ray.train.probe import adamw, trials_per_gpu
 
@@ -90,8 +90,8 @@ class ClusterBenchmarkConfig:
     tasks: tuple[str, ...] = PAPER_TASKS
     """The slice's tasks (the projection needs all five)."""
     address: str | None = None
-    """An existing Ray cluster (``jobs/cluster/two_nodes_one_host.sh``); its sweeps log to an MLflow server this run
-    starts on the node's network address, which every node reaches."""
+    """An existing Ray cluster (``jobs/cluster/two_nodes_one_host.sh``). Its sweeps log to their own loopback MLflow
+    where every node is on this host, else to one this run starts on the node's network address, for the others."""
 
 
 def run_cluster_benchmark(out: Path, config: ClusterBenchmarkConfig = ClusterBenchmarkConfig()) -> dict[str, Any]:
@@ -103,7 +103,8 @@ def run_cluster_benchmark(out: Path, config: ClusterBenchmarkConfig = ClusterBen
         raise RuntimeError("the cluster benchmark needs GPUs: Ray sees none on this node")
     nodes = len([n for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU")])
     server = None
-    if nodes > 1:  # the sweeps' own loopback server is refused on several nodes
+    # the sweeps' own loopback server serves nodes of one host (two_nodes_one_host.sh's); across machines it is refused
+    if not on_one_host([n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]], ray.util.get_node_ip_address()):
         server = LocalMlflowServer(out / "mlflow", host=ray.util.get_node_ip_address()).launch().wait()
     try:
         return _run(out, config, gpus, nodes, server.uri if server else None, started)

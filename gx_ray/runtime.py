@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import ray._private.services
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import gx_ray
@@ -35,17 +36,37 @@ def mlflow_retries() -> dict[str, str]:
 
 
 SOFT_LIMIT_ENV = "RAY_num_workers_soft_limit"
+ADDRESS_ENV = "RAY_ADDRESS"
+logger = logging.getLogger(__name__)
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: int | None = None) -> None:
     """Connect to ``address`` (``"auto"`` or ``host:port``) or start a local cluster; no-op when connected.
 
-    On a cluster the workers may not have gx-ray installed, so the package travels in the runtime
-    environment. Ray Data progress bars are kept only for a terminal: in logs they are noise.
+    Without ``address`` this does what ``ray.init()`` does (:func:`running_cluster`): it joins the cluster that
+    ``RAY_ADDRESS`` names or that ``ray start`` left running on this machine, and starts a local one only where there
+    is none. Who runs a job on a cluster's head node expects it on that cluster, as every Ray program runs there;
+    refusing would make each command need ``--address auto`` there, and a second cluster beside the first is what
+    ``address="local"`` (or ``RAY_ADDRESS=local``) asks for. A cluster joined is one like any given by address: its
+    nodes keep their own CPUs, GPUs and settings (``num_cpus`` and ``num_gpus`` are not applied, and a warning says
+    so), and since its workers may not have gx-ray installed, the package travels in the runtime environment.
+
+    Ray Data progress bars are kept only for a terminal: in logs they are noise.
     """
     if ray.is_initialized():
         return
-    runtime_env = {"py_modules": [str(Path(gx_ray.__file__).parent)]} if address else {}
+    found = running_cluster(address)
+    if found and not address:
+        sizes = ", ".join(f"{k}={v}" for k, v in (("num_cpus", num_cpus), ("num_gpus", num_gpus)) if v is not None)
+        how = "that RAY_ADDRESS names" if os.environ.get(ADDRESS_ENV) else "that `ray start` left running here"
+        logger.warning(
+            "joining the Ray cluster at %s %s, as ray.init() does; its nodes keep their own resources%s. For a local "
+            "cluster of this job's own: --address local (or RAY_ADDRESS=local), or `ray stop` that one first.",
+            found,
+            how,
+            f" ({sizes} is not applied)" if sizes else "",
+        )
+    runtime_env = {"py_modules": [str(Path(gx_ray.__file__).parent)]} if found else {}
     runtime_env["worker_process_setup_hook"] = "gx_ray.runtime.exit_quietly_on_sigterm"
     # packed trials share a GPU: an allocator that grows segments in place fragments less, so measured fits hold
     runtime_env["env_vars"] = {
@@ -62,11 +83,11 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: 
     # so each epoch's read tasks started fresh workers (~2 s of CPU each): 4.5 s per epoch with two trials on two
     # cores, 0.1 s with the readers kept. A local cluster keeps more; RAY_num_workers_soft_limit, where set, wins
     # (-1 is Ray's one per CPU). A cluster's nodes take it at `ray start`.
-    soft_limit = None if address or SOFT_LIMIT_ENV in os.environ else 4 * (num_cpus or os.cpu_count() or 1) + 4
+    soft_limit = None if found or SOFT_LIMIT_ENV in os.environ else 4 * (num_cpus or os.cpu_count() or 1) + 4
     ray.init(
         address=address,
-        num_cpus=None if address else num_cpus,
-        num_gpus=None if address else num_gpus,
+        num_cpus=None if found else num_cpus,
+        num_gpus=None if found else num_gpus,
         runtime_env=runtime_env,
         include_dashboard=False,
         log_to_driver=True,
@@ -75,6 +96,18 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: 
         _system_config={"num_workers_soft_limit": soft_limit} if soft_limit else None,
     )
     quiet_data_context()
+
+
+def running_cluster(address: str | None) -> str | None:
+    """The cluster ``ray.init(address)`` joins, by Ray 2.60's own rules (``ray.init``'s docstring), or None where it
+    starts a local one: ``address`` itself, unless it is ``"local"``; for none or ``"auto"``, ``RAY_ADDRESS`` where
+    set; for none, the address of the last ``ray start`` on this machine (``ray_current_cluster`` in Ray's temp dir,
+    ``RAY_TMPDIR`` or ``/tmp``), should that file exist. ``"auto"`` with nothing found is Ray's to refuse."""
+    if address in (None, "auto") and os.environ.get(ADDRESS_ENV):
+        address = os.environ[ADDRESS_ENV]
+    if address is None:
+        return ray._private.services.find_bootstrap_address(None)
+    return None if address == "local" else address
 
 
 def exit_quietly_on_sigterm() -> None:

@@ -58,7 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--split-seed", type=int, default=0)
     parser.add_argument("--strict", action="store_true", help="stop at the first bad case instead of skipping it")
-    parser.add_argument("--address", help="an existing Ray cluster ('auto' or host:port); default: a local one")
+    parser.add_argument(
+        "--address",
+        help="a Ray cluster ('auto', host:port; 'local': this job's own); default: the one RAY_ADDRESS names or "
+        "`ray start` runs here, else a local one",
+    )
     demo = parser.add_argument_group("demo cohort (--source demo)")
     demo.add_argument("--cases", type=int, default=48)
     demo.add_argument("--seed", type=int, default=0)

@@ -37,7 +37,11 @@ def main(argv: list[str] | None = None) -> int:
         help="Tune/Train state, checkpoints and a copy of the report where every node reaches them: a shared path or "
         "s3://, gs:// URI (default: under --output, one machine)",
     )
-    parser.add_argument("--address", help="an existing Ray cluster ('auto' or host:port); default: a local one")
+    parser.add_argument(
+        "--address",
+        help="a Ray cluster ('auto', host:port; 'local': this job's own); default: the one RAY_ADDRESS names or "
+        "`ray start` runs here, else a local one",
+    )
     parser.add_argument("--mlflow-uri", help="an MLflow server every node reaches; default: a local one")
     parser.add_argument(
         "--preset", action="append", default=[], help="a preset of the space (repeatable): smoke, gpu, compiled"

@@ -1,8 +1,12 @@
 """A real multi-node Ray cluster on this machine: a head without CPUs and worker nodes started with ``ray start``, each
 in a working directory, home and temp dir of its own, so trials run away from the head and the driver. Shards and the
 sweep's state live in an S3-protocol object store started by the test: moto's standalone server, which speaks S3's
-wire protocol and stands in here for S3 or MinIO (no real bucket is reachable from CI). MLflow is a server on this
-machine's network address, as a team's would be.
+wire protocol and stands in here for S3 or MinIO (no real bucket is reachable from CI).
+
+Nodes, servers and drivers run in a network namespace of the test's own whose one interface is loopback
+(:mod:`tests.netns`): every node is 127.0.0.1 and nothing outside reaches them. Every node on one host's loopback
+reaches a loopback MLflow, so the sweep's own server and one on 127.0.0.1 are both accepted; a node at another
+address (one more address of the namespace's loopback, standing in for another machine) gets it refused.
 
 The data are prepared onto the bucket by tasks on the worker nodes, the sweep reads them there and keeps Tune's and
 Train's state there; a worker node killed mid-trial (its raylet) is survived: the trial resumes from its last
@@ -32,6 +36,7 @@ from gx_ray.sweep.driver import EXPERIMENT
 from gx_ray.tracking import KIND_TAG, TRIAL_TAG
 from gx_ray.tracking.server import LocalMlflowServer, free_port
 from gx_ray.train.loop import CHECKPOINT_FILE
+from tests.netns import loopback_namespace
 from tests.spaces import small_stage_space
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,12 +44,8 @@ pytestmark = pytest.mark.slow
 
 
 HEALTH_CHECK = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
-
-
-def _node_ip() -> str:
-    import ray._private.services
-
-    return ray._private.services.get_node_ip_address()
+ELSEWHERE = "10.200.0.1"
+"""A node's address that is neither loopback nor the driver's: another machine's, as far as the sweep can tell."""
 
 
 class RayNodes:
@@ -52,7 +53,7 @@ class RayNodes:
 
     def __init__(self):
         # short: a node's sockets live under its temp dir, and a socket path has at most 107 bytes
-        self.root, self.ip, self.port = Path(tempfile.mkdtemp(prefix="gxn-")), _node_ip(), free_port("")
+        self.root, self.ip, self.port = Path(tempfile.mkdtemp(prefix="gxn-")), "127.0.0.1", free_port()
         self.nodes: dict[str, subprocess.Popen] = {}
 
     @property
@@ -62,12 +63,12 @@ class RayNodes:
     def folder(self, name: str) -> Path:
         return self.root / name
 
-    def start(self, name: str, cpus: int, head: bool = False) -> None:
+    def start(self, name: str, cpus: int, head: bool = False, ip: str = "127.0.0.1") -> None:
         folder = self.folder(name)
         (folder / "home").mkdir(parents=True, exist_ok=True)
         command = [
             "ray", "start", "--block", f"--num-cpus={cpus}", "--num-gpus=0", f"--temp-dir={folder / 'tmp'}",
-            "--disable-usage-stats", f"--resources={json.dumps({f'gx_node_{name}': 1})}",
+            "--disable-usage-stats", f"--resources={json.dumps({f'gx_node_{name}': 1})}", f"--node-ip-address={ip}",
         ]  # fmt: skip
         command += (
             ["--head", f"--port={self.port}", "--include-dashboard=false"] if head else [f"--address={self.address}"]
@@ -128,14 +129,22 @@ class RayNodes:
 
 
 @pytest.fixture
-def s3(monkeypatch) -> Iterator[object]:
-    """moto's S3 server (a stand-in for S3/MinIO) on this machine's address, the endpoint every node is given as
-    MinIO users give it (``AWS_ENDPOINT_URL``); a bucket for the data and one for the sweeps' state."""
+def loopback() -> Iterator[None]:
+    """The test, and every process and thread it starts, in a network namespace whose one interface is loopback,
+    with :data:`ELSEWHERE` as one more of its addresses."""
+    with loopback_namespace(ELSEWHERE):
+        yield
+
+
+@pytest.fixture
+def s3(loopback, monkeypatch) -> Iterator[object]:
+    """moto's S3 server (a stand-in for S3/MinIO) on 127.0.0.1, the endpoint every node is given as MinIO users give
+    it (``AWS_ENDPOINT_URL``); a bucket for the data and one for the sweeps' state."""
     import boto3
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
-    server = ThreadedMotoServer(ip_address=_node_ip(), port=0, verbose=False)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
@@ -155,11 +164,10 @@ def s3(monkeypatch) -> Iterator[object]:
 
 
 @pytest.fixture
-def mlflow_uri(tmp_path) -> Iterator[str]:
-    """A tracking server on this machine's network address (not loopback): every node reaches it."""
-    server = LocalMlflowServer(tmp_path / "mlflow", host=_node_ip()).launch().wait()
-    yield server.uri
-    server.stop()
+def mlflow_uri(loopback, tmp_path) -> Iterator[str]:
+    """A tracking server on 127.0.0.1: every node of this host reaches it."""
+    with LocalMlflowServer(tmp_path / "mlflow") as server:
+        yield server.uri
 
 
 @pytest.fixture
@@ -202,11 +210,11 @@ def _prepare(nodes: RayNodes, tmp_path: Path) -> None:
     assert _run(command, tmp_path / "driver", log).wait(timeout=600) == 0, log.read_text(errors="replace")[-3000:]
 
 
-def _sweep_command(nodes: RayNodes, space: Path, mlflow_uri: str, *extra: str) -> list[str]:
+def _sweep_command(nodes: RayNodes, space: Path, mlflow_uri: str | None, *extra: str) -> list[str]:
     return [
         sys.executable, str(ROOT / "jobs" / "sweep.py"), "--space", str(space), "--address", nodes.address,
-        "--data", "s3://gx-data/cohort", "--storage", "s3://gx-state/sweeps", "--mlflow-uri", mlflow_uri,
-        "--output", "out", *extra,
+        "--data", "s3://gx-data/cohort", "--storage", "s3://gx-state/sweeps", "--output", "out",
+        *(["--mlflow-uri", mlflow_uri] if mlflow_uri else []), *extra,
     ]  # fmt: skip
 
 
@@ -222,7 +230,7 @@ def _assert_epochs_once(client: MlflowClient, run, epochs: int) -> None:
         assert steps == list(range(epochs)), f"{key} of {run.info.run_name}: steps {steps} (lost or logged twice)"
 
 
-def test_a_sweep_on_three_nodes_reads_and_keeps_everything_in_the_object_store(nodes, s3, mlflow_uri, tmp_path):
+def test_a_sweep_on_three_nodes_reads_and_keeps_everything_in_the_object_store(nodes, s3, tmp_path):
     nodes.start("worker1", cpus=2)
     nodes.start("worker2", cpus=2)
     ids = nodes.alive()
@@ -233,26 +241,21 @@ def test_a_sweep_on_three_nodes_reads_and_keeps_everything_in_the_object_store(n
     assert not any(key.startswith("cohort/raw") for key in data), "the raw demo cohort is not part of the data"
 
     space, driver, log = _space(tmp_path, epochs=2, seeds=2), tmp_path / "driver", tmp_path / "sweep.log"
-    # the sweep's own loopback MLflow is refused before any work: trials on the other nodes could not reach it
-    refused = subprocess.run(
-        [c for c in _sweep_command(nodes, space, mlflow_uri) if c not in ("--mlflow-uri", mlflow_uri)],
-        cwd=driver, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert refused.returncode == 2 and "3 nodes" in refused.stderr and "--mlflow-uri" in refused.stderr, refused.stderr
-
-    process = _run(_sweep_command(nodes, space, mlflow_uri), driver, log)
+    # no --mlflow-uri: the sweep's own server on the driver's loopback, which trials on every node of this host reach
+    process = _run(_sweep_command(nodes, space, None), driver, log)
     assert process.wait(timeout=900) == 0, log.read_text(errors="replace")[-4000:]
 
-    client = MlflowClient(mlflow_uri)
-    trials = _trials(client)
-    assert len(trials) == 2 and {r.info.status for r in trials} == {"FINISHED"}
-    workers = {ids["worker1"], ids["worker2"]}
-    for run in trials:
-        assert run.data.tags["gx_ray.node_id"] in workers, "a trial ran on the head node"
-        _assert_epochs_once(client, run, 2)
+    sweep_id = next(iter(driver.glob("out/*/sweep.json"))).parent.name
+    with LocalMlflowServer(driver / "out" / sweep_id / "mlflow") as server:  # the sweep's own store, served again
+        client = MlflowClient(server.uri)
+        trials = _trials(client)
+        assert len(trials) == 2 and {r.info.status for r in trials} == {"FINISHED"}
+        workers = {ids["worker1"], ids["worker2"]}
+        for run in trials:
+            assert run.data.tags["gx_ray.node_id"] in workers, "a trial ran on the head node"
+            _assert_epochs_once(client, run, 2)
     assert _objects(s3, "gx-data") == data, "the sweep wrote into --data (it is read-only to a sweep)"
     state = _objects(s3, "gx-state")
-    sweep_id = next(iter(driver.glob("out/*/sweep.json"))).parent.name
     assert any(k.startswith(f"sweeps/{sweep_id}/") and "experiment_state" in k for k in state), sorted(state)[:20]
     checkpoints = [k for k in state if "/checkpoint_" in k and k.endswith(CHECKPOINT_FILE)]
     assert len({k.split("/checkpoint_")[0] for k in checkpoints}) == 2, "each trial keeps its checkpoints in the bucket"
@@ -260,6 +263,14 @@ def test_a_sweep_on_three_nodes_reads_and_keeps_everything_in_the_object_store(n
     assert not (driver / "out" / sweep_id / "ray").exists(), "Tune's state went to the driver's disk"
     for name in ("worker1", "worker2"):  # nothing a trial writes lands in a worker's working directory
         assert sorted(p.name for p in nodes.folder(name).iterdir()) == ["home", "ray.log", "tmp"]
+
+    # a node at another address: trials there could not reach the driver's loopback, refused before any work
+    nodes.start("elsewhere", cpus=0, ip=ELSEWHERE)
+    apart = {"s3://gx-state/sweeps": "s3://gx-state/refused", "out": "refused"}  # not the sweep that ran
+    command = [apart.get(c, c) for c in _sweep_command(nodes, space, None)]
+    refused = subprocess.run(command, cwd=driver, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "4 nodes" in refused.stderr and ELSEWHERE in refused.stderr and "--mlflow-uri" in refused.stderr
 
 
 def test_a_worker_node_lost_mid_trial_resumes_on_a_node_that_joined(nodes, s3, mlflow_uri, tmp_path):
@@ -287,3 +298,30 @@ def test_a_worker_node_lost_mid_trial_resumes_on_a_node_that_joined(nodes, s3, m
         _assert_epochs_once(client, run, epochs)
     resumed = [r for r in trials if "resumed_from_epoch" in r.data.metrics]
     assert len(resumed) == 1 and resumed[0].data.metrics["resumed_from_epoch"] >= 1, "not resumed from a checkpoint"
+
+
+def test_two_nodes_one_host_runs_a_command_on_two_loopback_nodes(tmp_path):
+    """jobs/cluster/two_nodes_one_host.sh on this machine, ``nvidia-smi`` stubbed with two GPUs (Ray counts the GPUs it
+    is told of): the command sees two nodes at 127.0.0.1 of one GPU each, and both nodes are gone once it ends."""
+    stub = tmp_path / "bin" / "nvidia-smi"
+    stub.parent.mkdir()
+    stub.write_text('#!/bin/sh\n[ "$1" = -L ] && printf "GPU 0: stub\\nGPU 1: stub\\n"\n')
+    stub.chmod(0o755)
+    folder = Path(tempfile.mkdtemp(prefix="gx2-"))  # short: the nodes' sockets live under it
+    command = "import json, ray; ray.init(); print(json.dumps([[n['NodeManagerAddress'], n['Resources'].get('GPU')] "
+    command += "for n in ray.nodes() if n['Alive']]))"
+    env = {**os.environ, "PATH": f"{stub.parent}:{os.environ['PATH']}", "GX_TWO_NODES_DIR": str(folder)}
+    env.pop("RAY_ADDRESS", None)
+    try:
+        done = subprocess.run(
+            ["bash", str(ROOT / "jobs" / "cluster" / "two_nodes_one_host.sh"), sys.executable, "-c", command],
+            env=env, capture_output=True, text=True, timeout=400,
+        )  # fmt: skip
+        if done.returncode != 0 and "unshare" in done.stderr:
+            pytest.skip(f"no network namespace here: {done.stderr.strip()[-300:]}")
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert json.loads(done.stdout.strip().splitlines()[-1]) == [["127.0.0.1", 1.0], ["127.0.0.1", 1.0]]
+        left = [p.pid for p in psutil.process_iter(["cmdline"]) if str(folder) in " ".join(p.info["cmdline"] or [])]
+        assert not left, f"the nodes outlived the command: {left}"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

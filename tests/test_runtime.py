@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -112,3 +113,156 @@ def test_one_process_per_gpu_keeps_the_order_and_one_process_a_gpu():
     assert [square for square, _ in out] == [i * i for i in range(7)]
     pids = [pid for _, pid in out]
     assert len(set(pids)) == 2 and pids[0::2] == [pids[0]] * 4 and pids[1::2] == [pids[1]] * 3
+
+
+# A running cluster, and a job started without --address (or with one): ray.init()'s own rules decide whether it
+# joins, and init_ray must then pass nothing a joined cluster refuses ("_system_config must not be provided").
+HEAD = "127.0.0.1:6380"  # inside a network namespace of the test's own: the port is free there
+
+
+def _ray_joins(address: str | None) -> bool:
+    """Ray 2.60's own answer, from the resolution ``ray.init`` runs: a bootstrap address, or None to start locally."""
+    import ray._private.services as services
+
+    services.find_gcs_addresses.cache_clear()
+    try:
+        return services.canonicalize_bootstrap_address(address) is not None
+    except ConnectionError:  # "auto" and no cluster anywhere: ray.init refuses, it never starts one
+        return True
+
+
+@pytest.mark.parametrize("address", [None, "auto", HEAD, "local"])
+@pytest.mark.parametrize("env", [None, HEAD, "local"])
+@pytest.mark.parametrize("started", [False, True])
+def test_running_cluster_agrees_with_rays_own_resolution(address, env, started, tmp_path, monkeypatch):
+    """Every combination of an address given, RAY_ADDRESS and a `ray start` record on this machine (the file
+    ``ray_current_cluster`` that ray.init() reads, in a temp dir of the test's own)."""
+    from gx_ray.runtime import running_cluster
+
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    if env is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", env)
+    if started:
+        (tmp_path / "ray").mkdir()
+        (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:6390")
+    found = running_cluster(address)
+    assert (found is not None) == _ray_joins(address), (address, env, started, found)
+    if address is None and found:
+        assert found == (env or "127.0.0.1:6390")
+
+
+JOIN_CASES = [
+    # (address, num_cpus, RAY_ADDRESS, a `ray start` record readable, joins)
+    (None, None, None, True, True),  # a job run on the head of `ray start --head`
+    (None, 2, None, True, True),  # num_cpus given: the cluster's own CPU stays
+    (None, 2, HEAD, False, True),  # RAY_ADDRESS set
+    ("auto", None, None, True, True),
+    (HEAD, 2, None, False, True),
+    ("local", 3, None, True, False),  # one runs, and one of this job's own is asked for: local, of num_cpus
+]
+
+
+def _join_cases(root: str) -> None:
+    """In a network namespace of its own: a `ray start --head` of one CPU, then init_ray in each of JOIN_CASES;
+    prints one JSON line a case. Run by the test below in a process of its own."""
+    import subprocess
+    from pathlib import Path
+
+    from gx_ray.runtime import init_ray
+    from tests.netns import enter_loopback_namespace
+
+    enter_loopback_namespace()
+    folder = Path(root)
+    log = open(folder / "head.log", "ab")  # noqa: SIM115 - the head outlives this statement
+    head = subprocess.Popen(
+        ["ray", "start", "--head", "--block", "--node-ip-address", "127.0.0.1", f"--port={HEAD.split(':')[1]}",
+         "--num-cpus=1", "--num-gpus=0", f"--temp-dir={folder / 'head' / 'ray'}", "--include-dashboard=false",
+         "--disable-usage-stats"],
+        stdout=log, stderr=log, start_new_session=True,
+    )  # fmt: skip
+    warnings: list[str] = []
+    logging.getLogger("gx_ray.runtime").addHandler(_Collect(warnings))
+
+    @ray.remote(num_cpus=0)
+    def where() -> str:
+        import gx_ray
+
+        return gx_ray.__file__
+
+    try:
+        deadline = time.monotonic() + 60
+        while not (folder / "head" / "ray" / "ray_current_cluster").exists():
+            assert head.poll() is None and time.monotonic() < deadline, (folder / "head.log").read_text()[-3000:]
+            time.sleep(0.2)
+        for i, (address, num_cpus, env, started, _) in enumerate(JOIN_CASES):
+            (folder / str(i)).mkdir()
+            os.environ["RAY_TMPDIR"] = str(folder / ("head" if started else str(i)))
+            os.environ.pop("RAY_ADDRESS", None) if env is None else os.environ.update(RAY_ADDRESS=env)
+            warnings.clear()
+            try:
+                init_ray(address, num_cpus=num_cpus)
+                result = {
+                    "gcs": ray.get_runtime_context().gcs_address,
+                    "cpus": ray.cluster_resources().get("CPU"),
+                    "gx_ray": ray.get(where.remote(), timeout=120),
+                }
+            except Exception as error:  # noqa: BLE001 - the test names it
+                result = {"error": f"{type(error).__name__}: {error}"}
+            finally:
+                ray.shutdown()
+            print(json.dumps({**result, "warnings": warnings}), flush=True)
+    finally:  # not `ray stop`: it stops every Ray on the machine. SIGTERM to the whole group would end the GCS
+        # first, and the raylet would wait 30 s for it to drain the node
+        head.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            head.wait(timeout=20)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGKILL)
+
+
+class _Collect(logging.Handler):
+    def __init__(self, into: list[str]):
+        super().__init__(logging.WARNING)
+        self.into = into
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.into.append(record.getMessage())
+
+
+def test_init_ray_joins_a_running_cluster_or_starts_its_own(tmp_path_factory):
+    """A job run where `ray start --head` runs (no --address) died with "When connecting to an existing cluster,
+    _system_config must not be provided". It joins that cluster now, keeping the cluster's CPUs and taking gx-ray to
+    its workers (py_modules), and says so; with nothing running, or with "local", it starts its own of num_cpus."""
+    import secrets
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    root = Path(tempfile.mkdtemp(prefix="gxj-"))  # short: the head's sockets live under it
+    code = f"from tests.test_runtime import _join_cases; _join_cases({str(root)!r})"
+    # token authentication, as `ray start` has it by default: read by Ray as it is imported, so set before
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "RAY_AUTH_MODE": "token",
+           "RAY_AUTH_TOKEN": secrets.token_hex(32)}  # fmt: skip
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=400, env=env)
+        log = (root / "head.log").read_text(errors="replace")[-2000:] if (root / "head.log").exists() else ""
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert done.returncode == 0 and len(results) == len(JOIN_CASES), done.stderr[-4000:] + log
+    for (address, num_cpus, env_address, started, joins), result in zip(JOIN_CASES, results, strict=True):
+        case = f"address={address} num_cpus={num_cpus} RAY_ADDRESS={env_address} ray start record={started}"
+        assert "error" not in result, f"{case}: {result['error']}"
+        if joins:
+            assert result["gcs"] == HEAD and result["cpus"] == 1, f"{case}: {result}"
+            assert "runtime_resources" in result["gx_ray"], f"{case}: gx-ray did not travel: {result['gx_ray']}"
+        else:
+            assert result["gcs"] != HEAD and result["cpus"] == num_cpus, f"{case}: {result}"
+        told = [w for w in result["warnings"] if w.startswith("joining the Ray cluster at")]
+        assert bool(told) == (joins and address is None), f"{case}: {result['warnings']}"
+        if told and num_cpus:
+            assert f"num_cpus={num_cpus} is not applied" in told[0] and "--address local" in told[0], told

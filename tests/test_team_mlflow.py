@@ -1,9 +1,11 @@
 """The team MLflow set-up: a tracking server backed by a real PostgreSQL (started here, as a team would run it),
-a sweep logging into it, and the rule that a sweep on several Ray nodes refuses an MLflow only one node reaches."""
+a sweep logging into it, and the rule that a sweep whose Ray nodes are not all on one host refuses an MLflow only
+that host reaches."""
 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import subprocess
 import tempfile
@@ -15,31 +17,84 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from gx_ray.sweep.driver import SweepOptions, run_sweep
-from gx_ray.tracking import KIND_TAG, UnreachableTrackingError, check_reachable_from
+from gx_ray.tracking import KIND_TAG, UnreachableTrackingError, check_reachable_from, on_one_host
 from gx_ray.tracking.server import LocalMlflowServer, free_port
+
+THIS, OTHER = "10.0.0.7", "10.0.0.8"  # the driver's node address, and another machine's
 
 
 @pytest.mark.parametrize(
     "uri, nodes, refused",
     [
-        ("http://127.0.0.1:5000", 1, False),  # one node: its own loopback server is fine
-        ("http://127.0.0.1:5000", 2, True),
-        ("http://127.8.0.3:5000", 3, True),
-        ("http://localhost:5000", 2, True),
-        ("http://[::1]:5000", 2, True),
-        ("sqlite:////shared/mlflow.db", 2, True),
-        ("/shared/mlruns", 2, True),
-        ("file:///shared/mlruns", 2, True),
-        ("http://mlflow.team.svc:5000", 2, False),
-        ("https://10.0.0.7:443", 4, False),
+        ("http://127.0.0.1:5000", [THIS], False),  # one node: its own loopback server is fine
+        ("http://127.0.0.1:5000", [THIS, OTHER], True),
+        ("http://127.8.0.3:5000", [THIS, OTHER, THIS], True),
+        ("http://localhost:5000", [OTHER, THIS], True),
+        ("http://[::1]:5000", [THIS, OTHER], True),
+        ("http://0.0.0.0:5000", [THIS, OTHER], True),
+        ("sqlite:////shared/mlflow.db", [THIS, OTHER], True),
+        ("/shared/mlruns", [THIS, OTHER], True),
+        ("file:///shared/mlruns", [THIS, OTHER], True),
+        ("http://mlflow.team.svc:5000", [THIS, OTHER], False),
+        ("https://10.0.0.9:443", [THIS, OTHER, "10.0.0.10", "10.0.0.11"], False),
+        # several nodes of one host: all on its loopback, or all at the driver's own address
+        ("http://127.0.0.1:5000", ["127.0.0.1", "127.0.0.1", "127.0.0.1"], False),
+        ("http://127.0.0.1:5000", ["127.0.0.1", "127.0.0.2", "::1"], False),
+        ("sqlite:////tmp/mlflow.db", [THIS, THIS], False),
+        ("http://127.0.0.1:5000", ["127.0.0.1", OTHER], True),
+        ("http://127.0.0.1:5000", ["127.0.0.1", THIS], True),  # one host perhaps, but not shown to be
     ],
 )
-def test_an_mlflow_only_this_node_reaches_is_refused_on_a_cluster(uri, nodes, refused):
+def test_an_mlflow_only_this_host_reaches_is_refused_where_a_node_is_elsewhere(uri, nodes, refused):
     if refused:
-        with pytest.raises(UnreachableTrackingError, match=f"{nodes} nodes.*--mlflow-uri"):
-            check_reachable_from(uri, nodes)
+        with pytest.raises(UnreachableTrackingError, match=f"{len(nodes)} nodes.*{OTHER if OTHER in nodes else ''}"):
+            check_reachable_from(uri, nodes, THIS)
     else:
-        check_reachable_from(uri, nodes)
+        check_reachable_from(uri, nodes, THIS)
+
+
+LOCAL_URIS = ["http://127.0.0.1:5000", "http://127.3.2.1:8080", "http://localhost:5000", "http://[::1]:5000",
+              "http://0.0.0.0:5000", "sqlite:////tmp/mlflow.db", "file:///tmp/mlruns", "mlruns"]  # fmt: skip
+TEAM_URIS = ["http://mlflow.team.svc:5000", "https://10.1.2.3:443", "http://[fd00::5]:5000", "http://192.168.4.4:80"]
+
+
+def _address(rng: random.Random, kind: str) -> str:
+    if kind == "loopback":
+        return rng.choice([f"127.{rng.randrange(256)}.{rng.randrange(256)}.{rng.randrange(1, 255)}", "::1"])
+    return rng.choice([f"10.{rng.randrange(256)}.{rng.randrange(256)}.{rng.randrange(1, 255)}",
+                       f"192.168.{rng.randrange(256)}.{rng.randrange(1, 255)}", f"fd00::{rng.randrange(1, 9999):x}",
+                       f"node-{rng.randrange(100)}.cluster.internal"])  # fmt: skip
+
+
+def test_the_one_host_rule_over_generated_clusters():
+    """2,000 generated clusters: nodes on loopback, at the driver's own address, or elsewhere, in every mix. A local
+    MLflow is accepted exactly when the nodes are all on loopback or all at the driver's address; a server every node
+    reaches always is; a refusal names every node elsewhere and no other."""
+    rng = random.Random(20)
+    for _ in range(2000):
+        own = _address(rng, "elsewhere")
+        kinds = rng.choice([["loopback"], ["own"], ["elsewhere"], ["loopback", "own"], ["loopback", "elsewhere"],
+                            ["own", "elsewhere"], ["loopback", "own", "elsewhere"]])  # fmt: skip
+        nodes = [own if kind == "own" else _address(rng, kind) for kind in rng.choices(kinds, k=rng.randint(1, 6))]
+        rng.shuffle(nodes)
+        one_host = all(_is_loopback(n) for n in nodes) or set(nodes) == {own}
+        check_reachable_from(rng.choice(TEAM_URIS), nodes, own)
+        uri = rng.choice(LOCAL_URIS)
+        if one_host:
+            check_reachable_from(uri, nodes, own)
+        else:
+            with pytest.raises(UnreachableTrackingError) as refused:
+                check_reachable_from(uri, nodes, own)
+            message = str(refused.value)
+            assert f"{len(nodes)} nodes" in message and uri in message and "--mlflow-uri" in message
+            named = message.split("those at ", 1)[1].split(" (not this host")[0].split(", ")
+            assert sorted(named) == sorted({n for n in nodes if n != own}), (nodes, own, message)
+        assert on_one_host(nodes, own) == one_host
+        assert on_one_host(list(reversed(nodes)), own) == one_host
+
+
+def _is_loopback(address: str) -> bool:
+    return address == "::1" or address.startswith("127.")
 
 
 def _as_postgres() -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -176,6 +177,97 @@ def test_vqa_answers_are_scored_close_ended_with_the_accuracy_per_category():
 @pytest.fixture(scope="module")
 def vlm_folders(tmp_path_factory) -> dict[str, str]:
     return {family: str(build(tmp_path_factory.mktemp(family))) for family, build in FAMILIES.items()}
+
+
+# --- the models' weights, checked as the space loads ----------------------------------------------------------------
+
+HUB_MODELS = ("Qwen/Qwen2-VL-2B-Instruct", "llava-hf/llava-interleave-qwen-0.5b-hf")  # the smoke preset's
+
+
+def test_a_vlm_space_whose_hub_weights_are_not_here_is_refused_in_seconds_before_ray(tmp_path):
+    """``python jobs/sweep.py --space vlm_lora --preset smoke`` offline with the weights not cached: each trial retried
+    the hub for minutes (a six-trial sweep failed after 16). Refused as the space loads, naming every model and how to
+    fetch it, before Ray or any output."""
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}  # an empty cache
+    env.pop("HF_HUB_CACHE", None)
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "jobs" / "sweep.py"), "--space", "vlm_lora", "--preset", "smoke", "--output",
+         str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    seconds = time.monotonic() - started
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert all(f"{name}: it is not in the Hugging Face cache" in done.stderr for name in HUB_MODELS), done.stderr
+    assert "HF_HUB_OFFLINE" in done.stderr and "`hf download NAME`" in done.stderr and "vlm.name" in done.stderr
+    assert not (tmp_path / "out").exists() and "Ray" not in done.stderr
+    assert seconds < 60, f"{seconds:.0f} s"  # the interpreter's imports; the check itself asks nothing
+
+
+def _as_cached(cache: Path, repo_id: str, folder: str) -> Path:
+    """``folder`` where the Hugging Face cache keeps a downloaded ``repo_id`` (its layout: ``refs/main`` names the
+    commit whose snapshot folder holds the files)."""
+    import hashlib
+    import shutil
+
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    commit = hashlib.sha1(repo_id.encode()).hexdigest()
+    shutil.copytree(folder, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return repo / "snapshots" / commit
+
+
+def test_vlm_weights_in_a_folder_or_in_the_cache_pass_offline_and_partial_ones_do_not(vlm_folders, tmp_path):
+    """Offline (HF_HUB_OFFLINE=1, a cache of the test's own): a folder with weights and a hub name in the cache pass;
+    a name not cached, a cached copy without its weights, a folder without them and a sharded copy missing a shard are
+    refused, each named with why."""
+    import shutil
+    import subprocess
+    import sys
+
+    cache = tmp_path / "hub"
+    _as_cached(cache, "gx-test/tiny-llava", vlm_folders["llava"])
+    (_as_cached(cache, "gx-test/no-weights", vlm_folders["llava"]) / "model.safetensors").unlink()
+    sharded = _as_cached(cache, "gx-test/sharded", vlm_folders["llava"])
+    (sharded / "model.safetensors").rename(sharded / "model-00001-of-00002.safetensors")
+    shards = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": shards}))
+    bare = tmp_path / "bare"
+    shutil.copytree(vlm_folders["paligemma"], bare, ignore=shutil.ignore_patterns("*.safetensors"))
+    cases = {  # vlm.name of the smoke preset's grid → refused with (None: passes)
+        (vlm_folders["llava"], vlm_folders["paligemma"]): None,
+        ("gx-test/tiny-llava", vlm_folders["paligemma"]): None,
+        ("gx-test/tiny-llava", "gx-test/not-here"): "gx-test/not-here: it is not in the Hugging Face cache",
+        ("gx-test/no-weights",): "gx-test/no-weights: its copy in the Hugging Face cache has no weights",
+        (str(bare),): f"{bare}: the folder has no weights",
+        ("gx-test/sharded",): "has model.safetensors.index.json but not its shards model-00002-of-00002.safetensors",
+    }
+    document = yaml.safe_load((ROOT / "search_spaces" / "vlm_lora.yaml").read_text(encoding="utf-8"))
+    spaces = []
+    for i, names in enumerate(cases):
+        document["presets"]["smoke"]["grid"]["vlm.name"] = list(names)
+        spaces.append(tmp_path / f"space{i}.yaml")
+        spaces[-1].write_text(yaml.safe_dump(document), encoding="utf-8")
+    code = (
+        "import json, sys\nfrom gx_ray.sweep.spaces import SpaceError, load_space\nfor path in sys.argv[1:]:\n"
+        "    try:\n        load_space(path, ('smoke',)); print(json.dumps(None))\n"
+        "    except SpaceError as err:\n        print(json.dumps(str(err)))\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code, *map(str, spaces)], capture_output=True, text=True, env=env,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    for (names, refused), said in zip(cases.items(), map(json.loads, done.stdout.splitlines()), strict=True):
+        if refused is None:
+            assert said is None, f"{names}: {said}"
+        else:
+            assert said is not None and refused in said and "vlm.name" in said, f"{names}: {said}"
+            assert "hf download" in said and str(cache) in said, said
 
 
 @pytest.mark.slow

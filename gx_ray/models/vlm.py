@@ -16,9 +16,11 @@ Images are RGB ``(3, H, W)`` arrays in [0, 1], as :func:`gx_ray.modalities.views
 
 from __future__ import annotations
 
+import json
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -307,6 +309,77 @@ class VisionLanguageModel(nn.Module):
             config.name, config.lora_settings(), config.lora_vision, config.train_vision, config.train_language,
             dtype, config.gradient_checkpointing, config.packing,
         ).to(device)  # fmt: skip
+
+
+HUB_TIMEOUT_S = 10.0
+"""How long the hub may take to say whether it has a model (a network that drops packets answers never)."""
+
+
+def check_weights(names: Iterable[str], key: str = "vlm.name") -> None:
+    """Refuse, before Ray starts, models that no trial could load: each name must be a local folder holding weights,
+    be in this machine's Hugging Face cache with its weights, or be found on the hub (asked with a
+    :data:`HUB_TIMEOUT_S` timeout; not at all under ``HF_HUB_OFFLINE``). Otherwise every trial of it would try the hub
+    again and again (transformers retries for minutes) and fail. ``key``: the space's key that names them. Raises
+    ``ValueError`` naming each model, why, and how to fetch it."""
+    from huggingface_hub import constants
+
+    missing = {name: why for name in sorted(set(names)) if (why := _why_not_loadable(name))}
+    if missing:
+        named = "; ".join(f"{name}: {why}" for name, why in missing.items())
+        raise ValueError(
+            f"{named}. Fetch the weights on a machine with network (`hf download NAME`, or `huggingface-cli download "
+            f"NAME`) into the Hugging Face cache this machine reads ({constants.HF_HUB_CACHE}: copy it here, or set "
+            f"HF_HOME to a copy), or point {key} at a folder holding the model and its processor"
+        )
+
+
+def _why_not_loadable(name: str) -> str | None:
+    """None where ``name``'s weights are at hand (a folder, the cache) or on the hub; else why not."""
+    from huggingface_hub import HfApi, constants, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
+    if Path(name).is_dir():  # what transformers' from_pretrained loads first
+        lacking = _missing_weights(Path(name))
+        return f"the folder has {lacking}" if lacking else None
+    try:
+        lacking = _missing_weights(Path(snapshot_download(name, local_files_only=True)))
+        if lacking is None:
+            return None
+        cache = f"its copy in the Hugging Face cache has {lacking}"
+    except HFValidationError:
+        return "no such folder, and not a hub name"
+    except LocalEntryNotFoundError:
+        cache = "it is not in the Hugging Face cache"
+    if constants.is_offline_mode():
+        return f"{cache}, and HF_HUB_OFFLINE is set: the hub was not asked"
+    try:
+        HfApi().model_info(name, timeout=HUB_TIMEOUT_S)
+        return None
+    except GatedRepoError:
+        return f"{cache}, and it is gated on the hub: accept its terms there and log in here (`hf auth login`)"
+    except RepositoryNotFoundError:
+        return f"{cache}, and the hub has no such model (a private one needs `hf auth login`)"
+    except Exception as error:  # noqa: BLE001 - no network, no DNS, a timeout: the hub did not answer
+        return f"{cache}, and the hub did not answer ({type(error).__name__})"
+
+
+def _missing_weights(folder: Path) -> str | None:
+    """What ``folder`` lacks of a model's weights, None when they are whole: a safetensors or PyTorch weights file,
+    or an index (sharded weights) with every shard it lists."""
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = folder / index_name
+        if index.is_file():
+            shards = set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}).values())
+            lost = sorted(shard for shard in shards if not (folder / shard).is_file())
+            return f"{index_name} but not its shards {', '.join(lost)}" if lost else None
+    if any(path.is_file() for path in folder.glob("*.safetensors")) or (folder / "pytorch_model.bin").is_file():
+        return None
+    return "no weights (*.safetensors, pytorch_model.bin)"
 
 
 def check_packing(config: Any) -> None:

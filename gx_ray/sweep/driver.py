@@ -236,7 +236,9 @@ def run_sweep(options: SweepOptions) -> SweepResult:
         try:
             init_ray(options.address)
             # on several nodes, a loopback MLflow (the sweep's own) is refused before any work: trials log from anywhere
-            check_reachable_from(options.mlflow_uri or server.uri, len([n for n in ray.nodes() if n["Alive"]]))
+            check_reachable_from(
+                options.mlflow_uri or server.uri, [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]
+            )
             timings: dict[str, float] = {"ray_seconds": time.perf_counter() - started, "launched_at": launched_at}
             _prepare_demo(options)
             timings["data_seconds"] = time.perf_counter() - started - timings["ray_seconds"]

@@ -31,6 +31,7 @@ from typing import Any
 import yaml
 
 from gx_ray.data.folds import STRATA_COLUMNS, read_custom_folds
+from gx_ray.models.vlm import check_weights
 from gx_ray.schema import AUTO, TASKS
 from gx_ray.train.config import TrialConfig, valid_keys
 
@@ -145,8 +146,9 @@ def available_presets(name_or_path: str) -> tuple[str, ...]:
     return tuple((document.get("presets") or {}) if isinstance(document, dict) else ())
 
 
-def load_space(name_or_path: str, presets: tuple[str, ...] = ()) -> SearchSpace:
-    """Read, overlay the presets (in order) and validate a space; every trial config is built once to check it."""
+def load_space(name_or_path: str, presets: tuple[str, ...] = (), weights: bool = True) -> SearchSpace:
+    """Read, overlay the presets (in order) and validate a space; every trial config is built once to check it, and
+    (``weights``) the weights of every VLM its trials name are checked to be here or on the hub."""
     path = space_path(name_or_path)
     try:
         document = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
@@ -162,7 +164,7 @@ def load_space(name_or_path: str, presets: tuple[str, ...] = ()) -> SearchSpace:
         _check_keys(path, f"presets.{preset}", available[preset], TOP_LEVEL_KEYS)
         document = _overlay(document, available[preset])
     space = _parse(path, document, presets)
-    _validate_trials(space)
+    _validate_trials(space, weights)
     return space
 
 
@@ -327,8 +329,10 @@ def _gpus(path: Path, value: Any) -> float | str:
     return gpus
 
 
-def _validate_trials(space: SearchSpace) -> None:
-    """Build the trial config of every grid cell (sampled keys at a valid value): bad names and leaks fail here."""
+def _validate_trials(space: SearchSpace, weights: bool = True) -> None:
+    """Build the trial config of every grid cell (sampled keys at a valid value): bad names and leaks fail here. With
+    ``weights``, those of every VLM a trial may load are checked too (:func:`~gx_ray.models.vlm.check_weights`), in
+    seconds: a trial without them retries the hub for minutes."""
     probe = {key: _probe_value(spec) for key, spec in space.sample.items()}
     for cell in space.cells():
         flat = space.resolve({**probe, **cell})
@@ -337,6 +341,26 @@ def _validate_trials(space: SearchSpace) -> None:
         except ValueError as err:
             where = ", ".join(f"{k}={v}" for k, v in cell.items()) or "fixed"
             raise SpaceError(space.path, where, str(err)) from err
+    names = _vlm_names(space, probe) if weights else set()
+    if names:
+        try:
+            check_weights(names)
+        except ValueError as err:
+            raise SpaceError(space.path, "vlm.name", str(err)) from err
+
+
+def _vlm_names(space: SearchSpace, probe: dict[str, Any]) -> set[str]:
+    """``vlm.name`` of every trial whose model is a VLM, over the grid and every choice Optuna may sample for the
+    model's family and name."""
+    sampled = [[(key, c) for c in space.sample[key]["choices"]] for key in ("model.family", "vlm.name")
+               if space.sample.get(key, {}).get("type") == "categorical"]  # fmt: skip
+    names = set()
+    for cell in space.cells():
+        for choice in itertools.product(*sampled):
+            flat = space.resolve({**probe, **cell, **dict(choice)})
+            if flat.get("model.family") == "vlm" and flat.get("vlm.name"):
+                names.add(str(flat["vlm.name"]))
+    return names
 
 
 def _probe_value(spec: dict[str, Any]) -> Any:

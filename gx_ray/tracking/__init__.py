@@ -10,10 +10,12 @@ starts when given none lives apart, in :mod:`gx_ray.tracking.server`, so trial p
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import platform
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -251,16 +253,40 @@ def runs_table_url(tracking_uri: str, experiment_id: str, view: str | None = Non
     return f"{url}&viewStateShareKey={view}" if view else url
 
 
-def check_reachable_from(tracking_uri: str, nodes: int) -> None:
-    """Refuse, on a cluster of several nodes, a tracking URI only this node reaches: a loopback server (the sweep's
-    own local one included) or a file/SQLite store. Every trial logs from wherever Ray places it."""
-    if nodes <= 1:
-        return
+def on_one_host(node_ips: Sequence[str], own_ip: str) -> bool:
+    """Whether the nodes at ``node_ips`` are all on one host, the driver's: all on loopback (127.0.0.0/8, ::1: a
+    loopback address is reached from its own host only, so a cluster on it has one host), or all at the driver's own
+    node address ``own_ip`` (several nodes of one machine on its network address)."""
+    return all(_is_loopback(ip) for ip in node_ips) or all(ip == own_ip for ip in node_ips)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host.lower() == "localhost"
+
+
+def check_reachable_from(tracking_uri: str, node_ips: Sequence[str], own_ip: str | None = None) -> None:
+    """Refuse a tracking URI only this host reaches (a loopback server, the sweep's own local one included, or a
+    file/SQLite store) when a Ray node is elsewhere: every trial logs from wherever Ray places it. ``node_ips``: the
+    alive nodes' addresses; ``own_ip``: the driver's node address (default: this process's, from Ray). Nodes all on
+    this host (:func:`on_one_host`: several Ray nodes of one machine, as ``jobs/cluster/two_nodes_one_host.sh`` starts
+    them) reach what the driver reaches, loopback included."""
     parsed = urlparse(tracking_uri)
     host = (parsed.hostname or "").lower()
-    local = parsed.scheme in ("", "file", "sqlite") or host in ("localhost", "::1") or host.startswith("127.")
-    if local:
-        raise UnreachableTrackingError(
-            f"this Ray cluster has {nodes} nodes, and trials on the others cannot reach MLflow at {tracking_uri}: "
-            "give --mlflow-uri a server every node reaches (jobs/cluster/README.md: the team MLflow set-up)"
-        )
+    local = parsed.scheme in ("", "file", "sqlite") or _is_loopback(host) or host in ("0.0.0.0", "::")
+    if not local:
+        return
+    if own_ip is None:
+        import ray
+
+        own_ip = ray.util.get_node_ip_address()
+    if on_one_host(node_ips, own_ip):
+        return
+    elsewhere = sorted({ip for ip in node_ips if ip != own_ip})
+    raise UnreachableTrackingError(
+        f"this Ray cluster has {len(node_ips)} nodes, and trials on those at {', '.join(elsewhere)} (not this host: "
+        f"{own_ip}) cannot reach MLflow at {tracking_uri}: give --mlflow-uri a server every node reaches "
+        "(jobs/cluster/README.md: the team MLflow set-up)"
+    )
