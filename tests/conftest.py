@@ -1,4 +1,5 @@
-"""Shared fixtures: one local Ray cluster and one tiny demo cohort (raw and prepared) per test session."""
+"""Shared fixtures: one local Ray cluster and one tiny demo cohort (raw and prepared) per test session, in a network
+namespace of the session's own whose one interface is loopback."""
 
 from __future__ import annotations
 
@@ -31,6 +32,19 @@ def tiny_prepare():
     from gx_ray.data.preprocess import PreprocessConfig
 
     return PrepareConfig(preprocess=PreprocessConfig.preset("demo"), endoscopy_size=32, rows_per_shard=4)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every Ray node, MLflow server, database and browser the tests start is on loopback and reaches nothing
+    outside: the session (this thread, and every process and thread it starts) enters a loopback-only network
+    namespace (:mod:`tests.netns`) before anything starts. Ray cannot be kept to loopback on the host's own network.
+    Where namespaces cannot be made (no root), the session runs as it is and says so."""
+    from tests.netns import enter_loopback_namespace
+
+    try:
+        enter_loopback_namespace()
+    except OSError as err:
+        config.issue_config_time_warning(pytest.PytestConfigWarning(f"tests run on the host's network: {err}"), 2)
 
 
 @pytest.fixture(scope="session")

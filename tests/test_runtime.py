@@ -266,3 +266,14 @@ def test_init_ray_joins_a_running_cluster_or_starts_its_own(tmp_path_factory):
         assert bool(told) == (joins and address is None), f"{case}: {result['warnings']}"
         if told and num_cpus:
             assert f"num_cpus={num_cpus} is not applied" in told[0] and "--address local" in told[0], told
+
+
+def test_the_sessions_ray_cluster_and_servers_listen_on_loopback_only(ray_cluster):
+    """The session runs in a loopback-only network namespace (conftest.py): its Ray nodes are 127.0.0.1 and this
+    process sees no interface but loopback, so no test server is reachable from the network, or reaches out."""
+    import socket
+
+    import ray
+
+    assert {node["NodeManagerAddress"] for node in ray.nodes()} == {"127.0.0.1"}
+    assert [name for _, name in socket.if_nameindex()] == ["lo"]
