@@ -23,15 +23,24 @@ def build_parser() -> argparse.ArgumentParser:
     planted.add_argument("--output", type=Path, default=Path("outputs/validate/planted_signal"))
     planted.add_argument("--cases", type=int, default=160, help="cases per cohort (15 %% of them are test patients)")
     planted.add_argument("--seed", type=int, default=0, help="the demo cohorts' seed")
-    planted.add_argument("--address", help="an existing Ray cluster; default: a local one")
+    planted.add_argument(
+        "--address",
+        help="a Ray cluster to join (default: the one `ray start` left running here, else a local one; local: a new one)",
+    )
     bench = checks.add_parser("ct-bench", help="with the box beats without it; random distractors are easier")
     bench.add_argument("--output", type=Path, default=Path("outputs/validate/ct_bench"))
     bench.add_argument("--cases", type=int, default=CT_BENCH_CASES)
     bench.add_argument("--seed", type=int, default=0, help="the demo cohort's seed")
-    bench.add_argument("--address", help="an existing Ray cluster; default: a local one")
+    bench.add_argument(
+        "--address",
+        help="a Ray cluster to join (default: the one `ray start` left running here, else a local one; local: a new one)",
+    )
     main_command = checks.add_parser("demo", help="the main command's demo learns every task and finds inputs help")
     main_command.add_argument("--output", type=Path, default=Path("outputs/validate/demo"))
-    main_command.add_argument("--address", help="an existing Ray cluster; default: a local one")
+    main_command.add_argument(
+        "--address",
+        help="a Ray cluster to join (default: the one `ray start` left running here, else a local one; local: a new one)",
+    )
     return parser
 
 
