@@ -15,6 +15,8 @@ from pathlib import Path
 from gx_ray.runtime import tolerant_console
 from gx_ray.sweep.validate import CT_BENCH_CASES, ct_bench, demo, planted_signal
 
+ADDRESS = "a Ray cluster to join (default: the one `ray start` runs here, else a local one; local: a new one)"
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -25,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     planted.add_argument("--seed", type=int, default=0, help="the demo cohorts' seed")
     planted.add_argument(
         "--address",
-        help="a Ray cluster to join (default: the one `ray start` left running here, else a local one; local: a new one)",
+        help=ADDRESS,
     )
     bench = checks.add_parser("ct-bench", help="with the box beats without it; random distractors are easier")
     bench.add_argument("--output", type=Path, default=Path("outputs/validate/ct_bench"))
@@ -33,13 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0, help="the demo cohort's seed")
     bench.add_argument(
         "--address",
-        help="a Ray cluster to join (default: the one `ray start` left running here, else a local one; local: a new one)",
+        help=ADDRESS,
     )
     main_command = checks.add_parser("demo", help="the main command's demo learns every task and finds inputs help")
     main_command.add_argument("--output", type=Path, default=Path("outputs/validate/demo"))
     main_command.add_argument(
         "--address",
-        help="a Ray cluster to join (default: the one `ray start` left running here, else a local one; local: a new one)",
+        help=ADDRESS,
     )
     return parser
 

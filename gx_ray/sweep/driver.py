@@ -235,7 +235,7 @@ def run_sweep(options: SweepOptions) -> SweepResult:
         server = LocalMlflowServer(output / "mlflow").launch() if options.mlflow_uri is None else None
         try:
             init_ray(options.address)
-            # nodes on several hosts refuse a loopback MLflow (the sweep's own) before any work: trials log from anywhere
+            # nodes on several hosts: a loopback MLflow (the sweep's own) is refused before any work
             check_reachable_from(
                 options.mlflow_uri or server.uri, [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]
             )
