@@ -19,19 +19,13 @@ from gx_ray.sweep.resume import ResumeError, check_resumable, record_inputs, swe
 from gx_ray.sweep.spaces import load_space
 from gx_ray.train import loop
 from gx_ray.train.config import TrialConfig
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.common import ROOT, small_stage_space
 
 
 def _space_file(tmp_path: Path, **fixed) -> Path:
-    document = {
-        "fixed": {"task": "stage_classification", "optimiser.lr": 1e-3, "schedule.epochs": 2, **fixed},
-        "grid": {"seed": [0, 1]},
-        "budget": {"samples": 1, "time_s": 600},
-    }
-    path = tmp_path / "space.yaml"
-    path.write_text(yaml.safe_dump(document), encoding="utf-8")
-    return path
+    description = "two stage-classification trials, started and resumed"
+    budget = {"samples": 1, "time_s": 600}
+    return small_stage_space(tmp_path / "space.yaml", 2, [0, 1], description, budget, **{"optimiser.lr": 1e-3, **fixed})
 
 
 @pytest.fixture

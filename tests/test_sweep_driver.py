@@ -24,9 +24,7 @@ from gx_ray.sweep.driver import EXPERIMENT, SweepOptions, run_sweep
 from gx_ray.sweep.spaces import load_space
 from gx_ray.tracking import SHARED_VIEW_TAG, TRIAL_TAG
 from gx_ray.tracking.server import LocalMlflowServer
-
-ROOT = Path(__file__).resolve().parents[1]
-SCHEMAS = ("image_only", "image_table", "image_bbox", "image_table_bbox")
+from tests.common import ROOT, SCHEMAS
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +44,7 @@ def _children(uri: str, sweep_id: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def smoke_sweep(ray_cluster, demo_prepared, mlflow_server, tmp_path_factory):
+def smoke_ablation(ray_cluster, demo_prepared, mlflow_server, tmp_path_factory):
     options = SweepOptions(
         space="modality_ablation",
         output=tmp_path_factory.mktemp("sweeps"),
@@ -57,22 +55,22 @@ def smoke_sweep(ray_cluster, demo_prepared, mlflow_server, tmp_path_factory):
     return run_sweep(options)
 
 
-def test_smoke_ablation_runs_all_20_cells(smoke_sweep):
-    assert (smoke_sweep.finished, smoke_sweep.failed) == (20, 0)
-    cells = {(b["task"], b["schema"]) for b in smoke_sweep.best}
+def test_smoke_ablation_runs_all_20_cells(smoke_ablation):
+    assert (smoke_ablation.finished, smoke_ablation.failed) == (20, 0)
+    cells = {(b["task"], b["schema"]) for b in smoke_ablation.best}
     assert cells == {(t, s) for t in TASKS for s in SCHEMAS}
-    assert all(b["best_test"] is not None for b in smoke_sweep.best)
-    assert (smoke_sweep.output / "sweep.json").is_file()
+    assert all(b["best_test"] is not None for b in smoke_ablation.best)
+    assert (smoke_ablation.output / "sweep.json").is_file()
 
 
-def test_mlflow_holds_one_parent_and_a_child_per_trial_with_metrics(smoke_sweep, mlflow_server):
+def test_mlflow_holds_one_parent_and_a_child_per_trial_with_metrics(smoke_ablation, mlflow_server):
     client = MlflowClient(mlflow_server.uri)
-    parent = client.get_run(smoke_sweep.parent_run_id)
-    assert parent.info.status == "FINISHED" and parent.data.tags["gx_ray.sweep_id"] == smoke_sweep.sweep_id
-    children = _children(mlflow_server.uri, smoke_sweep.sweep_id)
+    parent = client.get_run(smoke_ablation.parent_run_id)
+    assert parent.info.status == "FINISHED" and parent.data.tags["gx_ray.sweep_id"] == smoke_ablation.sweep_id
+    children = _children(mlflow_server.uri, smoke_ablation.sweep_id)
     assert len(children) == 20 and len({c.data.tags[TRIAL_TAG] for c in children}) == 20
     for child in children:
-        assert child.data.tags["mlflow.parentRunId"] == smoke_sweep.parent_run_id
+        assert child.data.tags["mlflow.parentRunId"] == smoke_ablation.parent_run_id
         assert {"task", "schema", "seed"} <= set(child.data.tags) and child.info.status == "FINISHED"
         assert child.data.params["optimiser.lr"] and child.data.params["schema"] == child.data.tags["schema"]
         assert "val_primary" in child.data.metrics and "test_primary" in child.data.metrics
@@ -90,16 +88,16 @@ def test_mlflow_holds_one_parent_and_a_child_per_trial_with_metrics(smoke_sweep,
     ages = [c.data.metrics["process_start_seconds"] for c in children if "process_start_seconds" in c.data.metrics]
     assert 1 <= len(ages) < len(children) and all(0 < age < 600 for age in ages)
     # the runs table's link opens a view of this sweep's trials with their headline columns (MLflow's shared views)
-    view = json.loads(client.get_experiment(parent.info.experiment_id).tags[SHARED_VIEW_TAG + smoke_sweep.view])
+    view = json.loads(client.get_experiment(parent.info.experiment_id).tags[SHARED_VIEW_TAG + smoke_ablation.view])
     found = client.search_runs([parent.info.experiment_id], view["searchFilter"], max_results=100)
     assert {r.info.run_id for r in found} == {c.info.run_id for c in children}
     assert "metrics.`test_primary`" in view["selectedColumns"] and "tags.`schema`" in view["selectedColumns"]
 
 
-def test_every_sweep_ends_with_its_report_on_disk_and_on_the_parent_run(smoke_sweep, mlflow_server):
-    folder = smoke_sweep.output / "report"
-    assert smoke_sweep.report == folder / "summary.md"
-    summary = smoke_sweep.report.read_text(encoding="utf-8")
+def test_every_sweep_ends_with_its_report_on_disk_and_on_the_parent_run(smoke_ablation, mlflow_server):
+    folder = smoke_ablation.output / "report"
+    assert smoke_ablation.report == folder / "summary.md"
+    summary = smoke_ablation.report.read_text(encoding="utf-8")
     assert "synthetic demo cohort" in summary and "not comparable" in summary
     # each schema's inputs in the form the demo preset gives them, read back from the runs' params
     assert "- **image_only**: CT (4 phases)\n" in summary
@@ -119,13 +117,13 @@ def test_every_sweep_ends_with_its_report_on_disk_and_on_the_parent_run(smoke_sw
     # the tiny cohort has one test patient: too few to resample, so the comparisons fall back to the seeds
     assert set(significance["method"]) == {"Wilcoxon signed-rank over seeds"}
     assert "<table>" in (folder / "summary.html").read_text(encoding="utf-8")
-    logged = MlflowClient(mlflow_server.uri).list_artifacts(smoke_sweep.parent_run_id, "report")
+    logged = MlflowClient(mlflow_server.uri).list_artifacts(smoke_ablation.parent_run_id, "report")
     assert {"report/summary.md", "report/summary.html", "report/tables", "report/figures"} <= {a.path for a in logged}
-    assert json.loads((smoke_sweep.output / "sweep.json").read_text())["report"] == str(smoke_sweep.report)
+    assert json.loads((smoke_ablation.output / "sweep.json").read_text())["report"] == str(smoke_ablation.report)
 
 
-def test_the_runs_table_holds_every_trial_metric_and_the_searched_nothing(smoke_sweep, mlflow_server):
-    runs = load_runs(mlflow_server.uri, smoke_sweep.sweep_id)
+def test_the_runs_table_holds_every_trial_metric_and_the_searched_nothing(smoke_ablation, mlflow_server):
+    runs = load_runs(mlflow_server.uri, smoke_ablation.sweep_id)
     assert runs["run_id"].nunique() == 20 and runs.attrs["searched"] == []  # a grid over task, schema and seed
     test = runs[runs["split"] == "test"]
     assert set(test[test["task"] == "retrieval"]["metric"]) >= {"image_to_text_recall_at_5", "text_to_image_mean_rank"}
@@ -136,16 +134,16 @@ def test_the_runs_table_holds_every_trial_metric_and_the_searched_nothing(smoke_
     assert cell["value"].item() == pytest.approx(child.data.metrics["test_auc"], nan_ok=True)
 
 
-def test_the_report_command_writes_the_report_again(smoke_sweep, tmp_path):
+def test_the_report_command_writes_the_report_again(smoke_ablation, tmp_path):
     result = subprocess.run(
-        [sys.executable, str(ROOT / "analysis" / "report.py"), "--sweep", str(smoke_sweep.output)],
+        [sys.executable, str(ROOT / "analysis" / "report.py"), "--sweep", str(smoke_ablation.output)],
         capture_output=True,
         encoding="utf-8",
         errors="replace",
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "summary.md" in result.stdout and (smoke_sweep.output / "report" / "summary.html").is_file()
+    assert "summary.md" in result.stdout and (smoke_ablation.output / "report" / "summary.html").is_file()
 
 
 # --- failures and resume ----------------------------------------------------------------------------------

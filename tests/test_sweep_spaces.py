@@ -14,11 +14,10 @@ import yaml
 from gx_ray.schema import PAPER_TASKS as TASKS
 from gx_ray.sweep.spaces import SpaceError, _probe_value, available_presets, load_space, space_path
 from gx_ray.train.config import TrialConfig
+from tests.common import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def _space(tmp_path: Path, **changes) -> Path:
+def ablation_space_with(tmp_path: Path, **changes) -> Path:
     document = yaml.safe_load((ROOT / "search_spaces" / "modality_ablation.yaml").read_text(encoding="utf-8"))
     for key, value in changes.items():
         section, _, name = key.partition("__")
@@ -44,14 +43,14 @@ def _space(tmp_path: Path, **changes) -> Path:
     ids=["searcher", "model-name", "schema-name", "config-key", "leak", "top-level"],
 )
 def test_malformed_space_names_file_key_and_choices(tmp_path, changes, key, hint):
-    path = _space(tmp_path, **changes)
+    path = ablation_space_with(tmp_path, **changes)
     with pytest.raises(SpaceError) as info:
         load_space(str(path))
     assert str(path) in str(info.value) and key in str(info.value) and hint in str(info.value)
 
 
 def test_malformed_space_fails_before_ray_starts(tmp_path):
-    path = _space(tmp_path, searcher="random")
+    path = ablation_space_with(tmp_path, searcher="random")
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, str(ROOT / "jobs" / "sweep.py"), "--space", str(path), "--output", str(tmp_path)],
