@@ -1,17 +1,17 @@
-"""Shared fixtures: one local Ray cluster and one tiny demo cohort (raw and prepared) per test session, in a network
-namespace of the session's own whose one interface is loopback."""
+"""Shared fixtures: one local Ray cluster and one tiny demo cohort (raw and prepared) per test session, and the real CT
+(``find_real_ct_dir`` finds it), in a network namespace of the session's own whose one interface is loopback. Plain
+helper functions and constants are in ``common.py``."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import ray
 
 from gx_ray.runtime import init_ray
+from tests.common import tiny_cohort, tiny_prepare
 
 # The real CT lives outside the project (never committed): beside the checkout, or where GX_REAL_CT_DIR says.
 REAL_CT_CANDIDATES = [
@@ -19,19 +19,6 @@ REAL_CT_CANDIDATES = [
     Path(__file__).resolve().parents[2] / "shared" / "data" / "real_ct",
     Path("/work/shared/data/real_ct"),
 ]
-
-
-def tiny_cohort():
-    from gx_ray.data.demo.cohort import DemoConfig
-
-    return DemoConfig(cases=10, seed=7, endoscopy_size=64, vqa_per_case=6)
-
-
-def tiny_prepare():
-    from gx_ray.data.prepare import PrepareConfig
-    from gx_ray.data.preprocess import PreprocessConfig
-
-    return PrepareConfig(preprocess=PreprocessConfig.preset("demo"), endoscopy_size=32, rows_per_shard=4)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -71,18 +58,6 @@ def demo_prepared(demo_raw, tmp_path_factory):
     from gx_ray.data.prepare import prepare_shards
 
     return prepare_shards(demo_raw, tmp_path_factory.mktemp("demo_prepared"), tiny_prepare())
-
-
-@contextmanager
-def smoke_sweep(space: str, data: Path | str, output: Path) -> Iterator:
-    """``python jobs/sweep.py --space SPACE --preset smoke`` on prepared ``data`` (demo-sized models), logging to its
-    own MLflow server, which stays up inside the block so that the test can read the runs' artifacts."""
-    from gx_ray.sweep.driver import SweepOptions, run_sweep
-    from gx_ray.tracking.server import LocalMlflowServer
-
-    with LocalMlflowServer(output / "mlflow") as server:
-        options = SweepOptions(space=space, output=output, data=data, mlflow_uri=server.uri, presets=("demo", "smoke"))
-        yield run_sweep(options)
 
 
 def find_real_ct_dir() -> Path:

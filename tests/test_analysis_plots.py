@@ -26,7 +26,7 @@ from gx_ray.analysis.plots import (
     slice_context_plot,
 )
 from gx_ray.analysis.stats import cell_statistics
-from tests.analysis_fixture import SCHEMAS, make_runs
+from tests.common import SCHEMAS, make_runs
 
 TASKS = ("vqa", "retrieval", "stage_classification")
 

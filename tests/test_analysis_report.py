@@ -19,7 +19,7 @@ from gx_ray.schema import STAGE_GROUPS
 from gx_ray.sweep.validate import demo_checks
 from gx_ray.tracking import child_run, log_metrics, parent_run, runs_table_url, share_trials_view
 from gx_ray.tracking.server import LocalMlflowServer
-from tests.analysis_fixture import make_runs
+from tests.common import make_runs
 
 SWEEP = "planted-0001"
 SKILL = {"image_only": 0.0, "image_table": 3.0, "image_bbox": 0.0}

@@ -13,7 +13,7 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from optuna.study import StudyDirection
 
 from gx_ray.analysis import search_views
-from tests.analysis_fixture import make_runs
+from tests.common import make_runs
 
 LRS = [1e-5, 1e-4, 1e-3, 1e-2]
 FUSIONS = ["concat", "cross_attention", "film"]

@@ -19,7 +19,7 @@ from gx_ray.analysis.stats import (
     significance_table,
     wilcoxon_over_seeds,
 )
-from tests.analysis_fixture import TASK_METRICS, make_runs
+from tests.common import TASK_METRICS, make_runs
 
 
 def accuracy(correct: np.ndarray):

@@ -21,7 +21,7 @@ from gx_ray.analysis.tables import (
     to_markdown,
     write_task_tables,
 )
-from tests.analysis_fixture import SCHEMAS, make_runs
+from tests.common import SCHEMAS, make_runs
 
 
 def constructed(means: dict[str, float], metric: str = "auc", task: str = "stage_classification", n: int = 3):

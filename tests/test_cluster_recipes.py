@@ -34,7 +34,8 @@ import pytest
 import ray
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.common import ROOT
+
 CLUSTER = ROOT / "jobs" / "cluster"
 RAYJOB_SCHEMA = Path(__file__).parent / "data" / "cluster" / "rayjob_v1_schema.json.gz"
 LAUNCHER_SCHEMA = Path(ray.__file__).parent / "autoscaler" / "ray-schema.json"

@@ -47,8 +47,9 @@ from gx_ray.data.shards import (
 )
 from gx_ray.data.volumes import load_volume, parse_nifti_header
 from gx_ray.schema import PHASES, REFERENCE_PHASE, Case, CaseError
+from tests.common import tiny_cohort, tiny_prepare
 
-from .conftest import find_real_ct_dir, tiny_cohort, tiny_prepare
+from .conftest import find_real_ct_dir
 
 SOURCE = "GXD00000"
 LAB = "wbc"  # a numeric model input the demo case has
@@ -217,7 +218,7 @@ def _corrupt_one(template: Path, root: Path, kind: str, cid: str) -> Expected:
 
 
 @pytest.fixture(scope="module")
-def corrupted(ray_cluster, template, tmp_path_factory):
+def corrupted_clones(ray_cluster, template, tmp_path_factory):
     """One clone per bad kind, one intact clone and one with a NaN lab; a single preparation run."""
     root = tmp_path_factory.mktemp("qc") / "raw"
     expected = {kind: _corrupt_one(template, root, kind, f"GXQ{i:03d}") for i, kind in enumerate(BAD_INPUTS)}
@@ -264,8 +265,8 @@ def _check_strict(template: Path, tmp_path: Path, kind: str) -> None:
     assert not (tmp_path / "out" / "shards" / MANIFEST_FILE).exists()
 
 
-def test_the_run_survives_every_bad_input_and_keeps_the_good_cases(corrupted):
-    result, expected = corrupted
+def test_the_run_survives_every_bad_input_and_keeps_the_good_cases(corrupted_clones):
+    result, expected = corrupted_clones
     assert {e["case_id"] for e in result.excluded} == {e.case_id for e in expected.values()}
     kept = [row for f in sorted(result.shard_dir.glob("*.parquet")) for row in pq.read_table(f).to_pylist()]
     assert sorted(r["case_id"] for r in kept) == ["GXOK000", "GXOK001"]
@@ -278,8 +279,8 @@ def test_the_run_survives_every_bad_input_and_keeps_the_good_cases(corrupted):
 # a. voxel spacing
 
 
-def test_zero_z_spacing_is_excluded(corrupted):
-    _check_reported(corrupted[0], corrupted[1]["zero_z_spacing"])
+def test_zero_z_spacing_is_excluded(corrupted_clones):
+    _check_reported(corrupted_clones[0], corrupted_clones[1]["zero_z_spacing"])
 
 
 def test_zero_z_spacing_strict(template, tmp_path):
@@ -339,16 +340,16 @@ def _tiny_nifti(order: str, spacing: tuple[float, float, float]) -> bytes:
 # b. direction
 
 
-def test_sheared_direction_is_excluded(corrupted):
-    _check_reported(corrupted[0], corrupted[1]["sheared_direction"])
+def test_sheared_direction_is_excluded(corrupted_clones):
+    _check_reported(corrupted_clones[0], corrupted_clones[1]["sheared_direction"])
 
 
 def test_sheared_direction_strict(template, tmp_path):
     _check_strict(template, tmp_path, "sheared_direction")
 
 
-def test_sheared_nifti_sform_is_excluded(corrupted):
-    _check_reported(corrupted[0], corrupted[1]["sheared_sform"])
+def test_sheared_nifti_sform_is_excluded(corrupted_clones):
+    _check_reported(corrupted_clones[0], corrupted_clones[1]["sheared_sform"])
 
 
 def test_direction_within_tolerance_is_kept(tmp_path):
@@ -363,8 +364,8 @@ def test_direction_within_tolerance_is_kept(tmp_path):
 # c. no anatomy
 
 
-def test_noise_phase_is_excluded(corrupted):
-    _check_reported(corrupted[0], corrupted[1]["noise_phase"])
+def test_noise_phase_is_excluded(corrupted_clones):
+    _check_reported(corrupted_clones[0], corrupted_clones[1]["noise_phase"])
 
 
 def test_noise_phase_strict(template, tmp_path):
@@ -471,8 +472,8 @@ def test_a_structured_phase_of_other_anatomy_fails_the_reference_correlation(tmp
 
 
 @pytest.mark.parametrize("kind", ["lab_infinity_literal", "lab_infinity_string", "lab_beyond_float32"])
-def test_non_finite_lab_is_excluded(corrupted, kind):
-    _check_reported(corrupted[0], corrupted[1][kind])
+def test_non_finite_lab_is_excluded(corrupted_clones, kind):
+    _check_reported(corrupted_clones[0], corrupted_clones[1][kind])
 
 
 def test_non_finite_lab_strict(template, tmp_path):
@@ -494,8 +495,8 @@ def test_lab_check_leaves_categories_and_text_alone(template, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["box_infinity", "box_infinity_string", "box_fraction", "box_boolean"])
-def test_bad_box_coordinate_is_excluded(corrupted, kind):
-    _check_reported(corrupted[0], corrupted[1][kind])
+def test_bad_box_coordinate_is_excluded(corrupted_clones, kind):
+    _check_reported(corrupted_clones[0], corrupted_clones[1][kind])
 
 
 @pytest.mark.parametrize("kind", ["box_infinity", "box_fraction"])
@@ -518,8 +519,8 @@ def test_whole_number_box_coordinates_in_any_spelling_are_kept(template, tmp_pat
 # f. folder names
 
 
-def test_non_utf8_case_folder_is_excluded(corrupted):
-    _check_reported(corrupted[0], corrupted[1]["non_utf8_folder"])
+def test_non_utf8_case_folder_is_excluded(corrupted_clones):
+    _check_reported(corrupted_clones[0], corrupted_clones[1]["non_utf8_folder"])
 
 
 def test_non_utf8_case_folder_strict(template, tmp_path):
@@ -530,8 +531,8 @@ def test_non_utf8_case_folder_strict(template, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["dangling_symlink", "looping_symlink"])
-def test_broken_symlinked_case_folder_is_excluded(corrupted, kind):
-    _check_reported(corrupted[0], corrupted[1][kind])
+def test_broken_symlinked_case_folder_is_excluded(corrupted_clones, kind):
+    _check_reported(corrupted_clones[0], corrupted_clones[1][kind])
 
 
 def test_broken_symlink_strict(template, tmp_path):
@@ -550,8 +551,8 @@ def test_a_working_symlinked_case_folder_is_read(template, tmp_path):
 # h. gzip bombs
 
 
-def test_gzip_bomb_is_excluded(corrupted):
-    _check_reported(corrupted[0], corrupted[1]["gzip_bomb"])
+def test_gzip_bomb_is_excluded(corrupted_clones):
+    _check_reported(corrupted_clones[0], corrupted_clones[1]["gzip_bomb"])
 
 
 def test_gzip_bomb_strict(template, tmp_path):

@@ -19,7 +19,8 @@ import jsonschema
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.common import ROOT
+
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 LAB = DOCS / "lab"

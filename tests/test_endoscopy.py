@@ -21,8 +21,7 @@ from gx_ray.data.stream import split_rows
 from gx_ray.modalities import PRESETS, LeakageError, ModalitySchema, check_leakage
 from gx_ray.tasks import build_task
 from gx_ray.tasks.endoscopy import rec_metrics
-
-from .conftest import smoke_sweep, tiny_prepare
+from tests.common import run_smoke_sweep, tiny_prepare
 
 
 def _frame(case_id="A", **changes):
@@ -247,7 +246,7 @@ def test_the_endoscopy_smoke_sweep_runs_end_to_end(demo_prepared, tmp_path):
 
     from gx_ray.analysis.runs import load_runs
 
-    with smoke_sweep("endoscopy", demo_prepared.shard_dir, tmp_path) as result:
+    with run_smoke_sweep("endoscopy", demo_prepared.shard_dir, tmp_path) as result:
         assert (result.finished, result.failed) == (4, 0)
         assert {b["task"] for b in result.best} == {f"endoscopy.{f}" for f in ("cls", "reg", "rec", "cap")}
         assert {b["task"]: b["metric"] for b in result.best}["endoscopy.cap"] == "rouge_l"

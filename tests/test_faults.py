@@ -21,9 +21,8 @@ from mlflow.tracking import MlflowClient
 from gx_ray.sweep.driver import EXPERIMENT
 from gx_ray.tracking import KIND_TAG, SWEEP_TAG, TRIAL_TAG
 from gx_ray.tracking.server import PID_FILE, LocalMlflowServer
-from tests.spaces import small_stage_space
+from tests.common import ROOT, process_alive, small_stage_space
 
-ROOT = Path(__file__).resolve().parents[1]
 EPOCHS, SEEDS = 3, (0, 1)
 pytestmark = pytest.mark.slow
 
@@ -137,14 +136,6 @@ def _server_record(sweep: Sweep) -> dict:
     return json.loads((sweep.folder / "mlflow" / PID_FILE).read_text(encoding="utf-8"))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
-
-
 def test_ctrl_c_exits_non_zero_and_resume_finishes_every_cell_once(demo_prepared, tmp_path):
     sweep = Sweep(tmp_path, demo_prepared.shard_dir)
     process = sweep.start()
@@ -168,9 +159,9 @@ def test_a_killed_driver_leaves_a_server_the_resume_stops_and_nothing_twice(demo
     os.killpg(process.pid, signal.SIGKILL)
     process.wait(timeout=60)
     leftover = _server_record(sweep)["pid"]
-    assert _alive(leftover), "expected the killed driver's MLflow server to be left running"
+    assert process_alive(leftover), "expected the killed driver's MLflow server to be left running"
     assert sweep.run("--resume") == 0, sweep.tail()
-    assert not _alive(leftover), "the resumed sweep did not stop the leftover server"
+    assert not process_alive(leftover), "the resumed sweep did not stop the leftover server"
     assert "a killed sweep left running" in sweep.whole(), sweep.whole()[-20000:]
     assert_every_cell_finished_once(sweep)
 

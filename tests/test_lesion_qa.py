@@ -40,8 +40,7 @@ from gx_ray.tasks.lesion_qa import (
     write_question_file,
 )
 from gx_ray.train.config import TrialConfig
-
-from .conftest import smoke_sweep, tiny_prepare
+from tests.common import first_shard_batch, run_smoke_sweep, tiny_prepare
 
 SPACING = (6.0, 4.5, 4.5)
 SHAPE = (32, 64, 64)
@@ -67,7 +66,7 @@ def _box_row(case_id: str, split: str, size_voxels: int, report: str | None, vqa
     }
 
 
-def _cohort(rng: np.random.Generator, sizes: dict[str, int]) -> dict[str, list[dict]]:
+def described_rows(rng: np.random.Generator, sizes: dict[str, int]) -> dict[str, list[dict]]:
     """Random cases per split, each with its own description (a size and an attribute of its own)."""
     rows: dict[str, list[dict]] = {}
     for split, n in sizes.items():
@@ -100,7 +99,7 @@ def test_sizes_fall_in_exactly_one_bucket():
 @pytest.mark.parametrize("distractors", ["random", "matched"])
 def test_questions_keep_to_their_split_hide_the_answer_and_repeat_exactly(family, distractors):
     rng = np.random.default_rng(1)
-    rows = _cohort(rng, {"train": 40, "val": 12, "test": 12})
+    rows = described_rows(rng, {"train": 40, "val": 12, "test": 12})
     questions = build_questions(rows, family, distractors, SPACING, seed=3, shape_zyx=SHAPE)
     everyone = {r["case_id"] for split in rows.values() for r in split}
     assert set(questions.questions) | set(questions.skipped) == everyone  # nothing silently dropped
@@ -153,7 +152,7 @@ def test_questions_keep_to_their_split_hide_the_answer_and_repeat_exactly(family
 
 @pytest.mark.parametrize("family", ["img2txt", "txt2bbox"])
 def test_matched_distractors_share_the_answers_size_more_often_than_random_ones(family):
-    rows = _cohort(np.random.default_rng(2), {"train": 80})
+    rows = described_rows(np.random.default_rng(2), {"train": 80})
     own = {r["case_id"]: r for r in rows["train"]}
 
     def same_bucket_share(kind: str) -> float:
@@ -194,7 +193,7 @@ def test_every_case_without_a_question_says_why():
     with pytest.raises(ValueError, match="shape_zyx"):
         build_questions(rows, "txt2bbox", "random", SPACING)
     # a lesion that fills the slice leaves no room for three other boxes beside it
-    big = _cohort(np.random.default_rng(5), {"train": 6})
+    big = described_rows(np.random.default_rng(5), {"train": 6})
     whole = np.asarray(big["train"][0]["boxes"]).reshape(4, 3, 6)
     whole[2, 0] = [10, 0, 0, 14, 64, 63]
     big["train"][0]["boxes"] = whole.ravel().tolist()
@@ -203,7 +202,7 @@ def test_every_case_without_a_question_says_why():
 
 
 def test_localisation_distractors_are_placed_in_the_stomach_where_it_has_a_box():
-    rows = _cohort(np.random.default_rng(3), {"train": 30})
+    rows = described_rows(np.random.default_rng(3), {"train": 30})
     for row in rows["train"]:
         boxes, present = np.asarray(row["boxes"]).reshape(4, 3, 6), np.asarray(row["box_present"]).reshape(4, 3)
         boxes[2, 2], present[2, 2] = [4, 8, 24, 24, 56, 60], True  # venous stomach box
@@ -230,10 +229,8 @@ def test_families_the_box_answers_never_see_the_tumour_box(family):
 
 @pytest.fixture(scope="module")
 def demo_batch_and_rows(demo_prepared):
-    table = pq.read_table(split_files(demo_prepared.shard_dir, "train")[0])
-    files = split_files(demo_prepared.shard_dir, "train")
-    rows = pa.concat_tables([pq.read_table(f) for f in files]).drop(["ct", "endoscopy"]).to_pylist()
-    return BatchCollate(TensorLayout.from_schema(table.schema))(table), rows, read_manifest(demo_prepared.shard_dir)
+    shards = demo_prepared.shard_dir
+    return first_shard_batch(shards), split_rows(shards, "train"), read_manifest(shards)
 
 
 def _model(schema_name: str, rows, manifest, family: str = "img2txt"):
@@ -301,7 +298,7 @@ def qa_cohort(ray_cluster, tmp_path_factory):
 def test_the_ct_bench_smoke_sweep_runs_end_to_end(qa_cohort, tmp_path):
     """``python jobs/sweep.py --space ct_bench --preset smoke`` on a small demo cohort: every cell finishes, families
     stay apart in the summary and the report, and the test split is scored against 25 % chance with its interval."""
-    with smoke_sweep("ct_bench", qa_cohort.shard_dir, tmp_path) as result:
+    with run_smoke_sweep("ct_bench", qa_cohort.shard_dir, tmp_path) as result:
         _check_ct_bench_smoke(result, tmp_path)
 
 
@@ -409,7 +406,7 @@ def test_nearest_neighbours_rank_the_other_cases_of_the_split_by_cosine_similari
 
 
 def test_appearance_distractors_are_drawn_among_the_nearest_lesions():
-    rows = _cohort(np.random.default_rng(4), {"train": 40, "test": 20})
+    rows = described_rows(np.random.default_rng(4), {"train": 40, "test": 20})
     rng = np.random.default_rng(0)
     neighbours = {}
     for part in rows.values():

@@ -19,7 +19,7 @@ def _boxes(rng: np.random.Generator, count: int, z_range=(4, 12)) -> np.ndarray:
     return np.stack([z0, y0, x0, z1, y0 + height, x0 + width], axis=1)
 
 
-def _cohort(seed: int, images: int = 15, targets_per_image: int | None = None):
+def predictions_and_targets(seed: int, images: int = 15, targets_per_image: int | None = None):
     """Targets (0-3 per image unless fixed), predictions = jittered targets (some IoUs exactly on COCO
     thresholds) + clutter."""
     rng = np.random.default_rng(seed)
@@ -37,7 +37,7 @@ def _cohort(seed: int, images: int = 15, targets_per_image: int | None = None):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_monai_3d_equals_pycocotools_axial_when_z_ranges_coincide(seed):
-    predictions, targets = _cohort(seed)
+    predictions, targets = predictions_and_targets(seed)
     three_d = detection_metrics(predictions, targets)
     axial = detection_metrics_axial(predictions, targets)
     assert set(three_d) == set(DETECTION_METRICS)
@@ -87,7 +87,7 @@ def test_hand_built_case(metric_fn):
 
 @pytest.mark.parametrize("metric_fn", BOTH)
 def test_perfect_empty_and_undefined(metric_fn):
-    _, targets = _cohort(3)
+    _, targets = predictions_and_targets(3)
     perfect = [{"boxes": t["boxes"], "scores": np.linspace(1, 0.5, len(t["boxes"]))} for t in targets]
     assert metric_fn(perfect, targets) == pytest.approx(dict.fromkeys(DETECTION_METRICS, 100.0))
     empty = [{"boxes": np.zeros((0, 6)), "scores": np.zeros(0)} for _ in targets]
@@ -125,7 +125,7 @@ def test_monai_coco_metric_agrees_when_recalls_are_exact_in_float32():
 
     from gx_ray.metrics.detection import COCO_IOU_THRESHOLDS, box_iou
 
-    predictions, targets = _cohort(4, images=8, targets_per_image=2)
+    predictions, targets = predictions_and_targets(4, images=8, targets_per_image=2)
     ours = detection_metrics(predictions, targets)
     coco = COCOMetric(
         ["lesion"], iou_list=(0.5, 0.75), iou_range=(0.5, 0.95, 0.05), max_detection=(100,), verbose=False
@@ -158,7 +158,7 @@ def test_rejects_malformed_input():
 
 def test_equivalent_input_forms_give_identical_results():
     """Lists, float32 and ``[]`` for an image without boxes are the same valid input as float64 (K, 6) arrays."""
-    predictions, targets = _cohort(5)
+    predictions, targets = predictions_and_targets(5)
     targets[0], predictions[1] = {"boxes": np.zeros((0, 6))}, {"boxes": np.zeros((0, 6)), "scores": np.zeros(0)}
     as_lists = [{"boxes": p["boxes"].tolist(), "scores": p["scores"].tolist()} for p in predictions]
     as_lists_targets = [{"boxes": t["boxes"].tolist()} for t in targets]

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 import torch
 
 from gx_ray.data.catalogue import describe_abnormal, load_catalogue
-from gx_ray.data.shards import BatchCollate, TensorLayout
 from gx_ray.modalities import (
     LEAKAGE_RULES,
     PRESETS,
@@ -26,6 +23,7 @@ from gx_ray.modalities import (
 from gx_ray.modalities.boxes import OVERLAY_OFFSETS
 from gx_ray.modalities.build import IMAGENET_MEAN, IMAGENET_STD
 from gx_ray.schema import BOX_LEVELS, PHASES, REPORT_KINDS, TASKS
+from tests.common import first_shard_batch
 
 SHAPE = (6, 10, 12)  # D, H, W
 N_LABS = len(load_catalogue().numeric_inputs())
@@ -373,11 +371,6 @@ def test_endoscopy_is_imagenet_normalised_and_zero_when_absent():
 # --- the real demo batch -----------------------------------------------------------------------------
 
 
-def demo_batch(shard_dir: Path) -> dict:
-    table = pq.read_table(sorted(shard_dir.glob("train-*.parquet"))[0])
-    return BatchCollate(TensorLayout.from_schema(table.schema))(table)
-
-
 @pytest.mark.parametrize(
     "spec",
     [
@@ -392,7 +385,7 @@ def demo_batch(shard_dir: Path) -> dict:
     ],
 )
 def test_build_on_the_demo_batch(demo_prepared, spec):
-    batch, schema = demo_batch(demo_prepared.shard_dir), resolve_schema(spec)
+    batch, schema = first_shard_batch(demo_prepared.shard_dir), resolve_schema(spec)
     inputs = build_inputs(batch, schema, device="cpu")
     b, shape = len(batch["case_id"]), tuple(batch["ct"].shape[2:])
     assert inputs.ct.shape == (b, input_channels(schema), *shape) and torch.isfinite(inputs.ct).all()
@@ -414,7 +407,7 @@ def test_build_on_the_demo_batch(demo_prepared, spec):
 
 
 def test_demo_text_keeps_only_the_schemas_variables(demo_prepared):
-    batch = demo_batch(demo_prepared.shard_dir)
+    batch = first_shard_batch(demo_prepared.shard_dir)
     schema = resolve_schema({"table": "text", "table_variables": ["albumin", "ca125"]})
     for text, descriptors in zip(build_inputs(batch, schema).text, batch["lab_abnormal"], strict=True):
         kept = [d for d in descriptors if d.startswith(("Albumin ", "CA125 "))]

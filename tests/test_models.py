@@ -39,7 +39,7 @@ CONTEXT = ["CEA 12.4 ng/mL, 2.5x above upper limit", "Hemoglobin 92 g/L, 1.4x be
 QUESTIONS = ["Is there a gastric tumour?", "Which phase shows the lesion best?"]
 
 
-def random_inputs(schema: ModalitySchema, rng: np.random.Generator, size=(32, 32, 32)) -> ModelInputs:
+def random_schema_inputs(schema: ModalitySchema, rng: np.random.Generator, size=(32, 32, 32)) -> ModelInputs:
     """A batch of two with every input the schema asks for; the second sample lacks its first phase."""
     ct = torch.from_numpy(rng.standard_normal((2, input_channels(schema), *size), dtype=np.float32))
     phase_mask = torch.ones(2, len(schema.phases), dtype=torch.bool)
@@ -94,7 +94,7 @@ def test_every_vision_and_fusion_encodes_every_paper_schema(vision, fusion):
     rng = np.random.default_rng(0)
     for preset, schema in PRESETS.items():
         encoder = build_encoder(config(vision, fusion), schema).eval()
-        inputs = random_inputs(schema, rng)
+        inputs = random_schema_inputs(schema, rng)
         with torch.no_grad():
             out = encoder(inputs, query=QUESTIONS)
             plain = encoder(inputs) if not schema.has_text else None
@@ -159,15 +159,15 @@ def test_endoscopy_and_table_add_one_token_each():
     plain = build_encoder(config(), PRESETS["image_only"]).eval()
     full = build_encoder(config(), ModalitySchema("cues", endoscopy=True, table="numeric")).eval()
     with torch.no_grad():
-        a = plain(random_inputs(plain.schema, rng))
-        b = full(random_inputs(full.schema, rng))
+        a = plain(random_schema_inputs(plain.schema, rng))
+        b = full(random_schema_inputs(full.schema, rng))
     assert b.tokens.shape[1] == a.tokens.shape[1] + 2
     assert torch.isfinite(b.pooled).all() and torch.isfinite(b.image).all()
 
 
 def test_inputs_that_do_not_match_the_schema_are_refused():
     encoder = build_encoder(config(), ALL_INPUTS)
-    good = random_inputs(ALL_INPUTS, np.random.default_rng(0))
+    good = random_schema_inputs(ALL_INPUTS, np.random.default_rng(0))
     with pytest.raises(ValueError, match=r"\(B, 5, D, H, W\)"):
         encoder(ModelInputs(good.ct[:, :4], good.phase_mask, good.endoscopy, good.text, good.table))
     with pytest.raises(ValueError, match="endoscopy"):
@@ -312,7 +312,7 @@ def test_gradients_reach_every_branch_and_a_few_steps_fit_a_batch(fusion):
     torch.manual_seed(0)
     encoder = build_encoder(config("resnet18_3d", fusion, text_kwargs={"num_hidden_layers": 1}), ALL_INPUTS)
     head = nn.Linear(HIDDEN, 3)
-    inputs = random_inputs(ALL_INPUTS, np.random.default_rng(3), size=(16, 16, 16))
+    inputs = random_schema_inputs(ALL_INPUTS, np.random.default_rng(3), size=(16, 16, 16))
     labels = torch.tensor([0, 2])
     image_target = torch.from_numpy(np.random.default_rng(4).standard_normal((2, HIDDEN), dtype=np.float32))
     model = nn.ModuleDict({"encoder": encoder, "head": head})
@@ -347,7 +347,7 @@ def test_a_compiled_encoder_computes_what_the_eager_one_does_and_keeps_its_check
     compiled = build_encoder(config("resnet18_3d", text_kwargs={"num_hidden_layers": 1}, compile=True), eager.schema)
     assert compiled.state_dict().keys() == eager.state_dict().keys()  # checkpoints load into either
     compiled.load_state_dict(eager.state_dict())
-    inputs = random_inputs(eager.schema, np.random.default_rng(5), size=(16, 16, 16))
+    inputs = random_schema_inputs(eager.schema, np.random.default_rng(5), size=(16, 16, 16))
     expected, got = eager(inputs).pooled, compiled(inputs).pooled
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     got.sum().backward()
@@ -408,7 +408,7 @@ def test_the_encoder_marks_the_query_tokens_for_the_fusion():
         return original(maps, text, text_mask, **kwargs)
 
     encoder.fusion.forward = spy
-    inputs = random_inputs(schema, np.random.default_rng(0))
+    inputs = random_schema_inputs(schema, np.random.default_rng(0))
     questions = QUESTIONS
     encoder(inputs, query=questions)
     query_lengths = [len(encoder.tokenizer(q)["input_ids"]) for q in questions]

@@ -36,8 +36,8 @@ from gx_ray.sweep.driver import EXPERIMENT
 from gx_ray.tracking import KIND_TAG, TRIAL_TAG
 from gx_ray.tracking.server import LocalMlflowServer, free_port
 from gx_ray.train.loop import CHECKPOINT_FILE
+from tests.common import small_stage_space
 from tests.netns import loopback_namespace
-from tests.spaces import small_stage_space
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

@@ -1,32 +1,31 @@
-"""``--resume`` continues only the sweep it was started as: a changed space or cohort is refused naming the change,
-before Ray or MLflow start."""
+"""Resuming: ``--resume`` continues only the sweep it was started as (a changed space or cohort is refused naming the
+change, before Ray or MLflow start), and a trial retried from its checkpoint ends as the uninterrupted one."""
 
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 import yaml
 
 from gx_ray.sweep.driver import _sweep_id
 from gx_ray.sweep.resume import ResumeError, check_resumable, record_inputs, sweep_inputs
 from gx_ray.sweep.spaces import load_space
-
-ROOT = Path(__file__).resolve().parents[1]
+from gx_ray.train import loop
+from gx_ray.train.config import TrialConfig
+from tests.common import ROOT, small_stage_space
 
 
 def _space_file(tmp_path: Path, **fixed) -> Path:
-    document = {
-        "fixed": {"task": "stage_classification", "optimiser.lr": 1e-3, "schedule.epochs": 2, **fixed},
-        "grid": {"seed": [0, 1]},
-        "budget": {"samples": 1, "time_s": 600},
-    }
-    path = tmp_path / "space.yaml"
-    path.write_text(yaml.safe_dump(document), encoding="utf-8")
-    return path
+    description = "two stage-classification trials, started and resumed"
+    budget = {"samples": 1, "time_s": 600}
+    return small_stage_space(tmp_path / "space.yaml", 2, [0, 1], description, budget, **{"optimiser.lr": 1e-3, **fixed})
 
 
 @pytest.fixture
@@ -117,3 +116,57 @@ def test_the_demo_cohort_is_prepared_once(ray_cluster, tmp_path):
     assert tuple(splits["fractions"].values()) == DEMO_FRACTIONS  # the demo's test-heavy split, not the paper's
     _prepare_demo(options)
     assert manifest.stat().st_mtime_ns == written
+
+
+# --- a trial resumed from its checkpoint ------------------------------------------------------------------
+
+
+RESUMED_TASKS = {
+    "stage_classification": {},
+    # the demo preset's report writing: its own vocabulary, the final epoch tested
+    "report_generation": {"task_options.vocabulary": "training", "task_options.max_report_tokens": 24,
+                          "task_options.max_new_tokens": 8, "schedule.select": "last"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("task", RESUMED_TASKS)
+def test_a_trial_resumed_from_its_checkpoint_ends_as_the_uninterrupted_one(ray_cluster, demo_prepared, tmp_path, task):
+    """A trial retried from its last checkpoint (its worker or node lost) trains on exactly as if nothing happened:
+    the checkpoint keeps the random generators' state with the weights (dropout draws from torch's), so every later
+    epoch's loss and validation, and the test score, are the uninterrupted run's, bit for bit on the CPU."""
+    from ray.train import Checkpoint
+
+    config = TrialConfig.from_flat(
+        {"task": task, "data.shards": str(demo_prepared.shard_dir), "schedule.epochs": 3,
+         "schedule.max_steps_per_epoch": 2, "data.effective_batch": 2, "model.vision": "resnet10_3d",
+         "model.vision_kwargs": {"block_inplanes": [8, 16, 32, 64]}, "model.text": "bert_tiny",
+         "model.fusion": "concat", "model.hidden": 32, "seed": 3, "data.in_memory": True, "data.shuffle_buffer": 2,
+         **RESUMED_TASKS[task]}
+    )  # fmt: skip
+
+    def run(latest: Checkpoint | None) -> list[dict]:
+        reports: list[dict] = []
+
+        def report(metrics: dict, checkpoint: Checkpoint | None = None) -> None:
+            reports.append(dict(metrics))
+            if checkpoint is not None and metrics["epoch"] == 0:  # the one a retried trial would start from
+                checkpoint.to_directory(str(tmp_path / "epoch0"))
+
+        loop.run_loop(
+            config,
+            loop.WorkerContext(
+                rank=0, world_size=1, device=torch.device("cpu"), report=report, latest_checkpoint=latest
+            ),
+        )
+        return reports
+
+    whole = run(None)
+    torch.manual_seed(12345)  # a retried trial's process has drawn other numbers before it resumes
+    random.seed(12345)
+    np.random.seed(12345)
+    resumed = run(Checkpoint.from_directory(str(tmp_path / "epoch0")))
+    assert [r["epoch"] for r in whole] == [0, 1, 2] and [r["epoch"] for r in resumed] == [1, 2]
+    compared = ("train_loss", "val_primary", "val_accuracy", "test_primary", "test_accuracy")  # None where none
+    for before, after in zip(whole[1:], resumed, strict=True):
+        assert {k: before.get(k) for k in compared} == {k: after.get(k) for k in compared}
+    assert whole[-1]["train_loss"] != whole[-2]["train_loss"]  # the epochs did train

@@ -10,17 +10,15 @@ import math
 import pickle
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gx_ray.data.shards import BatchCollate, TensorLayout, read_split, split_files
+from gx_ray.data.shards import read_split
+from gx_ray.data.stream import split_rows
 from gx_ray.metrics import (
     FAST_TEXT_METRICS,
     classification_metrics,
@@ -38,9 +36,9 @@ from gx_ray.tasks.lesion_detection import flatten_maps
 from gx_ray.tasks.report_generation import IGNORE
 from gx_ray.tasks.retrieval import info_nce
 from gx_ray.tasks.vqa import UNKNOWN_ANSWER
+from tests.common import ROOT, first_shard_batch
 
 DIM = 16
-REPOSITORY = Path(__file__).resolve().parents[1]
 DETECTION_SCHEMA = resolve_schema({"name": "detect", "boxes": "overlay", "box_levels": ["lymph_nodes", "stomach"]})
 
 
@@ -140,21 +138,15 @@ class FixedEncoder(nn.Module):
 # --- demo data -----------------------------------------------------------------------------------------
 
 
-def read_rows(shard_dir, split: str) -> list[dict]:
-    table = pa.concat_tables([pq.read_table(f) for f in split_files(shard_dir, split)])
-    return table.drop(["ct", "endoscopy"]).to_pylist()
-
-
 @pytest.fixture(scope="module")
 def demo_batch(demo_prepared) -> dict:
     """The first training shard (4 cases) as one collated batch."""
-    table = pq.read_table(split_files(demo_prepared.shard_dir, "train")[0])
-    return BatchCollate(TensorLayout.from_schema(table.schema))(table)
+    return first_shard_batch(demo_prepared.shard_dir)
 
 
 @pytest.fixture(scope="module")
 def train_rows(demo_prepared) -> list[dict]:
-    return read_rows(demo_prepared.shard_dir, "train")
+    return split_rows(demo_prepared.shard_dir, "train")
 
 
 def task_model(name: str, train_rows: list[dict], schema_name: str = "image_only", **options) -> TaskModel:
@@ -192,7 +184,7 @@ def test_every_task_declares_primary_metric_and_direction():
     for name in TASKS:  # an empty evaluation gives NaN, under the primary metric's key too
         task = build_task(name)
         if name == "vqa":
-            task.prepare([vqa_rows("train", [("yes", "yes_no")])])
+            task.prepare([vqa_row("train", [("yes", "yes_no")])])
         empty = task.metric().compute()
         assert task.primary_metric in empty and all(math.isnan(v) for v in empty.values())
 
@@ -206,7 +198,7 @@ def test_task_model_refuses_a_leaking_schema(train_rows):
 
 
 def test_prepare_takes_training_rows_only(train_rows, demo_prepared):
-    val_rows = read_rows(demo_prepared.shard_dir, "val")
+    val_rows = split_rows(demo_prepared.shard_dir, "val")
     for name in ("vqa", "lesion_detection"):
         with pytest.raises(ValueError, match="training rows only"):
             build_task(name).prepare(train_rows + val_rows)
@@ -284,7 +276,8 @@ def test_stage_predictions_name_the_groups(demo_batch, train_rows):
 # --- VQA ----------------------------------------------------------------------------------------------
 
 
-def vqa_rows(split: str, answers: list[tuple[str, str]]) -> dict:
+def vqa_row(split: str, answers: list[tuple[str, str]]) -> dict:
+    """One row of ``split`` with a question for each ``(answer, category)``."""
     return {
         "split": split,
         "vqa": [{"question": f"q {a}?", "answer": a, "category": c} for a, c in answers],
@@ -293,13 +286,13 @@ def vqa_rows(split: str, answers: list[tuple[str, str]]) -> dict:
 
 def test_vqa_vocabulary_comes_from_training_rows_only(train_rows, demo_prepared):
     task = build_task("vqa")
-    task.prepare([vqa_rows("train", [("yes", "yes_no"), ("antrum", "localization")])])
+    task.prepare([vqa_row("train", [("yes", "yes_no"), ("antrum", "localization")])])
     assert task.answers == (UNKNOWN_ANSWER, "antrum", "yes")
     assert task.answer_index("antrum") == 1 and task.answer_index("cardia") == 0  # seen only elsewhere
 
     task.prepare(train_rows)
     train_answers = {item["answer"] for row in train_rows for item in row["vqa"]}
-    val_answers = {item["answer"] for row in read_rows(demo_prepared.shard_dir, "val") for item in row["vqa"]}
+    val_answers = {item["answer"] for row in split_rows(demo_prepared.shard_dir, "val") for item in row["vqa"]}
     assert val_answers - train_answers, "the demo cohort's val split has answers unseen in training"
     assert set(task.answers[1:]) == train_answers
     assert all(task.answer_index(a) == 0 for a in val_answers - train_answers)
@@ -341,7 +334,7 @@ def test_vqa_repeats_each_case_once_per_question(demo_batch, train_rows):
 
 def test_vqa_unseen_answers_count_wrong_and_are_not_learnt():
     task = build_task("vqa")
-    task.prepare([vqa_rows("train", [("yes", "yes_no"), ("no", "yes_no"), ("antrum", "localization")])])
+    task.prepare([vqa_row("train", [("yes", "yes_no"), ("no", "yes_no"), ("antrum", "localization")])])
     logits = torch.tensor([[0.0, 0.0, 5.0], [5.0, 0.0, 0.0], [0.0, 5.0, 0.0]])  # predicts yes, antrum, no
     outputs = {
         "logits": logits,
@@ -700,7 +693,7 @@ dist.destroy_process_group()
 
 def fresh_metrics() -> dict:
     vqa = build_task("vqa")
-    vqa.prepare([vqa_rows("train", [("yes", "yes_no"), ("no", "yes_no"), ("antrum", "localization")])])
+    vqa.prepare([vqa_row("train", [("yes", "yes_no"), ("no", "yes_no"), ("antrum", "localization")])])
     return {"vqa": vqa.metric(), **{name: build_task(name).metric() for name in ("stage_classification", "retrieval")}}
 
 
@@ -739,7 +732,7 @@ def test_metrics_gather_every_rank_under_ddp(tmp_path):
         job = tmp_path / f"job{rank}.pkl"
         job.write_bytes(pickle.dumps((fresh_metrics(), rank_batches(rank))))
         arguments = [str(rank), str(world_size), str(tmp_path / "init"), str(job), str(tmp_path / f"out{rank}.pkl")]
-        workers.append(subprocess.Popen([sys.executable, "-c", DDP_WORKER, *arguments], cwd=REPOSITORY))
+        workers.append(subprocess.Popen([sys.executable, "-c", DDP_WORKER, *arguments], cwd=ROOT))
     assert [w.wait(timeout=120) for w in workers] == [0] * world_size
     results = [pickle.loads((tmp_path / f"out{rank}.pkl").read_bytes()) for rank in range(world_size)]
     union = computed(rank_batches(0) + rank_batches(1))

@@ -9,16 +9,16 @@ that cannot overfit four cases has a broken gradient path somewhere between the 
 from __future__ import annotations
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 
-from gx_ray.data.shards import BatchCollate, TensorLayout, read_manifest, split_files
+from gx_ray.data.shards import read_manifest
+from gx_ray.data.stream import split_rows
 from gx_ray.modalities import PRESETS, resolve_schema
 from gx_ray.models import ModelConfig, build_encoder, param_groups
 from gx_ray.schema import TASKS
 from gx_ray.tasks import TaskModel, build_task
+from tests.common import first_shard_batch
 
 SMALL_MODEL = ModelConfig(
     vision="resnet18_3d",
@@ -58,8 +58,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def train_rows(demo_prepared) -> list[dict]:
-    files = split_files(demo_prepared.shard_dir, "train")
-    return pa.concat_tables([pq.read_table(f) for f in files]).drop(["ct", "endoscopy"]).to_pylist()
+    return split_rows(demo_prepared.shard_dir, "train")
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +68,9 @@ def manifest(demo_prepared) -> dict:
 
 @pytest.fixture(scope="module")
 def four_cases(demo_prepared) -> dict:
-    table = pq.read_table(split_files(demo_prepared.shard_dir, "train")[0])
-    assert table.num_rows == 4
-    return BatchCollate(TensorLayout.from_schema(table.schema))(table)
+    batch = first_shard_batch(demo_prepared.shard_dir)
+    assert len(batch["case_id"]) == 4
+    return batch
 
 
 def schema_for(task: str, preset: str):

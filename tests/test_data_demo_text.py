@@ -12,6 +12,7 @@ import pytest
 from gx_ray.data.demo.findings import SignalStrength, sample_findings, sample_staging
 from gx_ray.data.demo.text import ANSWERS_ZH, LOCATION_EN, make_reports, make_vqa
 from gx_ray.schema import LANGUAGES, N_CATEGORIES, REPORT_KINDS, T_CATEGORIES, VQA_CATEGORIES, Staging
+from tests.common import findings_for
 
 FAITHFUL = SignalStrength()
 NUMBER = re.compile(r"\d+(?:\.\d+)?")
@@ -25,10 +26,6 @@ STAGINGS = [
     ("T4a", "N3a", "M0"),
     ("T4b", "N3b", "M1"),
 ]
-
-
-def findings_for(seed: int, tnm: tuple[str, str, str] = ("T3", "N1", "M0")):
-    return sample_findings(np.random.default_rng(seed), f"T{seed:04d}", Staging.parse(*tnm))
 
 
 def cohort(n: int, signal: SignalStrength = FAITHFUL):

@@ -31,8 +31,7 @@ from gx_ray.data.shards import (
 from gx_ray.data.splits import SPLITS, read_split_file
 from gx_ray.data.volumes import write_dicom_series
 from gx_ray.schema import PHASES, STAGE_GROUPS, CaseError
-
-from .conftest import tiny_prepare
+from tests.common import tiny_prepare
 
 
 def _rows(shard_dir: Path) -> list[dict]:
@@ -217,7 +216,7 @@ BAD_INPUTS = {
 
 
 @pytest.fixture(scope="module")
-def corrupted(demo_raw, tmp_path_factory):
+def corrupted_cohort(demo_raw, tmp_path_factory):
     root = tmp_path_factory.mktemp("corrupted")
     shutil.copytree(demo_raw, root / "raw")
     raw = root / "raw"
@@ -231,8 +230,8 @@ def corrupted(demo_raw, tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", list(BAD_INPUTS))
-def test_bad_input_is_reported_with_case_file_and_field(corrupted, kind):
-    result, expected, _ = corrupted
+def test_bad_input_is_reported_with_case_file_and_field(corrupted_cohort, kind):
+    result, expected, _ = corrupted_cohort
     cid, reason, file, field = expected[kind]
     errors = [e for e in result.excluded if e["case_id"] == cid]
     assert len(errors) == 1, errors
@@ -242,8 +241,8 @@ def test_bad_input_is_reported_with_case_file_and_field(corrupted, kind):
     assert cid in split["excluded"] and all(cid not in split[s] for s in SPLITS)
 
 
-def test_bad_inputs_lose_nothing_else(corrupted):
-    result, expected, case_ids = corrupted
+def test_bad_inputs_lose_nothing_else(corrupted_cohort):
+    result, expected, case_ids = corrupted_cohort
     bad = {cid for cid, *_ in expected.values()} | {f"{expected['patient_in_two_folders'][0]}B"}
     assert {e["case_id"] for e in result.excluded} == bad
     kept = {r["case_id"] for r in _rows(result.shard_dir)}
@@ -252,8 +251,8 @@ def test_bad_inputs_lose_nothing_else(corrupted):
     assert all(cid in qc_markdown for cid in bad)
 
 
-def test_strict_mode_stops_at_the_first_bad_case(corrupted, tmp_path):
-    raw = corrupted[0].qc_report.parent.parent / "raw"
+def test_strict_mode_stops_at_the_first_bad_case(corrupted_cohort, tmp_path):
+    raw = corrupted_cohort[0].qc_report.parent.parent / "raw"
     with pytest.raises(CaseError):
         prepare_shards(raw, tmp_path, dataclasses.replace(tiny_prepare(), strict=True))
     assert not (tmp_path / "shards" / "manifest.json").exists()

@@ -20,7 +20,9 @@ INPUTS = [v.name for v in CATALOGUE.model_inputs()]
 FAITHFUL = SignalStrength()
 
 
-def _cohort(seed: int, n: int, signal: SignalStrength = FAITHFUL, staging: Staging | None = None):
+def clinical_cases(seed: int, n: int, signal: SignalStrength = FAITHFUL, staging: Staging | None = None):
+    """``n`` demo cases drawn with ``seed`` (at ``staging``, or each at a stage of the prior), each as its findings and
+    its clinical values."""
     rng = np.random.default_rng(seed)
     cohort = []
     for i in range(n):
@@ -34,7 +36,7 @@ def _abnormal_markers(findings, values) -> int:
 
 
 def test_every_variable_gets_a_valid_value():
-    for findings, values in _cohort(0, 60, SignalStrength(table=0.5, image=0.5)):
+    for findings, values in clinical_cases(0, 60, SignalStrength(table=0.5, image=0.5)):
         assert list(values) == list(CATALOGUE.names)
         for v in CATALOGUE:
             value = values[v.name]
@@ -62,9 +64,9 @@ def test_identifiers_are_pseudonyms_of_the_case_id():
 
 
 def test_same_seed_gives_identical_values():
-    first = json.dumps([values for _, values in _cohort(3, 10)])
-    assert first == json.dumps([values for _, values in _cohort(3, 10)])
-    assert first != json.dumps([values for _, values in _cohort(4, 10)])
+    first = json.dumps([values for _, values in clinical_cases(3, 10)])
+    assert first == json.dumps([values for _, values in clinical_cases(3, 10)])
+    assert first != json.dumps([values for _, values in clinical_cases(4, 10)])
 
 
 def test_missing_rate_applies_to_labs_only():
@@ -84,7 +86,7 @@ def test_missing_rate_applies_to_labs_only():
 
 def test_post_diagnosis_variables_record_the_truth():
     decoys_everywhere = SignalStrength(image=0.0, table=0.0, endoscopy=0.0, text=0.0)
-    for findings, values in _cohort(6, 80, decoys_everywhere):
+    for findings, values in clinical_cases(6, 80, decoys_everywhere):
         truth = findings.staging
         assert (values["t_stage"], values["n_stage"], values["m_stage"]) == (truth.t, truth.n, truth.m)
         assert values["overall_stage"] == truth.stage
@@ -98,7 +100,7 @@ def test_post_diagnosis_variables_record_the_truth():
 
 
 def test_dates_and_body_measures_are_consistent():
-    for _, values in _cohort(7, 30):
+    for _, values in clinical_cases(7, 30):
         day = {name: dt.date.fromisoformat(values[name]) for name in CATALOGUE.names if CATALOGUE[name].kind == "date"}
         assert day["endoscopy_date"] < day["admission_date"] <= day["cbc_test_date"] < day["surgery_date"]
         assert day["surgery_date"] < day["discharge_date"]
@@ -117,7 +119,7 @@ def test_tumour_markers_rise_with_the_table_stage():
     assert [s.group for s in stages] == ["I", "II", "III", "IV"]
     counts, any_raised, low_hb = [], [], []
     for staging in stages:
-        cohort = _cohort(8, 200, staging=staging)
+        cohort = clinical_cases(8, 200, staging=staging)
         per_case = [_abnormal_markers(f, v) for f, v in cohort]
         counts.append(np.mean(per_case))
         any_raised.append(np.mean([c > 0 for c in per_case]))
@@ -129,7 +131,7 @@ def test_tumour_markers_rise_with_the_table_stage():
 
 def _marker_rate_by_true_stage(signal: SignalStrength) -> float:
     """Abnormal-marker rate of truly advanced (III-IV) minus truly early (I-II) cases."""
-    cohort = _cohort(9, 500, signal)
+    cohort = clinical_cases(9, 500, signal)
     raised = np.array([_abnormal_markers(f, v) > 0 for f, v in cohort])
     advanced = np.array([f.staging.group in ("III", "IV") for f, _ in cohort])
     return raised[advanced].mean() - raised[~advanced].mean()

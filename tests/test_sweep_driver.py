@@ -1,5 +1,6 @@
-"""The sweep end to end: search-space validation, the smoke modality ablation into a real MLflow server, a failing
-trial, and an interrupted sweep resumed."""
+"""The sweep driver (:mod:`gx_ray.sweep.driver`) end to end: the smoke modality ablation into a real MLflow server, a
+failing trial, an interrupted sweep resumed, an Optuna search with ASHA, a TorchTrainer trial; and the driver's run
+names, summary, progress bar and report warm-up. Search-space validation: ``test_sweep_spaces.py``."""
 
 from __future__ import annotations
 
@@ -20,13 +21,10 @@ from mlflow.tracking import MlflowClient
 from gx_ray.analysis.runs import headline_metric, load_runs
 from gx_ray.schema import PAPER_TASKS as TASKS
 from gx_ray.sweep.driver import EXPERIMENT, SweepOptions, run_sweep
-from gx_ray.sweep.spaces import SpaceError, _probe_value, available_presets, load_space
+from gx_ray.sweep.spaces import load_space
 from gx_ray.tracking import SHARED_VIEW_TAG, TRIAL_TAG
 from gx_ray.tracking.server import LocalMlflowServer
-from gx_ray.train.config import TrialConfig
-
-ROOT = Path(__file__).resolve().parents[1]
-SCHEMAS = ("image_only", "image_table", "image_bbox", "image_table_bbox")
+from tests.common import ROOT, SCHEMAS
 
 
 @pytest.fixture(scope="module")
@@ -42,92 +40,11 @@ def _children(uri: str, sweep_id: str) -> list:
     return [r for r in runs if "mlflow.parentRunId" in r.data.tags]
 
 
-# --- validation, before Ray -------------------------------------------------------------------------------
-
-
-def _space(tmp_path: Path, **changes) -> Path:
-    document = yaml.safe_load((ROOT / "search_spaces" / "modality_ablation.yaml").read_text(encoding="utf-8"))
-    for key, value in changes.items():
-        section, _, name = key.partition("__")
-        if name:
-            document.setdefault(section, {})[name.replace("_DOT_", ".")] = value
-        else:
-            document[section] = value
-    path = tmp_path / "space.yaml"
-    path.write_text(yaml.safe_dump(document), encoding="utf-8")
-    return path
-
-
-@pytest.mark.parametrize(
-    "changes, key, hint",
-    [
-        ({"searcher": "random"}, "searcher", "valid: grid, optuna"),
-        ({"fixed__model_DOT_vision": "vit"}, "vision model 'vit'", "valid: swin3d"),
-        ({"grid__schema": ["image_only", "image_and_everything"]}, "schema=image_and_everything", "valid presets"),
-        ({"fixed__optimiser_DOT_learning_rate": 0.1}, "fixed.optimiser.learning_rate", "not a trial config key"),
-        ({"overrides": []}, "task=lesion_detection", "box_cues_in_detection"),
-        ({"colour": "blue"}, "colour", "unknown key"),
-    ],
-    ids=["searcher", "model-name", "schema-name", "config-key", "leak", "top-level"],
-)
-def test_malformed_space_names_file_key_and_choices(tmp_path, changes, key, hint):
-    path = _space(tmp_path, **changes)
-    with pytest.raises(SpaceError) as info:
-        load_space(str(path))
-    assert str(path) in str(info.value) and key in str(info.value) and hint in str(info.value)
-
-
-def test_malformed_space_fails_before_ray_starts(tmp_path):
-    path = _space(tmp_path, searcher="random")
-    started = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "jobs" / "sweep.py"), "--space", str(path), "--output", str(tmp_path)],
-        capture_output=True,
-        encoding="utf-8",  # Tune's tables are box-drawn, and CI's locale may be ASCII
-        errors="replace",
-        timeout=120,
-    )
-    assert result.returncode == 2 and "searcher" in result.stderr and "valid: grid, optuna" in result.stderr
-    assert "Ray" not in result.stderr and not (tmp_path / "ray").exists()
-    assert time.monotonic() - started < 60
-
-
-def test_every_shipped_space_and_preset_is_valid():
-    for path in sorted((ROOT / "search_spaces").glob("*.yaml")):
-        combined = [("demo", "smoke"), ("gpu", "compiled")]
-        for presets in [(), *[(p,) for p in available_presets(path.stem)], *combined]:
-            if not set(presets) <= set(available_presets(path.stem)):
-                continue
-            # the trial configs, not the VLMs' hub weights, absent offline (test_vlm_trials.py tests that check)
-            space = load_space(path.stem, presets, weights=False)
-            assert space.trial_count() >= 1, (path, presets)
-            # sampled keys at a valid value, as load_space checks them (an Optuna space may sample the task itself)
-            probe = {key: _probe_value(spec) for key, spec in space.sample.items()}
-            for cell in space.cells()[:3]:  # every key the preset sets is one a trial config takes
-                flat = space.resolve({**probe, **cell})
-                TrialConfig.from_flat({**space.resource_keys(), **flat, "data.shards": "x"})
-
-
-def test_a_later_preset_s_fixed_keys_win_over_the_rules_before_it():
-    """``demo`` trains report generation longer through an override rule; ``smoke`` after it still cuts every task to
-    its one short epoch, and the rule's other settings stay."""
-    demo = load_space("modality_ablation", ("demo",))
-    smoke = load_space("modality_ablation", ("demo", "smoke"))
-    for task in TASKS:
-        cell = {"task": task, "schema": "image_only", "seed": 0}
-        assert smoke.resolve(cell)["schedule.epochs"] == 1
-        assert smoke.resolve(cell)["schedule.max_steps_per_epoch"] == 2
-    report = {"task": "report_generation", "schema": "image_only", "seed": 0}
-    assert demo.resolve(report)["schedule.epochs"] > demo.resolve({**report, "task": "vqa"})["schedule.epochs"]
-    tokens = "task_options.max_report_tokens"
-    assert smoke.resolve(report)[tokens] == demo.resolve(report)[tokens] == 96
-
-
 # --- the smoke modality ablation, end to end --------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def smoke_sweep(ray_cluster, demo_prepared, mlflow_server, tmp_path_factory):
+def smoke_ablation(ray_cluster, demo_prepared, mlflow_server, tmp_path_factory):
     options = SweepOptions(
         space="modality_ablation",
         output=tmp_path_factory.mktemp("sweeps"),
@@ -138,22 +55,22 @@ def smoke_sweep(ray_cluster, demo_prepared, mlflow_server, tmp_path_factory):
     return run_sweep(options)
 
 
-def test_smoke_ablation_runs_all_20_cells(smoke_sweep):
-    assert (smoke_sweep.finished, smoke_sweep.failed) == (20, 0)
-    cells = {(b["task"], b["schema"]) for b in smoke_sweep.best}
+def test_smoke_ablation_runs_all_20_cells(smoke_ablation):
+    assert (smoke_ablation.finished, smoke_ablation.failed) == (20, 0)
+    cells = {(b["task"], b["schema"]) for b in smoke_ablation.best}
     assert cells == {(t, s) for t in TASKS for s in SCHEMAS}
-    assert all(b["best_test"] is not None for b in smoke_sweep.best)
-    assert (smoke_sweep.output / "sweep.json").is_file()
+    assert all(b["best_test"] is not None for b in smoke_ablation.best)
+    assert (smoke_ablation.output / "sweep.json").is_file()
 
 
-def test_mlflow_holds_one_parent_and_a_child_per_trial_with_metrics(smoke_sweep, mlflow_server):
+def test_mlflow_holds_one_parent_and_a_child_per_trial_with_metrics(smoke_ablation, mlflow_server):
     client = MlflowClient(mlflow_server.uri)
-    parent = client.get_run(smoke_sweep.parent_run_id)
-    assert parent.info.status == "FINISHED" and parent.data.tags["gx_ray.sweep_id"] == smoke_sweep.sweep_id
-    children = _children(mlflow_server.uri, smoke_sweep.sweep_id)
+    parent = client.get_run(smoke_ablation.parent_run_id)
+    assert parent.info.status == "FINISHED" and parent.data.tags["gx_ray.sweep_id"] == smoke_ablation.sweep_id
+    children = _children(mlflow_server.uri, smoke_ablation.sweep_id)
     assert len(children) == 20 and len({c.data.tags[TRIAL_TAG] for c in children}) == 20
     for child in children:
-        assert child.data.tags["mlflow.parentRunId"] == smoke_sweep.parent_run_id
+        assert child.data.tags["mlflow.parentRunId"] == smoke_ablation.parent_run_id
         assert {"task", "schema", "seed"} <= set(child.data.tags) and child.info.status == "FINISHED"
         assert child.data.params["optimiser.lr"] and child.data.params["schema"] == child.data.tags["schema"]
         assert "val_primary" in child.data.metrics and "test_primary" in child.data.metrics
@@ -171,16 +88,16 @@ def test_mlflow_holds_one_parent_and_a_child_per_trial_with_metrics(smoke_sweep,
     ages = [c.data.metrics["process_start_seconds"] for c in children if "process_start_seconds" in c.data.metrics]
     assert 1 <= len(ages) < len(children) and all(0 < age < 600 for age in ages)
     # the runs table's link opens a view of this sweep's trials with their headline columns (MLflow's shared views)
-    view = json.loads(client.get_experiment(parent.info.experiment_id).tags[SHARED_VIEW_TAG + smoke_sweep.view])
+    view = json.loads(client.get_experiment(parent.info.experiment_id).tags[SHARED_VIEW_TAG + smoke_ablation.view])
     found = client.search_runs([parent.info.experiment_id], view["searchFilter"], max_results=100)
     assert {r.info.run_id for r in found} == {c.info.run_id for c in children}
     assert "metrics.`test_primary`" in view["selectedColumns"] and "tags.`schema`" in view["selectedColumns"]
 
 
-def test_every_sweep_ends_with_its_report_on_disk_and_on_the_parent_run(smoke_sweep, mlflow_server):
-    folder = smoke_sweep.output / "report"
-    assert smoke_sweep.report == folder / "summary.md"
-    summary = smoke_sweep.report.read_text(encoding="utf-8")
+def test_every_sweep_ends_with_its_report_on_disk_and_on_the_parent_run(smoke_ablation, mlflow_server):
+    folder = smoke_ablation.output / "report"
+    assert smoke_ablation.report == folder / "summary.md"
+    summary = smoke_ablation.report.read_text(encoding="utf-8")
     assert "synthetic demo cohort" in summary and "not comparable" in summary
     # each schema's inputs in the form the demo preset gives them, read back from the runs' params
     assert "- **image_only**: CT (4 phases)\n" in summary
@@ -200,13 +117,13 @@ def test_every_sweep_ends_with_its_report_on_disk_and_on_the_parent_run(smoke_sw
     # the tiny cohort has one test patient: too few to resample, so the comparisons fall back to the seeds
     assert set(significance["method"]) == {"Wilcoxon signed-rank over seeds"}
     assert "<table>" in (folder / "summary.html").read_text(encoding="utf-8")
-    logged = MlflowClient(mlflow_server.uri).list_artifacts(smoke_sweep.parent_run_id, "report")
+    logged = MlflowClient(mlflow_server.uri).list_artifacts(smoke_ablation.parent_run_id, "report")
     assert {"report/summary.md", "report/summary.html", "report/tables", "report/figures"} <= {a.path for a in logged}
-    assert json.loads((smoke_sweep.output / "sweep.json").read_text())["report"] == str(smoke_sweep.report)
+    assert json.loads((smoke_ablation.output / "sweep.json").read_text())["report"] == str(smoke_ablation.report)
 
 
-def test_the_runs_table_holds_every_trial_metric_and_the_searched_nothing(smoke_sweep, mlflow_server):
-    runs = load_runs(mlflow_server.uri, smoke_sweep.sweep_id)
+def test_the_runs_table_holds_every_trial_metric_and_the_searched_nothing(smoke_ablation, mlflow_server):
+    runs = load_runs(mlflow_server.uri, smoke_ablation.sweep_id)
     assert runs["run_id"].nunique() == 20 and runs.attrs["searched"] == []  # a grid over task, schema and seed
     test = runs[runs["split"] == "test"]
     assert set(test[test["task"] == "retrieval"]["metric"]) >= {"image_to_text_recall_at_5", "text_to_image_mean_rank"}
@@ -217,16 +134,16 @@ def test_the_runs_table_holds_every_trial_metric_and_the_searched_nothing(smoke_
     assert cell["value"].item() == pytest.approx(child.data.metrics["test_auc"], nan_ok=True)
 
 
-def test_the_report_command_writes_the_report_again(smoke_sweep, tmp_path):
+def test_the_report_command_writes_the_report_again(smoke_ablation, tmp_path):
     result = subprocess.run(
-        [sys.executable, str(ROOT / "analysis" / "report.py"), "--sweep", str(smoke_sweep.output)],
+        [sys.executable, str(ROOT / "analysis" / "report.py"), "--sweep", str(smoke_ablation.output)],
         capture_output=True,
         encoding="utf-8",
         errors="replace",
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "summary.md" in result.stdout and (smoke_sweep.output / "report" / "summary.html").is_file()
+    assert "summary.md" in result.stdout and (smoke_ablation.output / "report" / "summary.html").is_file()
 
 
 # --- failures and resume ----------------------------------------------------------------------------------

@@ -1,10 +1,12 @@
-"""The benchmark commands on CPU at tiny sizes: they run from the command line, and each compares like with like (the
-VLM benchmark's two sides compute the same loss on the same batch, so their rate ratio is the platform's cost only)."""
+"""The benchmarks (:mod:`benchmarks`) on CPU at tiny sizes: they run from the command line, and each compares like with
+like (the VLM benchmark's two sides compute the same loss on the same batch, so their rate ratio is the platform's cost
+only); the cluster projection spreads the measured cells over the GPUs."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -217,3 +219,34 @@ def test_the_attention_benchmark_times_each_pass_under_the_backend_it_names():
     assert "no_cudnn" in table and "default" in table
     with pytest.raises(ValueError, match="unknown attention variant"):
         measure("flash_only", config)
+
+
+def test_the_projection_spreads_every_cell_over_the_gpus_with_the_measured_packing():
+    from benchmarks.cluster import GASTRIC_X, PAPER_ABLATION, project
+    from gx_ray.schema import PAPER_TASKS as TASKS
+
+    cells = {}
+    for i, task in enumerate(TASKS):
+        for schema, rate in (("image_only", 40.0 + i), ("image_table_bbox", 20.0 + i)):
+            cells[f"{task}/{schema}"] = {
+                "train_samples_per_s": rate,
+                "eval_seconds_per_row": 0.01,
+                "startup_seconds": 5.0,
+                "warmup_seconds": 30.0 + i,
+                "gpu_share": 0.5,
+            }
+    figures = project({"cells": cells, "scheduling_efficiency": 0.8}, gpus=8)
+    trials = PAPER_ABLATION["schemas"] * PAPER_ABLATION["seeds"]
+    jobs = []
+    for i, _ in enumerate(TASKS):  # the slower (heavier) schema stands for all four; warm-up once a trial
+        epoch = GASTRIC_X["train"] / (20.0 + i) + GASTRIC_X["val"] * 0.01
+        jobs += [(PAPER_ABLATION["epochs"] * epoch + 5.0 + 30.0 + i) * 0.5] * trials
+    assert figures["hours_at_slice_efficiency"] == pytest.approx(sum(jobs) / 8 / 0.8 / 3600)
+    # longest first on the least loaded GPU: never below the even spread, never more than one trial above it
+    assert sum(jobs) / 8 / 3600 <= figures["hours"] <= (sum(jobs) / 8 + max(jobs)) / 3600
+    whole_cards = {k: {**c, "gpu_share": 1.0} for k, c in cells.items()}
+    assert all(t["trials_per_gpu"] == 2 for t in figures["per_task"].values())
+    assert project({"cells": whole_cards}, gpus=8)["hours"] > 1.9 * figures["hours"]  # twice the GPU-seconds
+    # a task the slice did not measure leaves the projection undefined, never silently smaller
+    partial = {k: v for k, v in cells.items() if not k.startswith("vqa/")}
+    assert np.isnan(project({"cells": partial}, gpus=8)["hours"])

@@ -37,7 +37,7 @@ def test_retrieval_chance_is_the_mean_of_random_rankings(seed):
     assert chance == pytest.approx(simulated, abs=2.0)
 
 
-def vqa_rows(rng: np.random.Generator, cases: int, split: str) -> list[dict]:
+def random_vqa_rows(rng: np.random.Generator, cases: int, split: str) -> list[dict]:
     """Questions with 1-4 possible answers each, some asked only in the test split."""
     answers = {f"q{k}": [f"a{k}.{j}" for j in range(1 + k % 4)] for k in range(8)}
     asked = list(answers) if split == "test" else list(answers)[:6]
@@ -56,7 +56,7 @@ def vqa_rows(rng: np.random.Generator, cases: int, split: str) -> list[dict]:
 @pytest.mark.parametrize("seed", COHORTS)
 def test_vqa_chance_is_the_accuracy_of_guessing_among_the_question_s_training_answers(seed):
     rng = np.random.default_rng(seed)
-    train, test = vqa_rows(rng, 30, "train"), vqa_rows(rng, 20, "test")
+    train, test = random_vqa_rows(rng, 30, "train"), random_vqa_rows(rng, 20, "test")
     task = build_task("vqa")
     task.prepare(train)
     options = {}

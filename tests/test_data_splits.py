@@ -9,13 +9,14 @@ import pytest
 from gx_ray.data.splits import SPLITS, assign_splits, read_split_file, write_split_file
 
 
-def _cohort(n: int, seed: int = 0) -> dict[str, str | None]:
+def patient_stages(n: int, seed: int = 0) -> dict[str, str | None]:
+    """``n`` patients' stage groups (a few unknown), drawn with ``seed``."""
     rng = np.random.default_rng(seed)
     return {f"P{i:04d}": rng.choice(["I", "II", "III", "IV", None], p=[0.2, 0.25, 0.4, 0.1, 0.05]) for i in range(n)}
 
 
 def test_every_patient_in_exactly_one_split_at_70_15_15():
-    strata = _cohort(400)
+    strata = patient_stages(400)
     assignment = assign_splits(strata)
     assert set(assignment) == set(strata)
     counts = Counter(assignment.values())
@@ -24,7 +25,7 @@ def test_every_patient_in_exactly_one_split_at_70_15_15():
 
 
 def test_each_stage_is_spread_over_the_splits_in_proportion():
-    strata = _cohort(400)
+    strata = patient_stages(400)
     assignment = assign_splits(strata)
     for stratum in ("I", "II", "III", "IV"):
         members = [p for p, s in strata.items() if s == stratum]
@@ -41,14 +42,14 @@ def test_small_strata_do_not_starve_val_and_test():
 
 
 def test_deterministic_and_independent_of_input_order_but_not_of_seed():
-    strata = _cohort(100)
+    strata = patient_stages(100)
     first = assign_splits(strata, seed=3)
     assert first == assign_splits(dict(reversed(list(strata.items()))), seed=3)
     assert first != assign_splits(strata, seed=4)
 
 
 def test_split_file_round_trip_and_refuses_a_patient_twice(tmp_path):
-    assignment = assign_splits(_cohort(30))
+    assignment = assign_splits(patient_stages(30))
     path = tmp_path / "split.json"
     write_split_file(path, assignment, {"P9999": "unreadable"}, (0.7, 0.15, 0.15), 0)
     assert read_split_file(path) == assignment

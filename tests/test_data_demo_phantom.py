@@ -9,7 +9,6 @@ import pytest
 import SimpleITK as sitk
 from scipy import ndimage
 
-from gx_ray.data.demo.findings import SignalStrength, sample_findings
 from gx_ray.data.demo.phantom import (
     RELEASE_LABELS,
     TISSUE_CODE,
@@ -18,14 +17,13 @@ from gx_ray.data.demo.phantom import (
     make_phantom,
     offset_transform,
 )
-from gx_ray.schema import PHASES, REFERENCE_PHASE, REQUIRED_PHASES, Staging
+from gx_ray.schema import PHASES, REFERENCE_PHASE, REQUIRED_PHASES
+from tests.common import findings_for
 
 COARSE = PhantomConfig(in_plane_spacing_mm=(4.0, 5.0), slice_spacing_mm=(5.0, 6.0), z_extent_mm=(180.0, 200.0))
 """Coarse voxels for the tests that need many cases; the default geometry is tested on its own."""
-
-
-def findings_for(seed: int, t: str = "T3", n: str = "N2", m: str = "M0"):
-    return sample_findings(np.random.default_rng(seed), f"case{seed}", Staging.parse(t, n, m), SignalStrength())
+T3N2 = ("T3", "N2", "M0")
+"""The stage of the cases drawn here unless a test needs another."""
 
 
 def voxels(image: sitk.Image) -> np.ndarray:
@@ -50,7 +48,7 @@ def box_of(case, level: str, phase: str):
 def cases():
     """Three T3 N2 cases with all four phases, at the cohort's default geometry."""
     config = PhantomConfig(arterial_probability=1.0)
-    return [make_phantom(np.random.default_rng(seed), findings_for(seed), config) for seed in range(3)]
+    return [make_phantom(np.random.default_rng(seed), findings_for(seed, T3N2), config) for seed in range(3)]
 
 
 def test_geometry_varies_per_case_and_fits_the_voxel_budget(cases):
@@ -73,7 +71,7 @@ def test_geometry_varies_per_case_and_fits_the_voxel_budget(cases):
 
 
 def test_arterial_phase_is_optional():
-    case = make_phantom(np.random.default_rng(0), findings_for(0), PhantomConfig(arterial_probability=0.0))
+    case = make_phantom(np.random.default_rng(0), findings_for(0, T3N2), PhantomConfig(arterial_probability=0.0))
     assert set(case.phases) == set(REQUIRED_PHASES)
     assert {b.phase for b in case.boxes} == set(REQUIRED_PHASES)
     assert set(case.phase_offsets) == set(REQUIRED_PHASES) - {REFERENCE_PHASE}
@@ -119,7 +117,7 @@ def test_tumour_sits_in_the_stomach_wall(cases):
 
 
 def test_t4b_tumour_breaches_into_a_neighbour_organ():
-    case = make_phantom(np.random.default_rng(1), findings_for(1, "T4b"), COARSE)
+    case = make_phantom(np.random.default_rng(1), findings_for(1, ("T4b", "N2", "M0")), COARSE)
     tumour = voxels(case.tumour_masks["venous"]) > 0
     labels_under = voxels(case.organ_masks["venous"])[tumour]
     assert np.mean(labels_under == RELEASE_LABELS["stomach"]) > 0.5  # it starts in the stomach wall ...
@@ -130,7 +128,7 @@ def test_t4b_tumour_breaches_into_a_neighbour_organ():
 def test_t4_tumours_are_larger_than_t1(seed):
     extent = {}
     for t in ("T1a", "T4a"):
-        case = make_phantom(np.random.default_rng(seed), findings_for(seed, t), COARSE)
+        case = make_phantom(np.random.default_rng(seed), findings_for(seed, (t, "N2", "M0")), COARSE)
         mask = case.tumour_masks["venous"]
         z, y, x = np.array(case.tumour_masks["venous"].GetSpacing())[::-1] * box_of(case, "tumour", "venous").size
         extent[t] = (voxels(mask).sum() * np.prod(mask.GetSpacing()), max(x, y, z))
@@ -140,7 +138,7 @@ def test_t4_tumours_are_larger_than_t1(seed):
 
 @pytest.mark.parametrize("n", ["N0", "N1", "N3b"])
 def test_node_count_follows_findings(n):
-    findings = findings_for(3, n=n)
+    findings = findings_for(3, ("T3", n, "M0"))
     case = make_phantom(np.random.default_rng(3), findings, COARSE)
     for phase in case.phases:
         # nodes are placed at least 8 mm apart, so face-connected components count them
@@ -173,7 +171,7 @@ def test_recorded_offset_is_needed_to_find_the_landmark():
     config = PhantomConfig(
         in_plane_spacing_mm=(4.0, 4.0), slice_spacing_mm=(5.0, 5.0), max_rotation_deg=8.0, max_translation_mm=25.0
     )
-    case = make_phantom(np.random.default_rng(5), findings_for(5, "T4a"), config)
+    case = make_phantom(np.random.default_rng(5), findings_for(5, ("T4a", "N2", "M0")), config)
     landmark = centroid_mm(case.tumour_masks[REFERENCE_PHASE])
     for phase, offset in case.phase_offsets.items():
         target, transform = centroid_mm(case.tumour_masks[phase]), offset_transform(offset)
@@ -186,7 +184,7 @@ def test_recorded_offset_is_needed_to_find_the_landmark():
 
 
 def test_same_seed_gives_identical_case():
-    a, b, c = (make_phantom(np.random.default_rng(s), findings_for(9), COARSE) for s in (7, 7, 8))
+    a, b, c = (make_phantom(np.random.default_rng(s), findings_for(9, T3N2), COARSE) for s in (7, 7, 8))
     assert a.boxes == b.boxes and a.phase_offsets == b.phase_offsets
     for phase in a.phases:
         for field in ("phases", "organ_masks", "tumour_masks"):
@@ -205,7 +203,7 @@ def real_ct(real_ct_dir):
 
 def test_template_case_on_real_ct(real_ct):
     ct, labels = real_ct
-    findings = findings_for(2, "T3", "N2", "M1")
+    findings = findings_for(2, ("T3", "N2", "M1"))
     case = make_from_template(np.random.default_rng(2), findings, ct, labels, PhantomConfig(arterial_probability=1.0))
     real_stomach = voxels(labels) == 6
     venous = case.phases["venous"]
@@ -239,7 +237,7 @@ def test_template_case_on_real_ct(real_ct):
 
 def test_template_t4b_tumour_reaches_a_neighbour_organ(real_ct):
     ct, labels = real_ct
-    case = make_from_template(np.random.default_rng(4), findings_for(4, "T4b"), ct, labels)
+    case = make_from_template(np.random.default_rng(4), findings_for(4, ("T4b", "N2", "M0")), ct, labels)
     tumour = voxels(case.tumour_masks["venous"]) > 0
     under = voxels(labels)[tumour]
     assert np.any(under == 6) and np.any(np.isin(under, (1, 5, 7, 18, 19, 20)))
@@ -247,7 +245,7 @@ def test_template_t4b_tumour_reaches_a_neighbour_organ(real_ct):
 
 def test_template_mode_is_deterministic(real_ct):
     ct, labels = real_ct
-    a, b = (make_from_template(np.random.default_rng(6), findings_for(6), ct, labels) for _ in range(2))
+    a, b = (make_from_template(np.random.default_rng(6), findings_for(6, T3N2), ct, labels) for _ in range(2))
     assert a.boxes == b.boxes and a.phase_offsets == b.phase_offsets
     for phase in a.phases:
         assert np.array_equal(voxels(a.phases[phase]), voxels(b.phases[phase]))

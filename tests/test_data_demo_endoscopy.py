@@ -16,12 +16,8 @@ from gx_ray.data.demo.endoscopy import (
     render_endoscopy,
     render_endoscopy_with_mask,
 )
-from gx_ray.data.demo.findings import GROSS_TYPES_ADVANCED, GROSS_TYPES_EARLY, sample_findings
-from gx_ray.schema import Staging
-
-
-def findings_for(seed: int, tnm: tuple[str, str, str]):
-    return sample_findings(np.random.default_rng(seed), f"E{seed:04d}", Staging.parse(*tnm))
+from gx_ray.data.demo.findings import GROSS_TYPES_ADVANCED, GROSS_TYPES_EARLY
+from tests.common import findings_for
 
 
 def test_shape_dtype_and_determinism():

@@ -1,0 +1,181 @@
+"""Helpers shared by the test files: plain functions and constants (pytest fixtures live in ``conftest.py``).
+
+Heavy packages (MLflow, Ray Tune, MONAI) are imported inside the functions that need them, so importing this module
+(``conftest.py`` does, for every test run) stays quick.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import psutil
+import yaml
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from gx_ray.data.demo.cohort import DemoConfig
+    from gx_ray.data.demo.findings import Findings
+    from gx_ray.data.prepare import PrepareConfig
+    from gx_ray.sweep.driver import SweepResult
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository's root: ``jobs/``, ``search_spaces/``, ``docs/`` are below it."""
+
+# --- the demo cohort ------------------------------------------------------------------------------------------
+
+
+def tiny_cohort() -> DemoConfig:
+    """The ``DemoConfig`` of the session's demo cohort (``demo_raw``): 10 small cases."""
+    from gx_ray.data.demo.cohort import DemoConfig
+
+    return DemoConfig(cases=10, seed=7, endoscopy_size=64, vqa_per_case=6)
+
+
+def tiny_prepare() -> PrepareConfig:
+    """The ``PrepareConfig`` the session's cohort is prepared with (``demo_prepared``): demo preprocessing, 4 rows a
+    shard."""
+    from gx_ray.data.prepare import PrepareConfig
+    from gx_ray.data.preprocess import PreprocessConfig
+
+    return PrepareConfig(preprocess=PreprocessConfig.preset("demo"), endoscopy_size=32, rows_per_shard=4)
+
+
+def findings_for(seed: int, tnm: tuple[str, str, str] = ("T3", "N1", "M0")) -> Findings:
+    """One demo case's ``Findings`` at the stage ``tnm``, drawn with ``seed`` (every modality shows that stage)."""
+    from gx_ray.data.demo.findings import sample_findings
+    from gx_ray.schema import Staging
+
+    return sample_findings(np.random.default_rng(seed), f"case{seed:04d}", Staging.parse(*tnm))
+
+
+def first_shard_batch(shard_dir: Path | str, split: str = "train") -> dict:
+    """The first shard of a prepared split (4 cases of the session's cohort) as one collated batch."""
+    import pyarrow.parquet as pq
+
+    from gx_ray.data.shards import BatchCollate, TensorLayout, split_files
+
+    table = pq.read_table(split_files(shard_dir, split)[0])
+    return BatchCollate(TensorLayout.from_schema(table.schema))(table)
+
+
+# --- sweeps ---------------------------------------------------------------------------------------------------
+
+
+def small_stage_space(
+    path: Path, epochs: int, seeds: list[int], description: str, budget: dict | None = None, **fixed: Any
+) -> Path:
+    """A search space small enough for end-to-end sweeps on 2 cores (stage classification with a tiny 3D ResNet and
+    BERT-tiny, two steps an epoch; one trial per seed, ``fixed`` on top), written to ``path``; returns it."""
+    document = {
+        "description": description,
+        "fixed": {
+            "task": "stage_classification",
+            "model.vision": "resnet18_3d",
+            "model.vision_kwargs": {"block_inplanes": [8, 16, 32, 64]},
+            "model.text": "bert_tiny",
+            "model.hidden": 32,
+            "schedule.epochs": epochs,
+            "schedule.max_steps_per_epoch": 2,
+            "data.effective_batch": 2,
+            **fixed,
+        },
+        "grid": {"seed": list(seeds)},
+        **({"budget": budget} if budget is not None else {}),
+    }
+    path.write_text(yaml.safe_dump(document), encoding="utf-8")
+    return path
+
+
+@contextmanager
+def run_smoke_sweep(space: str, data: Path | str, output: Path) -> Iterator[SweepResult]:
+    """``python jobs/sweep.py --space SPACE --preset smoke`` on prepared ``data`` (demo-sized models), logging to its
+    own MLflow server, which stays up inside the block so that the test can read the runs' artifacts."""
+    from gx_ray.sweep.driver import SweepOptions, run_sweep
+    from gx_ray.tracking.server import LocalMlflowServer
+
+    with LocalMlflowServer(output / "mlflow") as server:
+        options = SweepOptions(space=space, output=output, data=data, mlflow_uri=server.uri, presets=("demo", "smoke"))
+        yield run_sweep(options)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether the process ``pid`` still runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+# --- a constructed runs table for the analysis ----------------------------------------------------------------
+
+TASK_METRICS = {
+    "vqa": ("accuracy", "f1", "auc"),
+    "report_generation": ("rouge_l", "bleu_4"),
+    "retrieval": ("image_to_text_recall_at_5", "image_to_text_median_rank"),
+    "stage_classification": ("auc", "f1"),
+    "lesion_detection": ("ap_50", "map_50_95"),
+}
+SCHEMAS = ("image_only", "image_table", "image_bbox", "image_table_bbox")
+"""The paper's four modality schemas."""
+
+
+def make_runs(
+    effects: dict[str, float] | None = None,
+    seeds: int = 3,
+    noise: float = 0.5,
+    tasks: tuple[str, ...] = tuple(TASK_METRICS),
+    models: tuple[tuple[str, str, str], ...] = (("resnet10_3d", "bert_tiny", "concat"),),
+    searched: dict[str, list] | None = None,
+    rng_seed: int = 0,
+) -> pd.DataFrame:
+    """A tidy runs table (the contract of :mod:`gx_ray.analysis.runs`) with known effects: every task x schema x model
+    x seed as a finished trial; ``effects``: schema -> shift of every metric.
+
+    A metric's test value is ``50 + effect + seed noise`` (ranks: ``20 - effect + noise``, lower is better); the
+    validation value is the test value plus 1. ``searched``: parameter -> values, cycled over the trials.
+    """
+    import pandas as pd
+
+    from gx_ray.analysis.runs import RUN_COLUMNS
+
+    effects = effects if effects is not None else {s: 2.0 * i for i, s in enumerate(SCHEMAS)}
+    rng = np.random.default_rng(rng_seed)
+    rows, trial = [], 0
+    for task in tasks:
+        for vision, text, fusion in models:
+            for schema, effect in effects.items():
+                for seed in range(seeds):
+                    trial += 1
+                    params = {k: v[trial % len(v)] for k, v in (searched or {}).items()}
+                    for metric in TASK_METRICS[task]:
+                        rank = metric.endswith(("median_rank", "mean_rank"))
+                        test = (20.0 - effect if rank else 50.0 + effect) + rng.normal(0, noise)
+                        for split, value in (("val", test + 1.0), ("test", test)):
+                            rows.append(
+                                {
+                                    "sweep_id": "fixture",
+                                    "run_id": f"run{trial:03d}",
+                                    "trial": f"trial-{trial:03d}",
+                                    "status": "FINISHED",
+                                    "start_time": 1_700_000_000_000 + 1000 * trial,
+                                    "task": task,
+                                    "schema": schema,
+                                    "model": f"{vision}+{text}",
+                                    "vision": vision,
+                                    "text": text,
+                                    "fusion": fusion,
+                                    "seed": seed,
+                                    "split": split,
+                                    "metric": metric,
+                                    "value": float(value),
+                                    **params,
+                                }
+                            )
+    table = pd.DataFrame(rows, columns=[*RUN_COLUMNS, *(searched or {})])
+    table.attrs["searched"] = list(searched or {})
+    return table
