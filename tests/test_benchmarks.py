@@ -64,7 +64,7 @@ def test_the_vlm_benchmark_packs_its_batch_with_the_padded_batchs_loss_and_measu
     torch.testing.assert_close(packed, vlm.loss(images, questions, answers), rtol=1e-5, atol=1e-6)
 
     assert main(["vlm", "--size", "tiny", "--batch", "3", "--steps", "1", "--device", "cpu", "--packing",
-                 "--varied"]) == 0  # fmt: skip
+                 "--varied", "--results", str(tmp_path)]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "packed: one row" in out and "ratio raw packed / raw padded" in out
     padding = float(out.split("padding would be ")[1].split(" %")[0])
