@@ -60,8 +60,8 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
-    """``norm(x)`` in the compute dtype: under autocast LayerNorm would return fp32, which the next matrix product
-    casts straight back; the kernel accumulates its statistics in fp32 either way."""
+    """``norm(x)`` in the compute dtype: under CUDA autocast LayerNorm would return fp32, which the next matrix
+    product casts straight back; the kernel accumulates its statistics in fp32 either way."""
     if not torch.is_autocast_enabled(x.device.type):
         return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
     dtype = torch.get_autocast_dtype(x.device.type)
@@ -175,7 +175,7 @@ class _Gather(torch.autograd.Function):
     scatter-add: the index is a permutation of the real tokens plus padding)."""
 
     @staticmethod
-    def forward(ctx, x, index, zero, inverse, inverse_zero):  # noqa: ANN001, ANN205
+    def forward(ctx, x, index, zero, inverse, inverse_zero):
         ctx.inverse, ctx.inverse_zero = inverse, inverse_zero
         y = x.index_select(1, index)
         if zero is not None:
@@ -183,7 +183,7 @@ class _Gather(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
+    def backward(ctx, grad):
         grad = grad.index_select(1, ctx.inverse)
         if ctx.inverse_zero is not None:
             grad.index_fill_(1, ctx.inverse_zero, 0)
