@@ -1,7 +1,8 @@
 """Vision encoders: the multi-phase CT as a list of feature maps, and the endoscopy image as one vector.
 
-Each CT encoder wraps one MONAI network (``backbone``) and keeps the arguments it was built with
-(``backbone_arguments``), so the model benchmark can instantiate the same MONAI class raw and compare rates.
+Each CT encoder wraps one MONAI network (``backbone``; swin3d by default gx-ray's equal one, :mod:`gx_ray.models.swin`)
+and keeps the arguments it was built with (``backbone_arguments``), so the model benchmark can instantiate the same
+MONAI class raw and compare rates.
 Every CT encoder returns 5D maps ``(B, C_i, d_i, h_i, w_i)``, finest first; ``channels`` lists the ``C_i``.
 MONAI is imported when an encoder is built: ``import monai`` loads all of MONAI (its apps, handlers and MLflow),
 seconds that a process which only reads the registry's names (a sweep driver validating configs) need not pay.
