@@ -120,7 +120,7 @@ def run_model_benchmark(config: ModelBenchmarkConfig, device: str | torch.device
     def registry_step() -> Callable[[], torch.Tensor]:
         encoder = build_encoder(model_config, schema)
         backbone.update(
-            cls=type(encoder.vision.backbone),
+            cls=getattr(encoder.vision, "monai_class", type(encoder.vision.backbone)),  # swin3d: MONAI's, raw
             arguments=encoder.vision.backbone_arguments,
             width=encoder.vision.channels[-1],
         )

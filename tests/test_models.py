@@ -424,7 +424,7 @@ def test_swin3d_evaluates_through_fused_attention_with_the_same_outputs():
     from gx_ray.models.vision import Swin3d
 
     torch.manual_seed(0)
-    fused = Swin3d(2, **SMALL_VISION["swin3d"]).eval()
+    fused = Swin3d(2, implementation="monai", **SMALL_VISION["swin3d"]).eval()
     explicit = Swin3d(2, attention="explicit", use_flash_attention=False, **SMALL_VISION["swin3d"]).eval()
     explicit.load_state_dict(fused.state_dict())
     attentions = [m for m in fused.modules() if hasattr(m, "use_flash_attention")]
@@ -449,7 +449,7 @@ def test_swin3d_trains_through_fused_attention_with_the_same_gradients(case):
     batch = int(rng.integers(1, 4))
     torch.manual_seed(case)
     arguments = {"feature_size": 6, "window_size": window, "depths": (2, 2, 1, 1), "num_heads": (1, 2, 2, 2)}
-    fused = Swin3d(2, **arguments).double().train()
+    fused = Swin3d(2, implementation="monai", **arguments).double().train()
     explicit = Swin3d(2, attention="explicit", **arguments).double().train()
     for parameter in fused.parameters():  # a bias table at its init (std 0.02) would hide a misplaced bias
         parameter.data += 0.3 * torch.randn_like(parameter)
@@ -470,7 +470,7 @@ def test_swin3d_attention_choice_is_checked_and_a_fused_model_pickles():
 
     with pytest.raises(ValueError, match="valid: fused, explicit"):
         Swin3d(2, attention="flash", **SMALL_VISION["swin3d"])
-    model = Swin3d(2, **SMALL_VISION["swin3d"])
+    model = Swin3d(2, implementation="monai", **SMALL_VISION["swin3d"])
     copy = pickle.loads(pickle.dumps(model))
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), copy.state_dict().values(), strict=True))
     assert sum(type(m).__name__ == "FusedWindowAttention" for m in copy.modules()) == 8

@@ -35,7 +35,8 @@ class ModelConfig:
     endoscopy: str = "resnet18_2d"
     lora: LoraSettings | None = None
     vision_kwargs: dict[str, Any] = field(default_factory=dict)
-    """E.g. swin3d: ``feature_size``, ``depths``, ``num_heads``, ``window_size``; multichannel2d: ``slices``."""
+    """E.g. swin3d: ``feature_size``, ``depths``, ``num_heads``, ``window_size``, ``implementation`` (``gx``, the
+    default, or ``monai``: :class:`~gx_ray.models.vision.Swin3d`); multichannel2d: ``slices``."""
     text_kwargs: dict[str, Any] = field(default_factory=dict)
     """``max_length`` (256), and for bert_tiny any ``BertConfig`` field."""
     fusion_kwargs: dict[str, Any] = field(default_factory=dict)

@@ -1,7 +1,8 @@
 """Vision encoders: the multi-phase CT as a list of feature maps, and the endoscopy image as one vector.
 
-Each CT encoder wraps one MONAI network (``backbone``) and keeps the arguments it was built with
-(``backbone_arguments``), so the model benchmark can instantiate the same MONAI class raw and compare rates.
+Each CT encoder wraps one MONAI network (``backbone``; swin3d by default gx-ray's equal one, :mod:`gx_ray.models.swin`)
+and keeps the arguments it was built with (``backbone_arguments``), so the model benchmark can instantiate the same
+MONAI class raw and compare rates.
 Every CT encoder returns 5D maps ``(B, C_i, d_i, h_i, w_i)``, finest first; ``channels`` lists the ``C_i``.
 MONAI is imported when an encoder is built: ``import monai`` loads all of MONAI (its apps, handlers and MLflow),
 seconds that a process which only reads the registry's names (a sweep driver validating configs) need not pay.
@@ -17,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from gx_ray.models.swin import SwinTransformer as GxSwinTransformer
 
 if TYPE_CHECKING:
     from monai.networks.nets.resnet import ResNet
@@ -66,10 +69,14 @@ def resnet_feature_maps(net: ResNet, x: torch.Tensor) -> list[torch.Tensor]:
 class Swin3d(nn.Module):
     """MONAI's 3D ``SwinTransformer`` (the SwinUNETR encoder); its five normalised stage outputs are the maps.
 
-    Spatial sizes must be multiples of 32 (patch 2, then four 2x merges). ``attention``: ``fused`` computes every
-    window's attention with PyTorch's ``scaled_dot_product_attention`` also in training (its relative position bias
-    and shifted-window mask as the additive mask, as timm's Swin does); ``explicit`` keeps MONAI's own, which
-    materialises each window's score matrix whenever a gradient is taken.
+    Spatial sizes must be multiples of 32 (patch 2, then four 2x merges). ``implementation``: ``gx`` (the default)
+    builds :class:`gx_ray.models.swin.SwinTransformer`, MONAI's network with the same parameters, state-dict keys and
+    outputs but laid out for speed; ``monai`` builds MONAI's own class. For MONAI's, ``attention``: ``fused`` computes
+    every window's attention with PyTorch's ``scaled_dot_product_attention`` also in training (its relative position
+    bias and shifted-window mask as the additive mask, as timm's Swin does); ``explicit`` keeps MONAI's own, which
+    materialises each window's score matrix whenever a gradient is taken, and alone (no ``implementation``) selects
+    MONAI's class. ``backbone_arguments`` are MONAI's in both cases, and ``monai_class`` is MONAI's class, so the model
+    benchmark can build the raw MONAI network beside either.
     """
 
     def __init__(
@@ -82,6 +89,7 @@ class Swin3d(nn.Module):
         patch_size: int = 2,
         gradient_checkpointing: bool = False,
         attention: str = "fused",
+        implementation: str | None = None,
         **overrides: Any,
     ):
         super().__init__()
@@ -100,13 +108,23 @@ class Swin3d(nn.Module):
 
         if attention not in SWIN_ATTENTION:
             raise ValueError(f"unknown swin3d attention {attention!r}; valid: {', '.join(SWIN_ATTENTION)}")
+        implementation = implementation or ("monai" if attention == "explicit" else "gx")
+        if implementation not in SWIN_IMPLEMENTATIONS:
+            raise ValueError(
+                f"unknown swin3d implementation {implementation!r}; valid: {', '.join(SWIN_IMPLEMENTATIONS)}"
+            )
+        if implementation == "gx" and attention != "fused":
+            raise ValueError(f"swin3d attention {attention!r} is MONAI's: set implementation 'monai' with it")
         if "use_flash_attention" in inspect.signature(SwinTransformer).parameters:  # MONAI >= 1.5
             # MONAI's fused attention (PyTorch's scaled_dot_product_attention) where no gradient is taken: evaluation
             # at batch 32 on one H200 ran 1.7-2x faster and peaked at 43 GiB instead of 62
             self.backbone_arguments.setdefault("use_flash_attention", True)
 
-        self.backbone = SwinTransformer(**self.backbone_arguments)
-        if attention == "fused":  # the same parameters and state-dict keys: only the attention's arithmetic changes
+        self.monai_class = SwinTransformer
+        self.implementation = implementation
+        backbone = GxSwinTransformer if implementation == "gx" else SwinTransformer
+        self.backbone = backbone(**self.backbone_arguments)
+        if implementation == "monai" and attention == "fused":  # the same parameters and keys: only the arithmetic
             for module in self.backbone.modules():
                 if isinstance(module, WindowAttention):
                     module.__class__ = fused_window_attention()
@@ -117,6 +135,8 @@ class Swin3d(nn.Module):
 
 
 SWIN_ATTENTION: tuple[str, ...] = ("fused", "explicit")
+SWIN_IMPLEMENTATIONS: tuple[str, ...] = ("gx", "monai")
+"""``vision_kwargs.implementation`` of swin3d: gx-ray's equal, faster network (the default) or MONAI's own."""
 
 
 @functools.cache

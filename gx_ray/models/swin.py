@@ -1,0 +1,543 @@
+"""A 3D Swin transformer with exactly MONAI's parameters and outputs, laid out for speed on GPUs.
+
+:class:`SwinTransformer` takes the arguments of MONAI's ``monai.networks.nets.swin_unetr.SwinTransformer`` (3D, the
+options gx-ray builds it with) and has the same modules, parameter names, shapes and registration order: MONAI's
+state dict loads into it with ``strict=True`` and back, and ``forward(x, normalize=True)`` returns the same five
+stage outputs (B, C_i, d_i, h_i, w_i), MONAI's quirks included: zero-padded tokens attend and are attended to in
+unshifted windows, a window shrinks to a stage that is no larger than it (and then takes the first rows and columns
+of the full window's relative position index), shifted windows are masked with -100, not -inf.
+
+What differs is how the arithmetic runs:
+
+- **Attention** is one ``scaled_dot_product_attention`` call per block with the relative position bias (and, in
+  shifted blocks, the shift mask) as one additive bias in the compute dtype (bf16 under autocast), its last axis
+  padded to 8 elements so that PyTorch does not copy it to align it. On CUDA this is the memory-efficient kernel,
+  which computes the bias gradient (the relative position tables train) without materialising a score matrix in
+  fp32, as MONAI's explicit softmax does. In a shifted block the windows go in as heads of one row per image
+  (``B × (windows·heads)``) so that the per-window bias broadcasts over the images rather than being copied per image.
+  The shift mask is built once per stage shape and cached (eager), or built inside the graph (``torch.compile``).
+  FlexAttention was not chosen: the relative position bias must train, which FlexAttention does through atomic adds
+  from every window into one small captured bias, its backward does not run on CPUs (so it could not be proved equal
+  to MONAI here), and in eager mode it needs a compilation per stage shape.
+- **No fp32 round trips under autocast**: the block norms run in the compute dtype (statistics still accumulate in
+  fp32 inside the kernel), the bias is gathered and cast once per block (heads × n × n, not per window), and nothing
+  is upcast before a matrix product. The five returned stage outputs are normalised as MONAI does (fp32 under
+  autocast), so consumers see the same dtype.
+- **Layout**: every stage stays channels-last (B, D, H, W, C) from the patch embedding (a reshape and one matrix
+  product, equal to MONAI's stride-``patch`` convolution) to the patch merging; stage outputs are returned as
+  (B, C, D, H, W) views of it. In eager mode, padding, the cyclic shift and the window partition are one gather with
+  a cached index (and its reverse, the roll back and the crop, another), with a gather as backward instead of a
+  scatter-add; under ``torch.compile`` plain pad/roll/permute ops are left for the compiler to fuse.
+
+Gradient checkpointing (``use_checkpoint``) recomputes each block's attention half and MLP half, as MONAI's does
+(``torch.utils.checkpoint`` with ``use_reentrant=False``).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+MASK_VALUE = -100.0
+"""MONAI's additive mask between tokens of different regions of a shifted window."""
+BIAS_ALIGNMENT = 8
+"""Elements the attention bias's rows are padded to: the memory-efficient kernel copies a bias not aligned to it."""
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype autocast would run a matrix product on ``x`` in, or ``x``'s own."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+    """``norm(x)`` in the compute dtype: under CUDA autocast LayerNorm would return fp32, which the next matrix
+    product casts straight back; the kernel accumulates its statistics in fp32 either way."""
+    if not torch.is_autocast_enabled(x.device.type):
+        return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+    dtype = torch.get_autocast_dtype(x.device.type)
+    with torch.autocast(x.device.type, enabled=False):
+        return F.layer_norm(x.to(dtype), norm.normalized_shape, norm.weight.to(dtype), norm.bias.to(dtype), norm.eps)
+
+
+def get_window_size(
+    size: Sequence[int], window: Sequence[int], shift: Sequence[int]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """MONAI's rule: along an axis no longer than the window, the window shrinks to the axis and does not shift."""
+    window, shift = list(window), list(shift)
+    for i, extent in enumerate(size):
+        if extent <= window[i]:
+            window[i], shift[i] = extent, 0
+    return tuple(window), tuple(shift)
+
+
+@dataclass(frozen=True)
+class Windows:
+    """How one block tiles a (D, H, W) stage: its window and cyclic shift (after MONAI's shrinking)."""
+
+    size: tuple[int, int, int]
+    window: tuple[int, int, int]
+    shift: tuple[int, int, int]
+
+    @property
+    def padded(self) -> tuple[int, int, int]:
+        return tuple(-(-s // w) * w for s, w in zip(self.size, self.window, strict=True))
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return tuple(p // w for p, w in zip(self.padded, self.window, strict=True))
+
+    @property
+    def count(self) -> int:
+        """Windows per image."""
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per window."""
+        return self.window[0] * self.window[1] * self.window[2]
+
+    @property
+    def shifted(self) -> bool:
+        return any(s > 0 for s in self.shift)
+
+    @property
+    def needs_padding(self) -> bool:
+        return self.padded != self.size
+
+
+def partition_order(t: torch.Tensor, windows: Windows) -> torch.Tensor:
+    """A (B, Dp, Hp, Wp, ...) tensor's voxels in window order: (B, windows, tokens, ...) (one copy at most)."""
+    (gd, gh, gw), (wd, wh, ww) = windows.grid, windows.window
+    rest = t.shape[4:]
+    t = t.reshape(t.shape[0], gd, wd, gh, wh, gw, ww, *rest)
+    t = t.permute(0, 1, 3, 5, 2, 4, 6, *range(7, 7 + len(rest)))
+    return t.reshape(t.shape[0], windows.count, windows.tokens, *rest)
+
+
+def reverse_order(t: torch.Tensor, windows: Windows) -> torch.Tensor:
+    """:func:`partition_order` undone: (B, windows, tokens, C) → (B, Dp, Hp, Wp, C)."""
+    (gd, gh, gw), (wd, wh, ww) = windows.grid, windows.window
+    t = t.reshape(t.shape[0], gd, gh, gw, wd, wh, ww, t.shape[-1]).permute(0, 1, 4, 2, 5, 3, 6, 7)
+    return t.reshape(t.shape[0], *windows.padded, t.shape[-1])
+
+
+def partition_plain(x: torch.Tensor, windows: Windows) -> torch.Tensor:
+    """(B, D, H, W, C) → (B, windows, tokens, C) as MONAI does it: zero-pad, roll by -shift, partition."""
+    pads = [p - s for p, s in zip(windows.padded, windows.size, strict=True)]
+    if any(pads):
+        x = F.pad(x, (0, 0, 0, pads[2], 0, pads[1], 0, pads[0]))
+    if windows.shifted:
+        x = torch.roll(x, shifts=tuple(-s for s in windows.shift), dims=(1, 2, 3))
+    return partition_order(x, windows)
+
+
+def reverse_plain(y: torch.Tensor, windows: Windows) -> torch.Tensor:
+    """(B, windows, tokens, C) → (B, D, H, W, C): reverse the partition, roll back, crop the padding."""
+    x = reverse_order(y, windows)
+    if windows.shifted:
+        x = torch.roll(x, shifts=windows.shift, dims=(1, 2, 3))
+    d, h, w = windows.size
+    return x[:, :d, :h, :w] if windows.needs_padding else x
+
+
+@functools.lru_cache(maxsize=64)
+def gather_indices(windows: Windows, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Indices that do :func:`partition_plain` as one gather: ``gather`` (each window-order position's source voxel,
+    or 0 where it is padding), ``scatter`` (each voxel's window-order position), ``padding`` (the padded positions,
+    None if there are none)."""
+    d, h, w = windows.size
+    # torch.roll(x, -s)[i] = x[(i + s) % P]: each padded-volume coordinate's source along one axis
+    axes = [(torch.arange(p, device=device) + s) % p for p, s in zip(windows.padded, windows.shift, strict=True)]
+    cd, ch, cw = axes[0][:, None, None], axes[1][None, :, None], axes[2][None, None, :]
+    valid = (cd < d) & (ch < h) & (cw < w)
+    source = torch.where(valid, cd * (h * w) + ch * w + cw, 0)
+    source = partition_order(source.unsqueeze(0), windows).reshape(-1)
+    valid = partition_order(valid.unsqueeze(0), windows).reshape(-1)
+    positions = torch.arange(source.numel(), device=device)
+    scatter = torch.empty(d * h * w, dtype=torch.long, device=device)
+    scatter[source[valid]] = positions[valid]
+    padding = positions[~valid] if windows.needs_padding else None
+    return source, scatter, padding
+
+
+class _Gather(torch.autograd.Function):
+    """``x.index_select(1, index)`` with the rows at ``zero`` set to 0, and as backward the inverse gather (never a
+    scatter-add: the index is a permutation of the real tokens plus padding)."""
+
+    @staticmethod
+    def forward(ctx, x, index, zero, inverse, inverse_zero):
+        ctx.inverse, ctx.inverse_zero = inverse, inverse_zero
+        y = x.index_select(1, index)
+        if zero is not None:
+            y.index_fill_(1, zero, 0)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.index_select(1, ctx.inverse)
+        if ctx.inverse_zero is not None:
+            grad.index_fill_(1, ctx.inverse_zero, 0)
+        return grad, None, None, None, None
+
+
+def partition(x: torch.Tensor, windows: Windows) -> torch.Tensor:
+    """:func:`partition_plain`; in eager mode one gather (pad, roll and partition in one copy)."""
+    if torch.compiler.is_compiling():
+        return partition_plain(x, windows)
+    b, c = x.shape[0], x.shape[-1]
+    gather, scatter, padding = gather_indices(windows, x.device)
+    y = _Gather.apply(x.reshape(b, -1, c), gather, padding, scatter, None)
+    return y.view(b, windows.count, windows.tokens, c)
+
+
+def reverse(y: torch.Tensor, windows: Windows) -> torch.Tensor:
+    """:func:`reverse_plain`; in eager mode one gather (reverse, roll back and crop in one copy)."""
+    if torch.compiler.is_compiling():
+        return reverse_plain(y, windows)
+    b, c = y.shape[0], y.shape[-1]
+    gather, scatter, padding = gather_indices(windows, y.device)
+    x = _Gather.apply(y.reshape(b, -1, c), scatter, None, gather, padding)
+    return x.view(b, *windows.size, c)
+
+
+def aligned(n: int) -> int:
+    return -(-n // BIAS_ALIGNMENT) * BIAS_ALIGNMENT
+
+
+def build_shift_mask(windows: Windows, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """MONAI's ``compute_mask`` as (windows, 1, n, aligned(n)): -100 between tokens of different shift regions, 0 in
+    the padding columns. A region is a product of three slabs per axis, [0, P-w), [P-w, P-s), [P-s, P); an axis that
+    does not shift (s = 0) does not split regions (MONAI's third slab then covers the whole axis)."""
+    ids = []
+    for p, w, s in zip(windows.padded, windows.window, windows.shift, strict=True):
+        i = torch.arange(p, device=device)
+        ids.append(((i >= p - w).long() + (i >= p - s).long()) if s > 0 else torch.zeros_like(i))
+    region = ids[0][:, None, None] * 9 + ids[1][None, :, None] * 3 + ids[2][None, None, :]
+    region = partition_order(region.unsqueeze(0), windows)[0]  # (windows, n)
+    n = windows.tokens
+    mask = torch.zeros(windows.count, 1, n, aligned(n), device=device, dtype=dtype)
+    mask[..., :n].masked_fill_((region[:, :, None] != region[:, None, :]).unsqueeze(1), MASK_VALUE)
+    return mask
+
+
+@functools.lru_cache(maxsize=16)
+def cached_shift_mask(windows: Windows, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return build_shift_mask(windows, device, dtype)
+
+
+def shift_mask(windows: Windows, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+    """The shift mask of a shifted block (None for an unshifted one): cached in eager mode, built inside the graph
+    under ``torch.compile`` (a compiled graph must not read a Python-side cache)."""
+    if not windows.shifted:
+        return None
+    if torch.compiler.is_compiling():
+        return build_shift_mask(windows, device, dtype)
+    return cached_shift_mask(windows, device, dtype)
+
+
+def relative_position_index(window: Sequence[int]) -> torch.Tensor:
+    """MONAI's (n, n) index into the (2w-1)^3 relative position table of a 3D window."""
+    coords = torch.stack(torch.meshgrid(*(torch.arange(w) for w in window), indexing="ij")).flatten(1)
+    relative = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0).contiguous()
+    for axis, w in enumerate(window):
+        relative[:, :, axis] += w - 1
+    relative[:, :, 0] *= (2 * window[1] - 1) * (2 * window[2] - 1)
+    relative[:, :, 1] *= 2 * window[2] - 1
+    return relative.sum(-1)
+
+
+def drop_path(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Stochastic depth as MONAI's ``DropPath`` (per sample, scaled by the keep probability)."""
+    if p == 0.0 or not training:
+        return x
+    keep = 1.0 - p
+    return x * x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep).div_(keep)
+
+
+class WindowAttention(nn.Module):
+    """MONAI's ``WindowAttention`` parameters; forward through ``scaled_dot_product_attention`` (module docstring)."""
+
+    def __init__(
+        self, dim: int, num_heads: int, window_size: Sequence[int], qkv_bias: bool, attn_drop: float, drop: float
+    ):
+        super().__init__()
+        self.dim, self.num_heads, self.window_size = dim, num_heads, tuple(window_size)
+        self.scale = (dim // num_heads) ** -0.5
+        table = (2 * window_size[0] - 1) * (2 * window_size[1] - 1) * (2 * window_size[2] - 1)
+        self.relative_position_bias_table = nn.Parameter(torch.zeros(table, num_heads))
+        self.register_buffer("relative_position_index", relative_position_index(window_size))
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.attn_drop = attn_drop
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(drop)
+        nn.init.trunc_normal_(self.relative_position_bias_table, std=0.02)
+
+    def position_bias(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """(heads, n, aligned(n)) relative position bias in ``dtype``; MONAI takes the first n rows and columns of the
+        full window's index also where the window has shrunk. The padding columns hold finite values, never read."""
+        index = F.pad(self.relative_position_index[:n, :n], (0, aligned(n) - n))
+        return self.relative_position_bias_table.to(dtype)[index].permute(2, 0, 1).contiguous()
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """(B, windows, n, C) → the same; ``mask``: (windows, 1, n, aligned(n)) for a shifted block."""
+        b, nw, n, c = x.shape
+        heads = self.num_heads
+        qkv = self.qkv(x)
+        dropout = self.attn_drop if self.training else 0.0
+        bias = self.position_bias(n, qkv.dtype)
+        if mask is None:  # windows as the batch; q, k, v stay views of the projection
+            q, k, v = qkv.view(b * nw, n, 3, heads, c // heads).permute(2, 0, 3, 1, 4).unbind(0)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=bias[:, :, :n].unsqueeze(0), dropout_p=dropout, scale=self.scale
+            )
+            out = out.transpose(1, 2).reshape(b, nw, n, c)
+        else:  # windows × heads as the heads of one row per image: the per-window bias broadcasts over images
+            q, k, v = (
+                qkv.view(b, nw, n, 3, heads, c // heads).permute(3, 0, 1, 4, 2, 5).reshape(3, b, nw * heads, n, -1)
+            )
+            bias = (bias.unsqueeze(0) + mask.to(bias.dtype)).view(1, nw * heads, n, -1)[..., :n]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout, scale=self.scale)
+            out = out.view(b, nw, heads, n, -1).transpose(2, 3).reshape(b, nw, n, c)
+        return self.proj_drop(self.proj(out))
+
+
+class Mlp(nn.Module):
+    """MONAI's ``MLPBlock`` (GELU, "swin" dropout) with its parameter names."""
+
+    def __init__(self, dim: int, hidden: int, drop: float):
+        super().__init__()
+        self.linear1 = nn.Linear(dim, hidden)
+        self.linear2 = nn.Linear(hidden, dim)
+        self.drop = nn.Dropout(drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.linear2(self.drop(F.gelu(self.linear1(x)))))
+
+
+class SwinTransformerBlock(nn.Module):
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        window_size: Sequence[int],
+        mlp_ratio: float,
+        qkv_bias: bool,
+        drop: float,
+        attn_drop: float,
+        drop_path: float,
+        use_checkpoint: bool,
+    ):
+        super().__init__()
+        self.use_checkpoint = use_checkpoint
+        self.drop_path = drop_path
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = WindowAttention(dim, num_heads, window_size, qkv_bias, attn_drop, drop)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
+
+    def attention_part(self, x: torch.Tensor, windows: Windows) -> torch.Tensor:
+        h = partition(layer_norm(x, self.norm1), windows)
+        h = self.attn(h, shift_mask(windows, h.device, h.dtype))
+        return reverse(h, windows)
+
+    def mlp_part(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(layer_norm(x, self.norm2))
+
+    def forward(self, x: torch.Tensor, windows: Windows) -> torch.Tensor:
+        """(B, D, H, W, C) → the same."""
+        if self.use_checkpoint:
+            x = x + drop_path(checkpoint(self.attention_part, x, windows, use_reentrant=False), *self._drop)
+            return x + drop_path(checkpoint(self.mlp_part, x, use_reentrant=False), *self._drop)
+        x = x + drop_path(self.attention_part(x, windows), *self._drop)
+        return x + drop_path(self.mlp_part(x), *self._drop)
+
+    @property
+    def _drop(self) -> tuple[float, bool]:
+        return self.drop_path, self.training
+
+
+class PatchMerging(nn.Module):
+    """MONAI's ``PatchMerging`` (``v2=False``: its v0.9 order of the eight neighbours) or ``PatchMergingV2``;
+    channels-last in and out."""
+
+    ORDER = ((0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 1, 0), (1, 0, 1), (0, 1, 1), (1, 1, 1))
+
+    def __init__(self, dim: int, v2: bool = False):
+        super().__init__()
+        self.v2 = v2
+        self.reduction = nn.Linear(8 * dim, 2 * dim, bias=False)
+        self.norm = nn.LayerNorm(8 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, d, h, w, _ = x.shape
+        if d % 2 or h % 2 or w % 2:
+            x = F.pad(x, (0, 0, 0, w % 2, 0, h % 2, 0, d % 2))
+        order = itertools.product(range(2), range(2), range(2)) if self.v2 else self.ORDER
+        x = torch.cat([x[:, i::2, j::2, k::2, :] for i, j, k in order], -1)
+        return self.reduction(layer_norm(x, self.norm))
+
+
+class BasicLayer(nn.Module):
+    """One stage: ``depth`` blocks (odd ones shifted) then the patch merging; channels-last in and out."""
+
+    def __init__(
+        self,
+        dim: int,
+        depth: int,
+        num_heads: int,
+        window_size: Sequence[int],
+        drop_path: Sequence[float],
+        mlp_ratio: float,
+        qkv_bias: bool,
+        drop: float,
+        attn_drop: float,
+        merging_v2: bool,
+        use_checkpoint: bool,
+    ):
+        super().__init__()
+        self.window_size = tuple(window_size)
+        self.shift_size = tuple(w // 2 for w in window_size)
+        self.blocks = nn.ModuleList(
+            SwinTransformerBlock(dim, num_heads, window_size, mlp_ratio, qkv_bias, drop, attn_drop, p, use_checkpoint)
+            for p in drop_path
+        )
+        self.downsample = PatchMerging(dim, merging_v2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        size = tuple(x.shape[1:4])
+        window, shift = get_window_size(size, self.window_size, self.shift_size)
+        plain, shifted = Windows(size, window, (0, 0, 0)), Windows(size, window, shift)
+        for i, block in enumerate(self.blocks):
+            x = block(x, shifted if i % 2 else plain)
+        return self.downsample(x)
+
+
+class PatchEmbed(nn.Module):
+    """MONAI's ``PatchEmbed`` (a stride-``patch`` convolution, zero-padding the input to a multiple of the patch)
+    computed as one matrix product over the patches, channels-last out."""
+
+    def __init__(self, patch_size: Sequence[int], in_chans: int, embed_dim: int, patch_norm: bool):
+        super().__init__()
+        self.patch_size = tuple(patch_size)
+        self.proj = nn.Conv3d(in_chans, embed_dim, kernel_size=self.patch_size, stride=self.patch_size)
+        self.norm = nn.LayerNorm(embed_dim) if patch_norm else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, *size = x.shape
+        pads = [-s % p for s, p in zip(size, self.patch_size, strict=True)]
+        if any(pads):
+            x = F.pad(x, (0, pads[2], 0, pads[1], 0, pads[0]))
+        x = x.to(compute_dtype(x))  # cast before the patch reshape's copy, not after
+        (pd, ph, pw), (d, h, w) = self.patch_size, (s // p for s, p in zip(x.shape[2:], self.patch_size, strict=True))
+        patches = x.view(b, c, d, pd, h, ph, w, pw).permute(0, 2, 4, 6, 1, 3, 5, 7).reshape(b, d, h, w, -1)
+        x = F.linear(patches, self.proj.weight.flatten(1), self.proj.bias)
+        return x if self.norm is None else layer_norm(x, self.norm)
+
+
+UNSUPPORTED = {"use_hyena": False, "hyena_stages": None}
+
+
+class SwinTransformer(nn.Module):
+    """MONAI's 3D ``SwinTransformer`` (same arguments, parameters and outputs), faster: see the module docstring.
+
+    ``use_flash_attention`` (MONAI's switch for its fused attention without gradients) is accepted and ignored: this
+    one always runs fused. MONAI's Hyena blocks, 2D and norm layers other than LayerNorm are not supported.
+    """
+
+    def __init__(
+        self,
+        in_chans: int,
+        embed_dim: int,
+        window_size: Sequence[int],
+        patch_size: Sequence[int],
+        depths: Sequence[int],
+        num_heads: Sequence[int],
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        norm_layer: type[nn.Module] = nn.LayerNorm,
+        patch_norm: bool = False,
+        use_checkpoint: bool = False,
+        spatial_dims: int = 3,
+        downsample: str = "merging",
+        use_v2: bool = False,
+        use_flash_attention: bool = False,
+        **unsupported: Any,
+    ):
+        super().__init__()
+        bad = {k: v for k, v in unsupported.items() if k not in UNSUPPORTED and not k.startswith("hyena_")}
+        if bad:
+            raise TypeError(f"SwinTransformer got unexpected arguments {sorted(bad)}")
+        used = sorted(k for k, v in unsupported.items() if v != UNSUPPORTED.get(k, v))
+        if used:
+            raise ValueError(f"gx-ray's SwinTransformer has no Hyena blocks ({used}); use implementation 'monai'")
+        if spatial_dims != 3 or len(window_size) != 3 or len(patch_size) != 3:
+            raise ValueError(f"gx-ray's SwinTransformer is 3D only: spatial_dims {spatial_dims}, window {window_size}")
+        if len(depths) != 4 or len(num_heads) != 4:
+            raise ValueError(f"MONAI's SwinTransformer has four stages: depths {depths}, num_heads {num_heads}")
+        if norm_layer is not nn.LayerNorm:
+            raise ValueError(f"gx-ray's SwinTransformer normalises with nn.LayerNorm only, not {norm_layer}")
+        if downsample not in ("merging", "mergingv2"):
+            raise ValueError(f"downsample {downsample!r}: gx-ray's SwinTransformer has 'merging' and 'mergingv2'")
+        self.num_layers = len(depths)
+        self.embed_dim = embed_dim
+        self.patch_norm = patch_norm
+        self.window_size = tuple(window_size)
+        self.patch_size = tuple(patch_size)
+        self.patch_embed = PatchEmbed(patch_size, in_chans, embed_dim, patch_norm)
+        self.pos_drop = nn.Dropout(p=drop_rate)
+        rates = [x.item() for x in torch.linspace(0, drop_path_rate, sum(depths))]
+        self.use_v2 = use_v2
+        self.layers1, self.layers2, self.layers3, self.layers4 = (nn.ModuleList() for _ in range(4))
+        if use_v2:
+            self.layers1c, self.layers2c, self.layers3c, self.layers4c = (nn.ModuleList() for _ in range(4))
+        for i in range(4):
+            layer = BasicLayer(
+                dim=embed_dim * 2**i,
+                depth=depths[i],
+                num_heads=num_heads[i],
+                window_size=self.window_size,
+                drop_path=rates[sum(depths[:i]) : sum(depths[: i + 1])],
+                mlp_ratio=mlp_ratio,
+                qkv_bias=qkv_bias,
+                drop=drop_rate,
+                attn_drop=attn_drop_rate,
+                merging_v2=downsample == "mergingv2",
+                use_checkpoint=use_checkpoint,
+            )
+            getattr(self, f"layers{i + 1}").append(layer)
+            if use_v2:
+                from monai.networks.blocks import UnetrBasicBlock  # MONAI's residual conv block, its parameters
+
+                block = UnetrBasicBlock(3, embed_dim * 2**i, embed_dim * 2**i, 3, 1, "instance", res_block=True)
+                getattr(self, f"layers{i + 1}c").append(block)
+        self.num_features = int(embed_dim * 2 ** (self.num_layers - 1))
+
+    @staticmethod
+    def proj_out(x: torch.Tensor, normalize: bool = False) -> torch.Tensor:
+        """A channels-last stage output as (B, C, D, H, W), layer-normalised over C (no affine) as MONAI's."""
+        if normalize:
+            x = F.layer_norm(x, x.shape[-1:])
+        return x.permute(0, 4, 1, 2, 3)
+
+    def forward(self, x: torch.Tensor, normalize: bool = True) -> list[torch.Tensor]:
+        x = self.pos_drop(self.patch_embed(x))
+        outputs = [self.proj_out(x, normalize)]
+        for i in range(4):
+            if self.use_v2:  # MONAI's conv block reads (B, C, D, H, W): a channels-last view, and back
+                x = getattr(self, f"layers{i + 1}c")[0](x.permute(0, 4, 1, 2, 3)).permute(0, 2, 3, 4, 1).contiguous()
+            x = getattr(self, f"layers{i + 1}")[0](x)
+            outputs.append(self.proj_out(x, normalize))
+        return outputs
