@@ -17,7 +17,6 @@ python jobs/benchmark.py cluster [--gpus N] [--budget 540]    # the ablation on 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -258,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_model_result(result))
         conditions = {"model": args.model, "shape": args.shape, "batch": f"b{args.batch}", "amp": args.amp,
                       "compile": "compiled" if args.compile else "eager", "attention": args.attention}  # fmt: skip
-        record("model", conditions, {**dataclasses.asdict(result), "ratio": result.ratio})
+        record("model", conditions, result.figures())
     return 0
 
 

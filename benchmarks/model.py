@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -28,6 +28,7 @@ import psutil
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from gx_ray.modalities.inputs import ModelInputs
 from gx_ray.modalities.schemas import ModalitySchema
@@ -84,11 +85,31 @@ class ModelBenchmarkResult:
     device: str
     registry: Timing
     raw: Timing
+    flops_per_sample: dict[str, float] = field(default_factory=dict)
+    """Training FLOPs of one sample (forward and backward) per side, counted by ``FlopCounterMode`` on an eager step."""
+    matmul_peak_flops: float | None = None
+    """A bf16 8192³ matrix product's rate on this GPU, measured in the same run: the ceiling the shares are of."""
 
     @property
     def ratio(self) -> float:
         """Registry samples/s over raw samples/s: 1.0 means the wrapping costs nothing."""
         return self.registry.samples_per_s / self.raw.samples_per_s
+
+    def tflops(self, side: str) -> float:
+        """The side's training TFLOP/s: its FLOPs a sample times its samples/s."""
+        return self.flops_per_sample[side] * getattr(self, side).samples_per_s / 1e12
+
+    def share_of_peak(self, side: str) -> float | None:
+        return self.tflops(side) * 1e12 / self.matmul_peak_flops if self.matmul_peak_flops else None
+
+    def figures(self) -> dict[str, Any]:
+        """Everything measured, with the derived rates, as the results file keeps it."""
+        derived = {
+            f"{side}.{name}": value
+            for side in ("registry", "raw")
+            for name, value in (("tflops", self.tflops(side)), ("share_of_matmul_peak", self.share_of_peak(side)))
+        }
+        return {**asdict(self), "ratio": self.ratio, **derived}
 
 
 def schema_for_channels(channels: int) -> ModalitySchema:
@@ -117,8 +138,8 @@ def run_model_benchmark(config: ModelBenchmarkConfig, device: str | torch.device
     inputs = ModelInputs(ct, torch.ones(config.batch, len(schema.phases), dtype=torch.bool, device=device))
     backbone: dict[str, Any] = {}
 
-    def registry_step() -> Callable[[], torch.Tensor]:
-        encoder = build_encoder(model_config, schema)
+    def registry_step(compile: bool = config.compile) -> Callable[[], torch.Tensor]:
+        encoder = build_encoder(replace(model_config, compile=compile), schema)
         backbone.update(
             cls=getattr(encoder.vision, "monai_class", type(encoder.vision.backbone)),  # swin3d: MONAI's, raw
             arguments=encoder.vision.backbone_arguments,
@@ -128,28 +149,53 @@ def run_model_benchmark(config: ModelBenchmarkConfig, device: str | torch.device
         groups = param_groups(model, config.lr, config.weight_decay, text_lr_multiplier=2.0)  # the paper's
         return _train_step(model, torch.optim.AdamW(groups, config.lr), lambda: model.head(encoder(inputs).pooled))
 
-    def raw_step() -> Callable[[], torch.Tensor]:
+    def raw_step(compile: bool = config.compile) -> Callable[[], torch.Tensor]:
         net = backbone["cls"](**backbone["arguments"])
-        if config.compile:
+        if compile:
             compile_in_place(net)
         model = nn.ModuleDict({"net": net, "head": nn.Linear(backbone["width"], config.classes)}).to(device)
         x = stack_slices(ct, model_config.vision_kwargs.get("slices", 16)) if config.model == "multichannel2d" else ct
         optimizer = torch.optim.AdamW(model.parameters(), config.lr, weight_decay=config.weight_decay)
         return _train_step(model, optimizer, lambda: model.head(_pooled(net(x))))
 
+    def amp() -> Any:
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.amp == "bf16")
+
     def train(build: Callable[[], Callable[[], torch.Tensor]]) -> Timing:
-        amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.amp == "bf16")
-        return _time_training(build, lambda logits: F.cross_entropy(logits, labels), amp, config, device)
+        return _time_training(build, lambda logits: F.cross_entropy(logits, labels), amp(), config, device)
+
+    def flops(build: Callable[[bool], Callable[..., torch.Tensor]]) -> float:
+        """One eager step's FLOPs over the batch (compiled kernels hide their operations from the counter)."""
+        step = build(False)
+        with FlopCounterMode(display=False) as counter:
+            step(lambda logits: F.cross_entropy(logits, labels), amp())
+        del step
+        return counter.get_total_flops() / config.batch
 
     cudnn_benchmark = torch.backends.cudnn.benchmark
     torch.backends.cudnn.benchmark = True  # the same for both sides; it is what a GPU trial would run with
     try:
         registry = train(registry_step)
         raw = train(raw_step)
+        counted = {"registry": flops(registry_step), "raw": flops(raw_step)}
     finally:
         torch.backends.cudnn.benchmark = cudnn_benchmark
+    peak = matmul_peak(device) if device.type == "cuda" else None
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
-    return ModelBenchmarkResult(config, name, registry, raw)
+    return ModelBenchmarkResult(config, name, registry, raw, counted, peak)
+
+
+def matmul_peak(device: torch.device, size: int = 8192, repeats: int = 10) -> float:
+    """FLOP/s of a bf16 ``size``³ matrix product on ``device``: the card's practical matmul ceiling, in this run."""
+    a, b = (torch.randn(size, size, device=device, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    synchronize(device)
+    return 2 * size**3 * repeats / (time.perf_counter() - start)
 
 
 def _pooled(features: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
@@ -238,15 +284,24 @@ def peak_memory(device: torch.device, interval_s: float = 0.005) -> Iterator[dic
 
 def format_model_result(result: ModelBenchmarkResult) -> str:
     c = result.config
-    attention = f", attention {c.vision_kwargs.get('attention', 'fused')}" if c.model == "swin3d" else ""
+    swin = c.vision_kwargs.get("implementation", "gx")
+    attention = f", {swin}'s Swin, raw: MONAI's" if c.model == "swin3d" else ""
     rows = [
         f"model {c.model} (fusion {c.fusion}{attention}), input {'x'.join(map(str, c.shape))}, batch {c.batch}, "
         f"amp {c.amp}{', compiled' if c.compile else ''}, {c.steps} timed steps after {c.warmup} warm-up, "
         f"on {result.device}",
-        f"{'':10}{'samples/s':>12}{'peak memory':>14}{'warm-up':>10}",
+        f"{'':10}{'samples/s':>12}{'peak memory':>14}{'warm-up':>10}{'GFLOP/sample':>14}{'TFLOP/s':>9}"
+        f"{'of matmul':>11}",
     ]
-    for label, t in (("registry", result.registry), ("raw", result.raw)):
-        memory = t.peak_memory_bytes / 2**30
-        rows.append(f"{label:10}{t.samples_per_s:12.2f}{memory:11.2f} GiB{t.warmup_seconds:8.1f} s")
+    for label in ("registry", "raw"):
+        t = getattr(result, label)
+        memory, share = t.peak_memory_bytes / 2**30, result.share_of_peak(label)
+        rows.append(
+            f"{label:10}{t.samples_per_s:12.2f}{memory:11.2f} GiB{t.warmup_seconds:8.1f} s"
+            f"{result.flops_per_sample[label] / 1e9:14.1f}{result.tflops(label):9.2f}"
+            f"{'—' if share is None else f'{100 * share:.1f} %':>11}"
+        )
     rows.append(f"ratio registry/raw: {result.ratio:.3f}")
+    if result.matmul_peak_flops:
+        rows.append(f"bf16 8192³ matmul on this card, same run: {result.matmul_peak_flops / 1e12:.0f} TFLOP/s")
     return "\n".join(rows)
