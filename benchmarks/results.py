@@ -91,6 +91,9 @@ def _text(value: Any) -> str:
 
 
 def _commit() -> str:
+    """The checkout's commit (``GX_RAY_COMMIT`` where the checkout travels without its history, as to a GPU machine)."""
+    if os.environ.get("GX_RAY_COMMIT"):
+        return os.environ["GX_RAY_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=RESULTS_DIR.parent, capture_output=True, text=True, timeout=5
