@@ -412,3 +412,15 @@ def test_floor_bound_is_true_and_is_what_a_huge_effect_gives():
     others = np.r_[result["p_value"], rng.uniform(p_floor(1199), 1, 14)]
     assert holm(others).min() == pytest.approx(p_floor(1199, 15))  # the demo's 0.025
     assert format_p(holm(others).min(), 1199, 15) == "≤ 0.025 (floor of 1,199 replicates)"
+
+
+def test_power_curve_plot_draws_both_axes(tmp_path):
+    from gx_ray.analysis.plots import power_curve_figure, power_curve_plot
+
+    differences = np.random.default_rng(19).normal(3, 12, (3, 300))
+    curve = power_curve(differences, 3.0, seeds=(2, 3, 5), patients=(64, 255), seed_sd=1.0, studies=200)
+    figure = power_curve_figure(curve)
+    lines = {child.get_gid(): child for ax in figure.axes for child in ax.get_children() if child.get_gid()}
+    assert {"power-seeds", "power-patients"} <= set(lines)
+    assert [p.suffix for p in power_curve_plot(curve, tmp_path / "power")] == [".png", ".svg"]
+    assert (tmp_path / "power.png").stat().st_size > 1000

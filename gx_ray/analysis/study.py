@@ -15,7 +15,8 @@ effect away. The order of the two draws does not matter, as they are independent
 - Seed level: NOT resampled. With 3-5 seeds a resample only spans their range (three seeds' min and max hold the
   mean 75 % of the time). It is Student's t with S - 1 degrees of freedom, scaled by the standard error of the seed
   main effect: the variance over seeds of their full-test-set scores, over S, less the patient x seed interaction's
-  share of it (measured on the patient replicates, which already carry it). With one seed there is no seed level.
+  share of it (measured on the patient replicates, which already carry it), clamped at 0: seeds that agree within
+  their interaction noise add no seed level. With one seed there is none.
 - Folds (cross-validation): each seed's out-of-fold predictions cover every patient once. Patients are resampled
   within their fold (each fold's models keep their count of patients); a seed's fold models are one unit of the seed
   level (their spread is in the seed's score). The fold assignment must be the same for every seed.
@@ -44,7 +45,6 @@ Arm = Sequence[Scorer | Sequence[Scorer]]
 
 METHOD = "two-level bootstrap: patients × seeds"
 SEED_LEVELS = ("t", "resample", "none")
-HERMITE_NODES = 48
 
 
 # --- scorers that score a whole batch of replicates at once ---------------------------------------------------------
