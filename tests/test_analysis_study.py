@@ -130,6 +130,19 @@ def test_seed_effects_shared_by_the_arms_cancel_in_the_difference_but_not_in_a_c
     assert "diff" in difference and "diff" not in cell
 
 
+def test_interaction_noise_is_not_counted_twice_at_the_seed_level():
+    """No seed effect, only patient x seed noise: the seeds' spread on the test set is that noise, which the patient
+    level already carries, so the seed level is near zero, not the seeds' standard error."""
+    rng = np.random.default_rng(20)
+    found, naive = [], []
+    for _ in range(20):
+        patient = rng.normal(60, 10, 50)
+        values = [patient + rng.normal(0, 20, 50) for _ in range(4)]
+        found.append(two_level_bootstrap([CaseMeans(v) for v in values], None, 50, n_resamples=300)["se_seeds"])
+        naive.append(np.std([v.mean() for v in values], ddof=1) / 2)
+    assert np.mean(found) < 0.4 * np.mean(naive)
+
+
 def test_seed_level_alone_gives_the_t_interval_over_seeds():
     """Every patient scores the same within a seed: no patient variance, and the interval is Student's t over the
     seeds (seed_summary), which a resample of three seeds (their range at most) cannot reach."""
