@@ -428,12 +428,15 @@ def test_floor_bound_is_true_and_is_what_a_huge_effect_gives():
 
 
 def test_power_curve_plot_draws_both_axes(tmp_path):
+    import matplotlib.pyplot as plt
+
     from gx_ray.analysis.plots import power_curve_figure, power_curve_plot
 
     differences = np.random.default_rng(19).normal(3, 12, (3, 300))
     curve = power_curve(differences, 3.0, seeds=(2, 3, 5), patients=(64, 255), seed_sd=1.0, studies=200)
     figure = power_curve_figure(curve)
     lines = {child.get_gid(): child for ax in figure.axes for child in ax.get_children() if child.get_gid()}
+    plt.close(figure)
     assert {"power-seeds", "power-patients"} <= set(lines)
     assert [p.suffix for p in power_curve_plot(curve, tmp_path / "power")] == [".png", ".svg"]
     assert (tmp_path / "power.png").stat().st_size > 1000
