@@ -4,14 +4,18 @@ python jobs/validate.py demo                          # the main command learns 
 python jobs/validate.py planted-signal                # two 160-case cohorts, 2 x 10 trials (about 15 min on 2 cores)
 python jobs/validate.py planted-signal --cases 240    # more test patients, more power
 python jobs/validate.py ct-bench                      # CT-Bench's findings on a 320-case cohort (about 20 min)
+python jobs/validate.py coverage                      # bootstrap coverage and planned power, on simulated studies
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+import time
 from pathlib import Path
 
+from gx_ray.analysis import study
 from gx_ray.runtime import tolerant_console
 from gx_ray.sweep.validate import CT_BENCH_CASES, ct_bench, demo, planted_signal
 
@@ -33,22 +37,93 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output", type=Path, default=Path("outputs/validate/ct_bench"))
     bench.add_argument("--cases", type=int, default=CT_BENCH_CASES)
     bench.add_argument("--seed", type=int, default=0, help="the demo cohort's seed")
-    bench.add_argument(
-        "--address",
-        help=ADDRESS,
-    )
+    bench.add_argument("--address", help=ADDRESS)
     main_command = checks.add_parser("demo", help="the main command's demo learns every task and finds inputs help")
     main_command.add_argument("--output", type=Path, default=Path("outputs/validate/demo"))
-    main_command.add_argument(
-        "--address",
-        help=ADDRESS,
+    main_command.add_argument("--address", help=ADDRESS)
+    simulated = checks.add_parser(
+        "coverage", help="two-level bootstrap coverage and planned power, on simulated studies"
     )
+    simulated.add_argument("--studies", type=int, default=2000, help="simulated studies per coverage scenario")
+    simulated.add_argument("--resamples", type=int, default=999, help="bootstrap replicates per simulated study")
+    simulated.add_argument("--power-studies", type=int, default=1000, help="studies per power check")
+    simulated.add_argument("--seed", type=int, default=0, help="the simulations' seed")
+    simulated.add_argument("--only", choices=("coverage", "power"), help="run one of the two parts")
     return parser
+
+
+COVERAGE_SIZES = ((64, 5), (255, 3), (255, 5))
+"""(test patients, seeds): the demo's, then Gastric-X's test split with 3 and 5 seeds."""
+POWER_DESIGNS = (
+    ("balanced", 64, 5, 1),
+    ("balanced", 255, 5, 5),
+    ("balanced", 255, 10, 1),
+    ("seed-heavy", 255, 3, 1),
+    ("seed-heavy", 255, 10, 1),
+)
+"""(variance mix, test patients, seeds, comparisons in the Holm family)."""
+COVERAGE_FLOOR = 0.93
+POWER_TOLERANCE = 0.05
+
+
+def coverage_table(studies: int, resamples: int, seed: int) -> bool:
+    """Print the coverage of nominal 95 % intervals by seed level; True when every two-level one covers >= 93 %."""
+    passed = True
+    print(f"Coverage of nominal 95 % intervals, {studies:,} simulated studies each, {resamples} replicates")
+    print("(± Monte-Carlo SE; se: mean standard error of each level, two-level bootstrap)")
+    print(
+        f"{'metric':9}{'mix':11}{'patients':>9}{'seeds':>6}  {'target':11}{'two-level (t)':>15}"
+        f"{'seeds resampled':>17}{'patients only':>15}{'se patients':>12}{'se seeds':>9}"
+    )
+    for metric in ("accuracy", "auc"):
+        for mix, model in study.MIXES.items():
+            for patients, seeds in COVERAGE_SIZES:
+                model_of = dataclasses.replace(model, metric=metric)
+                rows = study.coverage(model_of, patients, seeds, studies, resamples, seed=seed)
+                for target in ("cell", "difference"):
+                    got = {r["seed_level"]: r for r in rows if r["target"] == target}
+                    cells = [f"{100 * r['coverage']:.1f} ± {100 * r['mc_error']:.1f}" for r in got.values()]
+                    passed &= got["t"]["coverage"] >= COVERAGE_FLOOR
+                    print(
+                        f"{metric:9}{mix:11}{patients:>9}{seeds:>6}  {target:11}{cells[0]:>15}{cells[1]:>17}"
+                        f"{cells[2]:>15}{got['t']['se_patients']:>12.2f}{got['t']['se_seeds']:>9.2f}"
+                    )
+    return passed
+
+
+def power_table(studies: int, seed: int) -> bool:
+    """Print the planner's power against power measured with the real bootstrap; True when all within 5 points."""
+    passed = True
+    print(f"Planned power against power measured with the two-level bootstrap ({studies:,} studies each)")
+    for mix, patients, seeds, comparisons in POWER_DESIGNS:
+        r = study.power_check(study.MIXES[mix], patients, seeds, comparisons, studies=studies, seed=seed)
+        passed &= abs(r["predicted"] - r["measured"]) <= POWER_TOLERANCE
+        print(
+            f"  accuracy {mix:11}{patients:>4} patients {seeds:>2} seeds, Holm over {comparisons}, effect "
+            f"{r['effect']:.2f}: predicted {100 * r['predicted']:.1f} ± {100 * r['predicted_error']:.1f}, "
+            f"measured {100 * r['measured']:.1f} ± {100 * r['measured_error']:.1f}"
+        )
+    return passed
+
+
+def coverage_check(args: argparse.Namespace) -> int:
+    """The ``coverage`` check: 0 when every two-level interval covers >= 93 % and every planned power is within 5
+    points of the measured one."""
+    started, passed = time.perf_counter(), True
+    if args.only != "power":
+        passed &= coverage_table(args.studies, args.resamples, args.seed)
+        print()
+    if args.only != "coverage":
+        passed &= power_table(args.power_studies, args.seed)
+    print(f"\n{'passed' if passed else 'FAILED'} in {time.perf_counter() - started:.0f} s")
+    return 0 if passed else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     tolerant_console()
     args = build_parser().parse_args(argv)
+    if args.check == "coverage":
+        return coverage_check(args)
     if args.check == "demo":
         results = demo(args.output, args.address)
     elif args.check == "ct-bench":

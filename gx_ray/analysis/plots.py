@@ -290,3 +290,29 @@ __all__ = [
     "slice_context_figure",
     "slice_context_plot",
 ]
+
+
+def power_curve_figure(curve: dict, target: float = 0.8):
+    """Two panels from :func:`gx_ray.analysis.study.power_curve`: planned power against seeds (gid ``power-seeds``) and
+    against test patients (gid ``power-patients``), with Monte-Carlo error bars and the ``target`` power dashed."""
+    fig, axes = plt.subplots(1, 2, figsize=(7.5, 2.8), sharey=True)
+    panels = (("against_seeds", "seeds", "patients"), ("against_patients", "patients", "seeds"))
+    for ax, (key, axis, fixed) in zip(axes, panels, strict=True):
+        rows = curve[key]
+        x = [r[axis] for r in rows]
+        power = np.array([100 * r["power"] for r in rows])
+        error = np.array([100 * r["mc_error"] for r in rows])
+        ax.errorbar(x, power, yerr=error, fmt="o-", color=SCHEMA_COLOURS["image_only"], capsize=3, gid=f"power-{axis}")
+        ax.axhline(100 * target, color="grey", linestyle="--", linewidth=1)
+        ax.set_xlabel(f"{axis} (at {rows[0][fixed]} {fixed})" if rows else axis, fontsize=8)
+        ax.set_ylim(0, 100)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("power (%)", fontsize=8)
+    fig.suptitle(f"Planned power to find a difference of {curve['effect']:g}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def power_curve_plot(curve: dict, path_stem: str | Path, target: float = 0.8) -> list[Path]:
+    """Write :func:`power_curve_figure` as ``<path_stem>.png`` (dpi 150) and ``.svg``; the paths written."""
+    return _save(power_curve_figure(curve, target), path_stem)

@@ -1,0 +1,802 @@
+"""Statistics a researcher can defend: a two-level bootstrap over test patients and seeds, its coverage measured
+against a known truth, power planning from a pilot, equivalence and non-inferiority, and p-values shown with the
+bootstrap's resolution floor. NumPy and SciPy only, like :mod:`gx_ray.analysis.bootstrap`, for the report's workers.
+
+**Two-level bootstrap** (:func:`two_level_bootstrap`). A cell's number is the mean over S seeds of a metric on n test
+patients; it moves with the patients (another test set), the seeds (another training run) and their interaction (a
+patient one seed gets right and another wrong). Patients and seeds are *crossed*, not nested: every seed's model
+scores every patient. So one replicate draws ONE multiset of patients, shared by every seed and both arms, and ONE
+seed-level deviation, shared by both arms: seed s of schema A and of schema B share a data order and an initialisation,
+so the seed level acts on the per-seed paired difference. Drawing seeds per patient (nested) would average the seed
+effect away. The order of the two draws does not matter, as they are independent; patients come first in the code.
+
+- Patient level: n patients with replacement (within each fold, where there are folds), deviations scaled by
+  sqrt(k / (k - 1)) for k patients per fold, the bootstrap's own small-sample bias (exact for means).
+- Seed level: NOT resampled. With 3-5 seeds a resample only spans their range (three seeds' min and max hold the
+  mean 75 % of the time). It is Student's t with S - 1 degrees of freedom, scaled by the standard error of the seed
+  main effect: the variance over seeds of their full-test-set scores, over S, less the patient x seed interaction's
+  share of it (measured on the patient replicates, which already carry it), clamped at 0: seeds that agree within
+  their interaction noise add no seed level. With one seed there is none.
+- Folds (cross-validation): each seed's out-of-fold predictions cover every patient once. Patients are resampled
+  within their fold (each fold's models keep their count of patients); a seed's fold models are one unit of the seed
+  level (their spread is in the seed's score). The fold assignment must be the same for every seed.
+
+Assumptions: patients exchangeable draws from the population the test set samples; seeds exchangeable; the seed
+main effect roughly normal (the t interval's assumption; heavy-tailed seed effects need more seeds); the metric
+smooth enough in the patients for a percentile interval (about 20 patients or more). :func:`coverage` measures the
+coverage on simulated studies with a known truth, for a mean-of-cases metric (accuracy) and a corpus metric (AUC).
+
+**Power** (:func:`plan_power`) resamples a pilot's per-patient paired differences; **equivalence** (:func:`equivalence`)
+is TOST with a margin; :func:`format_p` shows a p-value at the bootstrap's floor as a bound.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy import stats
+
+Scorer = Callable[[np.ndarray], float]
+Arm = Sequence[Scorer | Sequence[Scorer]]
+"""Per seed: one scorer over the shared patient list, or one per fold (each scored on its fold's patients)."""
+
+METHOD = "two-level bootstrap: patients × seeds"
+SEED_LEVELS = ("t", "resample", "none")
+
+
+# --- scorers that score a whole batch of replicates at once ---------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class CaseMeans:
+    """A mean-of-cases metric: ``scale * sum(numerator[i]) / sum(denominator[i])`` over the scored cases ``i``.
+
+    ``denominator`` None weighs every case 1 (accuracy from 0/1 correctness); VQA accuracy pools questions:
+    numerator = right answers, denominator = questions per patient. :meth:`batch` scores every replicate with one
+    matrix product.
+    """
+
+    numerator: np.ndarray
+    denominator: np.ndarray | None = None
+    scale: float = 1.0
+
+    def __call__(self, indices: np.ndarray) -> float:
+        return float(self.batch(np.bincount(indices, minlength=len(self.numerator))[None])[0])
+
+    def batch(self, counts: np.ndarray) -> np.ndarray:
+        """The metric of each row of ``counts`` (replicates x cases: how often each case is drawn)."""
+        total = counts @ (np.ones(len(self.numerator)) if self.denominator is None else self.denominator)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(total > 0, self.scale * (counts @ self.numerator) / total, np.nan)
+
+
+PAIR_MATRIX_MAX = 4_000_000
+"""Up to this many (negative, positive) pairs :class:`CaseAUC` counts with one matrix product; above, by sorting."""
+
+
+@dataclass(frozen=True, eq=False)
+class CaseAUC:
+    """Binary AUC (ties count one half) of ``scores`` against 0/1 ``labels``, recomputed on every resample: a corpus
+    metric, not a mean of cases. NaN on a resample with one class. :meth:`batch` is a weighted Mann-Whitney count."""
+
+    labels: np.ndarray
+    scores: np.ndarray
+    scale: float = 1.0
+    _positive: np.ndarray = field(init=False, repr=False)
+    _wins: np.ndarray | None = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        labels, scores = np.asarray(self.labels), np.asarray(self.scores, dtype=float)
+        if labels.shape != scores.shape or not np.isin(labels, (0, 1)).all():
+            raise ValueError(f"CaseAUC: need 0/1 labels and scores of one shape, got {labels.shape}, {scores.shape}")
+        positive = labels == 1
+        object.__setattr__(self, "_positive", positive)
+        wins = None
+        if positive.sum() * (~positive).sum() <= PAIR_MATRIX_MAX:  # negative j below positive i: 1, tied: 1/2
+            neg, pos = scores[~positive][:, None], scores[positive][None, :]
+            wins = (neg < pos) + 0.5 * (neg == pos)
+        object.__setattr__(self, "_wins", wins)
+
+    def __call__(self, indices: np.ndarray) -> float:
+        return float(self.batch(np.bincount(indices, minlength=len(self.labels))[None])[0])
+
+    def batch(self, counts: np.ndarray) -> np.ndarray:
+        """The AUC of each row of ``counts`` (replicates x cases)."""
+        pos, neg = counts[:, self._positive].astype(float), counts[:, ~self._positive].astype(float)
+        if self._wins is not None:
+            won = ((neg @ self._wins) * pos).sum(axis=1)
+        else:
+            won = np.array([self._won(p, q) for p, q in zip(pos, neg, strict=True)])
+        pairs = pos.sum(axis=1) * neg.sum(axis=1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(pairs > 0, self.scale * won / pairs, np.nan)
+
+    def _won(self, pos: np.ndarray, neg: np.ndarray) -> float:
+        """Weighted pairs won by positives, by sorting (large test sets): negatives below plus half the tied."""
+        scores = np.asarray(self.scores, dtype=float)
+        ranked = np.sort(scores[~self._positive])
+        order = np.argsort(scores[~self._positive], kind="stable")
+        below = np.r_[0.0, np.cumsum(neg[order])]
+        lo = np.searchsorted(ranked, scores[self._positive], side="left")
+        hi = np.searchsorted(ranked, scores[self._positive], side="right")
+        return float(pos @ (below[lo] + 0.5 * (below[hi] - below[lo])))
+
+
+# --- the two-level bootstrap ----------------------------------------------------------------------------------------
+
+
+def _fold_blocks(n_cases: int, folds: Sequence[int] | np.ndarray | None) -> list[np.ndarray]:
+    """The patients' positions, one block per fold (one block without folds)."""
+    if n_cases < 2:
+        raise ValueError(f"need at least 2 patients, got n_cases={n_cases}")
+    if folds is None:
+        return [np.arange(n_cases)]
+    folds = np.asarray(folds)
+    if folds.shape != (n_cases,):
+        raise ValueError(f"folds: need one fold per patient, shape ({n_cases},), got {folds.shape}")
+    blocks = [np.flatnonzero(folds == f) for f in np.unique(folds)]
+    small = [f for f, b in zip(np.unique(folds), blocks, strict=True) if len(b) < 2]
+    if small:
+        raise ValueError(f"folds {small} have fewer than 2 patients: nothing to resample within them")
+    return blocks
+
+
+def _per_fold(arm: Arm, n_folds: int, name: str) -> list[list[Scorer]]:
+    out = []
+    for s, scorers in enumerate(arm):
+        scorers = [scorers] if callable(scorers) else list(scorers)
+        if len(scorers) not in (1, n_folds):
+            raise ValueError(f"arm {name}, seed {s}: {len(scorers)} scorers for {n_folds} folds (give 1 or {n_folds})")
+        out.append(scorers)
+    return out
+
+
+class _Draws:
+    """Patient draws (replicates x draws, fold block after fold block) and, computed once for every scorer of every
+    seed and arm, how often each patient is drawn in a range of columns."""
+
+    def __init__(self, rows: np.ndarray, n_cases: int) -> None:
+        self.rows, self.n_cases, self._counts = rows, n_cases, {}
+
+    def counts(self, lo: int, hi: int) -> np.ndarray:
+        if (lo, hi) not in self._counts:
+            rows = self.rows[:, lo:hi]
+            flat = (np.arange(len(rows))[:, None] * self.n_cases + rows).ravel()
+            self._counts[lo, hi] = np.bincount(flat, minlength=len(rows) * self.n_cases).reshape(len(rows), -1)
+        return self._counts[lo, hi]
+
+    def score(self, scorer: Scorer, lo: int, hi: int) -> np.ndarray:
+        batch = getattr(scorer, "batch", None)
+        if batch is not None:  # vectorised: a mean of cases or a rank statistic, from counts
+            return np.asarray(batch(self.counts(lo, hi)), dtype=float)
+        return np.array([scorer(row) for row in self.rows[:, lo:hi]], dtype=float)
+
+
+def _seed_scores(scorers: list[Scorer], draws: _Draws, blocks: list[np.ndarray]) -> np.ndarray:
+    """One seed's metric on each row of draws: its one scorer on the whole row, or its fold scorers each on its fold's
+    columns, weighted by fold size."""
+    if len(scorers) == 1:
+        return draws.score(scorers[0], 0, draws.n_cases)
+    edges = np.cumsum([0, *(len(b) for b in blocks)])
+    return sum(
+        len(b) / draws.n_cases * draws.score(f, lo, hi)
+        for f, b, lo, hi in zip(scorers, blocks, edges[:-1], edges[1:], strict=True)
+    )
+
+
+def _arm_matrix(arm: list[list[Scorer]], draws: _Draws, blocks: list[np.ndarray], name: str):
+    """``(observed, replicates)``: each seed's metric on every patient ``(S,)`` and on each draw ``(B, S)``."""
+    everyone = _Draws(np.concatenate(blocks)[None], draws.n_cases)
+    observed = np.array([_seed_scores(s, everyone, blocks)[0] for s in arm])
+    bad = np.flatnonzero(~np.isfinite(observed))
+    if len(bad):
+        raise ValueError(f"arm {name}: seeds {bad.tolist()} score NaN on the whole test set; nothing to resample")
+    return observed, np.column_stack([_seed_scores(s, draws, blocks) for s in arm])
+
+
+@dataclass(frozen=True)
+class Levels:
+    """The variance of the estimate by source: patients (with the interaction), and the seed main effect."""
+
+    inflation: float
+    var_patients: float
+    var_seeds: float
+
+
+def _levels(observed: np.ndarray, replicates: np.ndarray, blocks: list[np.ndarray]) -> Levels:
+    """Variance components from the per-seed scores on all patients ``(S,)`` and on the kept draws ``(B, S)``."""
+    k = sum(len(b) for b in blocks) / len(blocks)
+    inflation = math.sqrt(k / (k - 1))
+    seeds = len(observed)
+    pooled = replicates.mean(axis=1)
+    var_patients = float(inflation**2 * pooled.var(ddof=1)) if len(pooled) > 1 else 0.0
+    if seeds < 2 or not len(replicates):
+        return Levels(inflation, var_patients, 0.0)
+    # the seeds' spread on the whole test set holds the interaction once more: measured on the replicates, taken out
+    interaction = inflation**2 * float(np.mean((replicates - observed).var(axis=1, ddof=1))) / seeds
+    return Levels(inflation, var_patients, max(0.0, float(observed.var(ddof=1)) / seeds - interaction))
+
+
+def _replicates(
+    observed: np.ndarray, replicates: np.ndarray, levels: Levels, seed_level: str, rng: np.random.Generator
+) -> np.ndarray:
+    """The bootstrap distribution of the seed-averaged estimate from the kept per-seed replicates ``(B, S)``."""
+    estimate, seeds = float(observed.mean()), len(observed)
+    if seed_level == "none":  # patients only: the paired bootstrap as it was
+        return replicates.mean(axis=1)
+    if seed_level == "resample":  # seeds resampled with the patients (Owen's pigeonhole bootstrap), no correction
+        weights = rng.multinomial(seeds, np.full(seeds, 1 / seeds), size=len(replicates)) / seeds
+        return (weights * replicates).sum(axis=1)
+    patients = estimate + levels.inflation * (replicates.mean(axis=1) - estimate)
+    if seeds < 2:
+        return patients
+    return patients + math.sqrt(levels.var_seeds) * rng.standard_t(seeds - 1, size=len(replicates))
+
+
+def _summary(estimate: float, theta: np.ndarray, confidence: float, null: float) -> dict:
+    out = {"estimate": estimate, "ci_low": math.nan, "ci_high": math.nan, "p_value": math.nan}
+    if len(theta):
+        tail = (1 - confidence) / 2
+        out["ci_low"], out["ci_high"] = (float(q) for q in np.quantile(theta, [tail, 1 - tail]))
+        below = min(np.sum(theta <= null), np.sum(theta >= null))
+        out["p_value"] = float(min(1.0, 2 * (below + 1) / (len(theta) + 1)))
+    return out
+
+
+def _method(seeds: int, n_folds: int, seed_level: str) -> str:
+    within = f" (within {n_folds} folds)" if n_folds > 1 else ""
+    if seed_level == "none":
+        return f"bootstrap over patients{within}"
+    if seed_level == "resample":
+        return f"bootstrap: patients{within} × seeds resampled"
+    if seeds < 2:
+        return f"bootstrap over patients{within} (one seed: training randomness not counted)"
+    return METHOD if not within else f"two-level bootstrap: patients{within} × seeds"
+
+
+def two_level_bootstrap(
+    score_a: Arm,
+    score_b: Arm | None,
+    n_cases: int,
+    folds: Sequence[int] | np.ndarray | None = None,
+    n_resamples: int = 2000,
+    confidence: float = 0.95,
+    seed: int = 0,
+    null: float = 0.0,
+    seed_level: str = "t",
+    keep_replicates: bool = False,
+) -> dict:
+    """One cell (``score_b`` None) or schema A minus schema B, over test patients AND seeds (see the module).
+
+    ``score_a[s](indices)``: seed ``s``'s metric on the cases ``indices`` of one ordered list of ``n_cases`` patients
+    (repeats allowed), as :func:`~gx_ray.analysis.bootstrap.paired_bootstrap` takes; or, with ``folds`` (each
+    patient's fold, the same for every seed), a list of one scorer per fold. Scorers with a ``batch(counts)`` method
+    (:class:`CaseMeans`, :class:`CaseAUC`) score all replicates at once. ``seed_level``: ``"t"`` (this module's
+    method), ``"resample"`` (seeds resampled, which under-covers with few seeds) or ``"none"`` (patients only), the
+    last two for comparison. ``null``: the value the p-value tests (0 for a difference; a chance level for a cell).
+
+    Returns ``estimate`` (and ``diff`` for a comparison), the percentile interval ``ci_low``/``ci_high``, the two-sided
+    ``p_value`` (+1 correction), ``n_seeds``, ``n_cases``, ``n_folds``, ``n_resamples`` (replicates kept),
+    ``dropped`` (replicates where a score was NaN, e.g. an AUC of one class), ``se_patients``/``se_seeds`` (each
+    level's standard error), ``method``; and ``replicates`` with ``keep_replicates``.
+    """
+    if seed_level not in SEED_LEVELS:
+        raise ValueError(f"seed_level must be one of {SEED_LEVELS}, got {seed_level!r}")
+    if score_b is not None and len(score_a) != len(score_b):
+        raise ValueError(f"need the same seeds in both arms, got {len(score_a)} and {len(score_b)}")
+    if not len(score_a) or n_resamples < 1:
+        raise ValueError(f"need at least one seed and one replicate, got {len(score_a)} seeds, {n_resamples}")
+    blocks = _fold_blocks(n_cases, folds)
+    rng = np.random.default_rng(seed)
+    rows = np.concatenate([b[rng.integers(0, len(b), size=(n_resamples, len(b)))] for b in blocks], axis=1)
+    draws = _Draws(rows, n_cases)
+    observed, replicates = _arm_matrix(_per_fold(score_a, len(blocks), "A"), draws, blocks, "A")
+    if score_b is not None:
+        observed_b, replicates_b = _arm_matrix(_per_fold(score_b, len(blocks), "B"), draws, blocks, "B")
+        observed, replicates = observed - observed_b, replicates - replicates_b
+    kept = replicates[~np.isnan(replicates).any(axis=1)]
+    levels = _levels(observed, kept, blocks)
+    theta = _replicates(observed, kept, levels, seed_level, rng)
+    out = _summary(float(observed.mean()), theta, confidence, null)
+    if score_b is not None:
+        out["diff"] = out["estimate"]
+    out.update(
+        n_seeds=len(observed),
+        n_cases=n_cases,
+        n_folds=len(blocks),
+        n_resamples=len(kept),
+        dropped=n_resamples - len(kept),
+        se_patients=math.sqrt(levels.var_patients),
+        se_seeds=math.sqrt(levels.var_seeds),
+        method=_method(len(observed), len(blocks), seed_level),
+    )
+    if keep_replicates:
+        out["replicates"] = theta
+    return out
+
+
+# --- coverage against a known truth ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StudyModel:
+    """Simulated two-arm studies with a known truth, on the percent scale.
+
+    Arm k, seed s, patient p: latent ``z_p + v_pk + u_sk + e_psk``: patient difficulty ``z`` (shared by the arms),
+    patient x arm ``v``, a seed effect ``u`` per arm (correlated ``seed_correlation`` between the arms: a shared data
+    order and init) and patient x seed noise ``e``, all normal. ``accuracy``: correct when ``baseline (+ effect for
+    A) + latent > 0``. ``auc``: label 1 with probability ``prevalence``; score ``(baseline (+ effect) + u) * label + z
+    + v + e``. The truth, the mean over seeds of each arm's population metric, is in closed form (:meth:`truth`).
+    """
+
+    metric: str = "accuracy"
+    baseline: float = 0.55
+    effect: float = 0.2
+    patient_sd: float = 1.0
+    patient_arm_sd: float = 0.5
+    seed_sd: float = 0.1
+    seed_correlation: float = 0.5
+    noise_sd: float = 0.5
+    prevalence: float = 0.4
+
+    def __post_init__(self) -> None:
+        if self.metric not in ("accuracy", "auc"):
+            raise ValueError(f"StudyModel.metric: 'accuracy' or 'auc', got {self.metric!r}")
+
+    def truth(self) -> tuple[float, float]:
+        """(arm A, arm B): the population metric averaged over seed effects, in percent."""
+        spread = self.patient_sd**2 + self.patient_arm_sd**2 + self.noise_sd**2
+        scale = math.sqrt(spread + self.seed_sd**2 if self.metric == "accuracy" else 2 * spread + self.seed_sd**2)
+        a, b = self.baseline + self.effect, self.baseline
+        return 100 * float(stats.norm.cdf(a / scale)), 100 * float(stats.norm.cdf(b / scale))
+
+    def draw(self, n_patients: int, n_seeds: int, rng: np.random.Generator):
+        """``(values_a, values_b, labels)``: ``(S, n)`` per arm: 0/100 correctness, or scores with 0/1 labels (None
+        for accuracy)."""
+        shared = rng.normal(0, self.patient_sd, n_patients) + np.zeros((2, 1, 1))
+        patient = shared + rng.normal(0, self.patient_arm_sd, (2, 1, n_patients))
+        rho = self.seed_correlation
+        common, own = rng.normal(0, 1, (1, n_seeds, 1)), rng.normal(0, 1, (2, n_seeds, 1))
+        seed = self.seed_sd * (math.sqrt(rho) * common + math.sqrt(1 - rho) * own)
+        noise = rng.normal(0, self.noise_sd, (2, n_seeds, n_patients))
+        location = np.array([self.baseline + self.effect, self.baseline])[:, None, None]
+        if self.metric == "accuracy":
+            correct = 100.0 * (location + patient + seed + noise > 0)
+            return correct[0], correct[1], None
+        labels = (rng.random(n_patients) < self.prevalence).astype(int)
+        scores = (location + seed) * labels + patient + noise
+        return scores[0], scores[1], labels
+
+    def scorers(self, values: np.ndarray, labels: np.ndarray | None) -> list[Scorer]:
+        """One batch scorer per seed for :func:`two_level_bootstrap`."""
+        if labels is None:
+            return [CaseMeans(v) for v in values]
+        return [CaseAUC(labels, v, scale=100.0) for v in values]
+
+    def seed_sd_of_difference(self, draws: int = 200_000, seed: int = 0) -> float:
+        """SD over seeds of a seed's population difference A - B (accuracy): the planner's seed SD for this model."""
+        rng = np.random.default_rng(seed)
+        rho, scale = self.seed_correlation, math.sqrt(self.patient_sd**2 + self.patient_arm_sd**2 + self.noise_sd**2)
+        common, own = rng.normal(size=draws), rng.normal(size=(2, draws))
+        u = self.seed_sd * (math.sqrt(rho) * common + math.sqrt(1 - rho) * own)
+        a = stats.norm.cdf((self.baseline + self.effect + u[0]) / scale)
+        return 100 * float(np.std(a - stats.norm.cdf((self.baseline + u[1]) / scale)))
+
+
+MIXES = {
+    "balanced": StudyModel(),
+    "seed-heavy": StudyModel(seed_sd=0.3),
+}
+"""Variance mixes of :func:`coverage`: seeds moving a difference by ~2.5 points (SD of a seed's difference, accuracy)
+and by ~7 points, against ~6 points of patient standard error at 64 patients."""
+
+
+def coverage(
+    model: StudyModel,
+    n_patients: int = 64,
+    n_seeds: int = 5,
+    studies: int = 1000,
+    n_resamples: int = 999,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> list[dict]:
+    """The share of ``studies`` simulated studies whose interval holds the truth, for a cell (arm A) and a difference
+    (A - B), by each seed level (``t``: this module's; ``resample``; ``none``: patients only, as
+    :func:`~gx_ray.analysis.bootstrap.paired_bootstrap`), all from the same replicates of each study.
+
+    One row per target and seed level: ``coverage``, its Monte-Carlo standard error ``mc_error``, ``width`` (mean),
+    ``se_patients``/``se_seeds`` (mean, ``t`` level), ``truth``. Every study is seeded (``seed``, its index).
+    """
+    truth_a, truth_b = model.truth()
+    targets = {"cell": truth_a, "difference": truth_a - truth_b}
+    intervals = {(t, level): np.zeros((studies, 2)) for t in targets for level in SEED_LEVELS}
+    components = {t: np.zeros((studies, 2)) for t in targets}
+    blocks, tail = [np.arange(n_patients)], (1 - confidence) / 2
+    for index in range(studies):
+        rng = np.random.default_rng([seed, index])
+        values_a, values_b, labels = model.draw(n_patients, n_seeds, rng)
+        draws = _Draws(rng.integers(0, n_patients, size=(n_resamples, n_patients)), n_patients)
+        arm_a = _arm_matrix([[s] for s in model.scorers(values_a, labels)], draws, blocks, "A")
+        arm_b = _arm_matrix([[s] for s in model.scorers(values_b, labels)], draws, blocks, "B")
+        for target in targets:
+            observed, replicates = arm_a if target == "cell" else (arm_a[0] - arm_b[0], arm_a[1] - arm_b[1])
+            kept = replicates[~np.isnan(replicates).any(axis=1)]
+            levels = _levels(observed, kept, blocks)
+            components[target][index] = levels.var_patients, levels.var_seeds
+            for level in SEED_LEVELS:
+                theta = _replicates(observed, kept, levels, level, rng)
+                intervals[target, level][index] = np.quantile(theta, [tail, 1 - tail])
+    rows = []
+    for (target, level), bounds in intervals.items():
+        held = (bounds[:, 0] <= targets[target]) & (targets[target] <= bounds[:, 1])
+        share = float(held.mean())
+        rows.append(
+            {
+                "target": target,
+                "seed_level": level,
+                "coverage": share,
+                "mc_error": math.sqrt(share * (1 - share) / studies),
+                "width": float(np.mean(bounds[:, 1] - bounds[:, 0])),
+                "se_patients": float(np.sqrt(components[target][:, 0]).mean()),
+                "se_seeds": float(np.sqrt(components[target][:, 1]).mean()),
+                "truth": targets[target],
+            }
+        )
+    return rows
+
+
+# --- power planning from a pilot ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pilot:
+    """A pilot's per-patient paired differences (seeds x patients), split by two-way ANOVA into what a future study
+    resamples: patient effects (centred, shrunk so that their variance is the patients' alone, without the pilot's
+    own seed noise), patient x seed residuals (rescaled to the noise variance; none with one pilot seed) and the SD of
+    the seed main effect."""
+
+    patient_effects: np.ndarray
+    residuals: np.ndarray
+    seed_sd: float
+    mean: float
+
+
+def pilot_components(differences: np.ndarray, seed_sd: float | None = None) -> Pilot:
+    """:class:`Pilot` of ``differences`` ``(S0, n0)`` (one row per pilot seed; a 1-D array is one seed).
+
+    ``seed_sd``: the SD over seeds of a seed's mean difference; None estimates it from the pilot's seed means (less the
+    patient x seed noise they carry), which needs two pilot seeds or more and is rough with few (give an upper bound).
+    """
+    d = np.atleast_2d(np.asarray(differences, dtype=float))
+    seeds, n = d.shape
+    if d.ndim != 2 or n < 2 or not np.isfinite(d).all():
+        raise ValueError(f"differences: need finite (seeds, patients) values with 2 patients or more, got {d.shape}")
+    if seed_sd is None and seeds < 2:
+        raise ValueError("a pilot of one seed cannot estimate the seed SD: give seed_sd (e.g. from another study)")
+    grand, seed_means, patient_means = d.mean(), d.mean(axis=1), d.mean(axis=0)
+    residuals = d - seed_means[:, None] - patient_means[None, :] + grand
+    noise_var = float((residuals**2).sum() / ((n - 1) * (seeds - 1))) if seeds > 1 else 0.0
+    spread = float(patient_means.var(ddof=1))
+    shrink = math.sqrt(max(0.0, spread - noise_var / seeds) / spread) if spread > 0 else 0.0
+    if seed_sd is None:
+        seed_sd = math.sqrt(max(0.0, float(seed_means.var(ddof=1)) - noise_var / n))
+    rescale = math.sqrt(n * seeds / ((n - 1) * (seeds - 1))) if seeds > 1 else 0.0
+    return Pilot(shrink * (patient_means - grand), rescale * residuals.T, float(seed_sd), float(grand))
+
+
+def family_resamples(comparisons: int, alpha: float = 0.05, at_least: int = 1000) -> int:
+    """The report's replicates for a Holm family of ``comparisons`` (:func:`gx_ray.analysis.stats.family_resamples`,
+    which this module cannot import: it pulls in pandas and MLflow)."""
+    return max(at_least, math.ceil(4 * comparisons / alpha) - 1)
+
+
+def _fold_of(n_patients: int, n_folds: int) -> np.ndarray:
+    return np.repeat(np.arange(n_folds), [len(b) for b in np.array_split(np.arange(n_patients), n_folds)])
+
+
+def _study_levels(x: np.ndarray, fold_of: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(estimate, var_patients, var_seeds)`` per simulated study ``x`` ``(K, n, S)``: what :func:`_levels` finds on
+    the bootstrap's replicates, in closed form for a mean of cases (patients resampled within folds)."""
+    k, n, seeds = x.shape
+    folds = int(fold_of.max()) + 1
+    inflation = (n / folds) / (n / folds - 1)
+    seed_means = x.mean(axis=1)
+    patient_means = x.mean(axis=2)
+    var_patients, interaction = np.zeros(k), np.zeros(k)
+    for f in range(folds):
+        cols = fold_of == f
+        share = cols.sum() / n
+        var_patients += share**2 * patient_means[:, cols].var(axis=1) / cols.sum()
+        if seeds > 1:
+            y = x[:, cols] - patient_means[:, cols, None]
+            squares = ((y - y.mean(axis=1, keepdims=True)) ** 2).sum(axis=(1, 2))
+            interaction += share**2 * squares / cols.sum() ** 2 / (seeds - 1)
+    var_seeds = np.zeros(k)
+    if seeds > 1:
+        var_seeds = np.maximum(0.0, seed_means.var(axis=1, ddof=1) / seeds - inflation * interaction / seeds)
+    return seed_means.mean(axis=1), inflation * var_patients, var_seeds
+
+
+def _critical(
+    var_patients: np.ndarray, var_seeds: np.ndarray, seeds: int, n_resamples: int, level: float, rng
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per study, the estimates beyond which the report's test rejects at ``level``: ``(above, below)``.
+
+    The test as the report runs it on B replicates ``estimate + noise``: p = 2 (min tail count + 1) / (B + 1), so it
+    rejects "A better" when at most k of the B noise draws lie below -estimate. The noise is drawn as the two-level
+    bootstrap draws it, the patient level normal (a mean of many patients) rather than resampled."""
+    allowed = math.floor(level * (n_resamples + 1) / 2 - 1)  # tail count
+    if allowed < 0:  # below the bootstrap's floor: nothing can be significant
+        return np.full(len(var_patients), np.inf), np.full(len(var_patients), -np.inf)
+    noise = np.sqrt(var_patients)[:, None] * rng.standard_normal((len(var_patients), n_resamples))
+    if seeds > 1:
+        noise += np.sqrt(var_seeds)[:, None] * rng.standard_t(seeds - 1, (len(var_patients), n_resamples))
+    low = np.partition(noise, allowed, axis=1)[:, allowed]
+    high = np.partition(noise, n_resamples - 1 - allowed, axis=1)[:, n_resamples - 1 - allowed]
+    return -low, -high
+
+
+@dataclass(frozen=True)
+class Design:
+    seeds: int
+    patients: int
+    folds: int = 1
+
+
+def _simulate(pilot: Pilot, design: Design, fold_sd: float, studies: int, rng, chunk: int = 250):
+    """``(estimate at no effect, var_patients, var_seeds)`` of ``studies`` future studies of ``design``: patients
+    resampled from the pilot, each seed's patient x seed noise drawn from the patient's own pilot residuals, a seed
+    effect N(0, seed_sd) per seed, a fold effect N(0, fold_sd) per fold and seed."""
+    n0, pilot_seeds = pilot.residuals.shape
+    fold_of = _fold_of(design.patients, design.folds)
+    parts = []
+    for start in range(0, studies, chunk):
+        k = min(chunk, studies - start)
+        who = rng.integers(0, n0, (k, design.patients))
+        x = np.repeat(pilot.patient_effects[who][:, :, None], design.seeds, axis=2)
+        if pilot_seeds > 1:
+            x += pilot.residuals[who[:, :, None], rng.integers(0, pilot_seeds, (k, design.patients, design.seeds))]
+        x += rng.normal(0.0, pilot.seed_sd, (k, 1, design.seeds))
+        if design.folds > 1 and fold_sd > 0:
+            x += rng.normal(0.0, fold_sd, (k, design.folds, design.seeds))[:, fold_of, :]
+        parts.append(_study_levels(x, fold_of))
+    return tuple(np.concatenate(p) for p in zip(*parts, strict=True))
+
+
+def design_power(
+    pilot: Pilot,
+    design: Design,
+    effect: float,
+    comparisons: int = 1,
+    alpha: float = 0.05,
+    target: float = 0.8,
+    fold_sd: float = 0.0,
+    n_resamples: int | None = None,
+    studies: int = 2000,
+    seed: int = 0,
+) -> dict:
+    """Power of one ``design`` to find a true difference ``effect`` significant in its direction, one comparison of a
+    Holm family of ``comparisons`` (Holm's first threshold alpha / m: exact when the others are null, conservative
+    otherwise), with its Monte-Carlo error; and ``mde``, the smallest effect found with probability ``target``."""
+    if design.seeds < 1 or design.patients < 2 * design.folds or design.folds < 1:
+        raise ValueError(f"design: need seeds >= 1, folds >= 1 and 2 patients per fold, got {design}")
+    rng = np.random.default_rng([seed, design.seeds, design.patients, design.folds])
+    replicates = n_resamples or family_resamples(comparisons, alpha)
+    estimate, var_patients, var_seeds = _simulate(pilot, design, fold_sd, studies, rng)
+    above, below = _critical(var_patients, var_seeds, design.seeds, replicates, alpha / comparisons, rng)
+    found = estimate + effect > above if effect >= 0 else estimate + effect < below
+    power = float(found.mean())
+    needed = np.sort(above - estimate)[math.ceil(target * studies) - 1]  # the effect at which `target` are found
+    return {
+        "seeds": design.seeds,
+        "patients": design.patients,
+        "folds": design.folds,
+        "power": power,
+        "mc_error": math.sqrt(power * (1 - power) / studies),
+        "mde": float(max(needed, 0.0)),
+    }
+
+
+def plan_power(
+    differences: np.ndarray,
+    effect: float,
+    seeds: Sequence[int] = (3, 5, 10),
+    patients: Sequence[int] = (64, 128, 255),
+    folds: Sequence[int] = (1,),
+    comparisons: int = 1,
+    alpha: float = 0.05,
+    target: float = 0.8,
+    seed_sd: float | None = None,
+    fold_sd: float = 0.0,
+    n_resamples: int | None = None,
+    studies: int = 2000,
+    seed: int = 0,
+) -> dict:
+    """Power of every design of seeds x patients x folds to find ``effect`` (A - B, the metric's units) significant
+    after Holm over ``comparisons``, from a pilot's per-patient paired ``differences`` ``(seeds, patients)``.
+
+    Method: each simulated study resamples the pilot's patients (:func:`pilot_components`), centred and shifted by
+    ``effect``, draws its seeds' effects N(0, ``seed_sd``) and applies the report's test, the two-level bootstrap with
+    its p-value rule and floor, with the patient level drawn normal (:func:`_critical`). Returns ``designs`` (one
+    dict per design, see :func:`design_power`), ``smallest``: the design reaching ``target`` with the fewest
+    trainings (seeds x folds), then patients, or None; ``seed_sd`` used; ``method``.
+    """
+    pilot = pilot_components(differences, seed_sd)
+    rows = []
+    for s in seeds:
+        for n in patients:
+            for f in folds:
+                rows.append(
+                    design_power(
+                        pilot, Design(s, n, f), effect, comparisons, alpha, target, fold_sd, n_resamples, studies, seed
+                    )
+                )
+    reaching = [r for r in rows if r["power"] >= target]
+    smallest = min(reaching, key=lambda r: (r["seeds"] * r["folds"], r["patients"]), default=None)
+    method = "simulated studies resampling the pilot's patients, the two-level bootstrap's test (normal patient level)"
+    return {"designs": rows, "smallest": smallest, "seed_sd": pilot.seed_sd, "method": method}
+
+
+def power_curve(
+    differences: np.ndarray,
+    effect: float,
+    seeds: Sequence[int] = (2, 3, 4, 5, 7, 10),
+    patients: Sequence[int] = (32, 64, 128, 255, 512),
+    at_seeds: int = 5,
+    at_patients: int = 255,
+    **options,
+) -> dict:
+    """Power against seeds (at ``at_patients`` patients) and against patients (at ``at_seeds`` seeds), for a figure
+    (:func:`gx_ray.analysis.plots.power_curve_plot`); ``options`` as :func:`plan_power`'s."""
+    return {
+        "effect": effect,
+        "against_seeds": plan_power(differences, effect, seeds, (at_patients,), **options)["designs"],
+        "against_patients": plan_power(differences, effect, (at_seeds,), patients, **options)["designs"],
+    }
+
+
+def power_check(
+    model: StudyModel,
+    n_patients: int = 255,
+    n_seeds: int = 5,
+    comparisons: int = 5,
+    alpha: float = 0.05,
+    studies: int = 1000,
+    pilot_patients: int = 4000,
+    pilot_seeds: int = 10,
+    seed: int = 0,
+) -> dict:
+    """The planner's predicted power against the power measured on ``studies`` studies simulated from ``model``
+    (accuracy) and analysed by the real :func:`two_level_bootstrap`, found when p <= alpha / m in the effect's
+    direction. The planner gets a large pilot from the model and the model's seed SD: the check is of its method,
+    not of a small pilot's luck. Returns ``predicted``/``measured`` with their Monte-Carlo errors."""
+    if model.metric != "accuracy":
+        raise ValueError("power_check: the planner takes per-patient differences of a mean-of-cases metric (accuracy)")
+    truth_a, truth_b = model.truth()
+    values_a, values_b, _ = model.draw(pilot_patients, pilot_seeds, np.random.default_rng([seed, 1]))
+    pilot = pilot_components(values_a - values_b, model.seed_sd_of_difference(seed=seed))
+    design = Design(n_seeds, n_patients)
+    predicted = design_power(pilot, design, truth_a - truth_b, comparisons, alpha, studies=4000, seed=seed)
+    replicates, found = family_resamples(comparisons, alpha), []
+    for index in range(studies):
+        values_a, values_b, labels = model.draw(n_patients, n_seeds, np.random.default_rng([seed, 2, index]))
+        result = two_level_bootstrap(
+            model.scorers(values_a, labels),
+            model.scorers(values_b, labels),
+            n_patients,
+            n_resamples=replicates,
+            seed=index,
+        )
+        found.append(result["p_value"] <= alpha / comparisons and result["diff"] > 0)
+    measured = float(np.mean(found))
+    return {
+        "design": design,
+        "comparisons": comparisons,
+        "effect": truth_a - truth_b,
+        "predicted": predicted["power"],
+        "predicted_error": predicted["mc_error"],
+        "measured": measured,
+        "measured_error": math.sqrt(measured * (1 - measured) / studies),
+    }
+
+
+# --- equivalence and non-inferiority --------------------------------------------------------------------------------
+
+
+def equivalence(
+    differences: np.ndarray | Sequence[float] | tuple[float, float],
+    margin: float | None,
+    alpha: float = 0.05,
+    higher_is_better: bool = True,
+) -> dict:
+    """TOST equivalence and non-inferiority of schema A against schema B within ``margin`` (the metric's units).
+
+    ``differences``: bootstrap replicates of A - B (e.g. :func:`two_level_bootstrap`'s ``replicates``), or a tuple
+    ``(low, high)``: their 1 - 2 alpha interval. Each test is one-sided at ``alpha``; on replicates its p-value is
+    ``(count + 1) / (B + 1)``. With d = A - B oriented so that positive is better (sign flipped when lower is better):
+
+    - ``"equivalent within ±m"``: d > -m and d < m both shown (TOST: the 1 - 2 alpha interval lies within ±m);
+    - ``"non-inferior (margin m)"``: d > -m shown, d < m not (A does not lose more than m; it may be better);
+    - ``"worse"``: non-inferiority not shown, and d < 0 shown (the 1 - 2 alpha interval lies below 0): A is worse,
+      by possibly more than m; ``beyond_margin`` says whether d < -m is shown too;
+    - ``"not shown"``: none of these. It does NOT mean the schemas are alike: the data cannot tell.
+    - ``"equivalence not tested"``: no margin given.
+
+    A one-sided test at alpha = 0.05 is the two-sided test at 0.10: "worse" here is not the report's significance at
+    0.05 (pass alpha = 0.025 for the report's 95 % intervals), and m comparisons claimed together need alpha / m.
+    Returns ``verdict``, ``margin``, ``alpha``, the interval ``ci_low``/``ci_high`` of A - B (1 - 2 alpha, as given),
+    ``p_equivalence`` (the larger TOST p), ``p_noninferior``, ``p_worse`` (NaN when given an interval) and
+    ``beyond_margin``.
+    """
+    if margin is not None and not margin > 0:
+        raise ValueError(f"margin must be positive (the metric's units), got {margin}")
+    if not 0 < alpha < 0.5:
+        raise ValueError(f"alpha must be in (0, 0.5), got {alpha}")
+    sign = 1.0 if higher_is_better else -1.0
+    p = {"p_equivalence": math.nan, "p_noninferior": math.nan, "p_worse": math.nan}
+    if isinstance(differences, tuple):
+        if len(differences) != 2 or not differences[0] <= differences[1]:
+            raise ValueError(f"an interval is (low, high) with low <= high, got {differences}")
+        low, high = (float(v) for v in differences)
+    else:
+        d = np.asarray(differences, dtype=float)
+        d = d[~np.isnan(d)]
+        if len(d) + 1 < 1 / alpha:
+            raise ValueError(f"{len(d)} replicates cannot test at alpha {alpha}: the smallest p is 1 / (B + 1)")
+        low, high = (float(q) for q in np.quantile(d, [alpha, 1 - alpha]))
+        oriented, size = sign * d, len(d) + 1
+        p["p_noninferior"] = float((np.sum(oriented <= -margin) + 1) / size) if margin else math.nan
+        upper = float((np.sum(oriented >= margin) + 1) / size) if margin else math.nan
+        p["p_equivalence"] = max(p["p_noninferior"], upper)
+        p["p_worse"] = float((np.sum(oriented >= 0) + 1) / size)
+    worst, best = sorted((sign * low, sign * high))  # the interval, positive = A better
+    if isinstance(differences, tuple):
+        noninferior = margin is not None and worst > -margin
+        within, worse = noninferior and best < margin, best < 0
+    else:  # the p-values decide; the interval agrees with them up to the +1 correction
+        noninferior, within = p["p_noninferior"] <= alpha, p["p_equivalence"] <= alpha
+        worse = p["p_worse"] <= alpha
+    out = {"margin": margin, "alpha": alpha, "ci_low": low, "ci_high": high, **p}
+    out["beyond_margin"] = bool(margin is not None and best < -margin)
+    if margin is None:
+        return {**out, "verdict": "equivalence not tested"}
+    if within:
+        verdict = f"equivalent within ±{margin:g}"
+    elif noninferior:
+        verdict = f"non-inferior (margin {margin:g})"
+    else:
+        verdict = "worse" if worse else "not shown"
+    return {**out, "verdict": verdict}
+
+
+# --- p-values at the bootstrap's floor ------------------------------------------------------------------------------
+
+
+def p_floor(replicates: int, comparisons: int = 1) -> float:
+    """The smallest p-value a bootstrap of ``replicates`` kept replicates can give, ``2 / (B + 1)``, and after Holm
+    over ``comparisons``: ``m * 2 / (B + 1)`` (capped at 1). Holm multiplies the smallest p by m and keeps the
+    adjusted p-values monotone, so no comparison's Holm p can be below m times the raw floor."""
+    if replicates < 1 or comparisons < 1:
+        raise ValueError(f"need replicates >= 1 and comparisons >= 1, got {replicates}, {comparisons}")
+    return min(1.0, comparisons * 2 / (replicates + 1))
+
+
+def _round_up(value: float, digits: int = 2) -> str:
+    """``value`` to ``digits`` significant digits, rounded up (a bound "≤ x" stays true)."""
+    decimals = max(0, digits - 1 - math.floor(math.log10(value)))
+    return f"{math.ceil(value * 10**decimals - 1e-9) / 10**decimals:.{decimals}f}"
+
+
+def format_p(p: float | None, replicates: int, comparisons: int = 1) -> str:
+    """A bootstrap p-value for a reader: ``"≤ 0.025 (floor of 1,199 replicates)"`` at the floor (:func:`p_floor`;
+    ``comparisons`` = m for a Holm-adjusted p), where "0.025" would read as a borderline result; else 3 significant
+    digits; ``"—"`` for none."""
+    if p is None or math.isnan(p):
+        return "—"
+    floor = p_floor(replicates, comparisons)
+    if p <= floor * (1 + 1e-9):
+        return f"≤ {_round_up(floor)} (floor of {replicates:,} replicates)"
+    return f"{p:.3g}"
