@@ -20,6 +20,7 @@ from scipy import stats
 
 from gx_ray.analysis.bootstrap import paired_bootstrap as paired_bootstrap  # its home is light: see there
 from gx_ray.analysis.runs import headline_metric, higher_is_better
+from gx_ray.analysis.study import family_resamples as family_resamples  # light too: the planner uses it
 
 CELL_KEYS = ["task", "model", "fusion", "schema", "metric"]
 COMPARISON_KEYS = ["task", "metric", "schema_a", "schema_b"]
@@ -60,19 +61,6 @@ def cell_statistics(runs: pd.DataFrame, split: str = "test") -> pd.DataFrame:
     table = pd.DataFrame(rows, columns=columns)
     table["higher_is_better"] = [higher_is_better(m) for m in table["metric"]]
     return table
-
-
-def family_resamples(comparisons: int, at_least: int = 1000, alpha: float = 0.05) -> int:
-    """Bootstrap replicates for a family of ``comparisons`` Holm-corrected at ``alpha``: at least ``at_least``, and
-    enough that the smallest p-value a bootstrap can give, ``2 / (B + 1)``, is at most ``alpha / (2 m)``.
-
-    With fewer, a large family can never show a difference however large it is: at 1,000 replicates the floor is
-    0.002, and Holm multiplies the smallest p by m, so from m = 25 comparisons on (five tasks x six schemas against a
-    baseline) nothing would ever be significant. At the floor a comparison's Holm-adjusted p is at most alpha / 2.
-    """
-    if comparisons < 0 or at_least < 1 or not 0 < alpha < 1:
-        raise ValueError(f"need comparisons >= 0, at_least >= 1 and 0 < alpha < 1: {comparisons}, {at_least}, {alpha}")
-    return max(at_least, math.ceil(4 * comparisons / alpha) - 1)
 
 
 def wilcoxon_over_seeds(a: Sequence[float], b: Sequence[float]) -> dict:

@@ -487,9 +487,16 @@ def pilot_components(differences: np.ndarray, seed_sd: float | None = None) -> P
     return Pilot(shrink * (patient_means - grand), rescale * residuals.T, float(seed_sd), float(grand))
 
 
-def family_resamples(comparisons: int, alpha: float = 0.05, at_least: int = 1000) -> int:
-    """The report's replicates for a Holm family of ``comparisons`` (:func:`gx_ray.analysis.stats.family_resamples`,
-    which this module cannot import: it pulls in pandas and MLflow)."""
+def family_resamples(comparisons: int, at_least: int = 1000, alpha: float = 0.05) -> int:
+    """Bootstrap replicates for a family of ``comparisons`` Holm-corrected at ``alpha``: at least ``at_least``, and
+    enough that the smallest p-value a bootstrap can give, ``2 / (B + 1)``, is at most ``alpha / (2 m)``.
+
+    With fewer, a large family can never show a difference however large it is: at 1,000 replicates the floor is
+    0.002, and Holm multiplies the smallest p by m, so from m = 25 comparisons on (five tasks x six schemas against a
+    baseline) nothing would ever be significant. At the floor a comparison's Holm-adjusted p is at most alpha / 2.
+    """
+    if comparisons < 0 or at_least < 1 or not 0 < alpha < 1:
+        raise ValueError(f"need comparisons >= 0, at_least >= 1 and 0 < alpha < 1: {comparisons}, {at_least}, {alpha}")
     return max(at_least, math.ceil(4 * comparisons / alpha) - 1)
 
 
@@ -584,7 +591,7 @@ def design_power(
     if design.seeds < 1 or design.patients < 2 * design.folds or design.folds < 1:
         raise ValueError(f"design: need seeds >= 1, folds >= 1 and 2 patients per fold, got {design}")
     rng = np.random.default_rng([seed, design.seeds, design.patients, design.folds])
-    replicates = n_resamples or family_resamples(comparisons, alpha)
+    replicates = n_resamples or family_resamples(comparisons, alpha=alpha)
     estimate, var_patients, var_seeds = _simulate(pilot, design, fold_sd, studies, rng)
     above, below = _critical(var_patients, var_seeds, design.seeds, replicates, alpha / comparisons, rng)
     found = estimate + effect > above if effect >= 0 else estimate + effect < below
@@ -680,7 +687,7 @@ def power_check(
     pilot = pilot_components(values_a - values_b, model.seed_sd_of_difference(seed=seed))
     design = Design(n_seeds, n_patients)
     predicted = design_power(pilot, design, truth_a - truth_b, comparisons, alpha, studies=4000, seed=seed)
-    replicates, found = family_resamples(comparisons, alpha), []
+    replicates, found = family_resamples(comparisons, alpha=alpha), []
     for index in range(studies):
         values_a, values_b, labels = model.draw(n_patients, n_seeds, np.random.default_rng([seed, 2, index]))
         result = two_level_bootstrap(
