@@ -76,7 +76,7 @@ def test_the_report_finds_the_planted_difference_and_only_it(planted_sweep, tmp_
     server, parent = planted_sweep
     report = write_report(server.uri, SWEEP, tmp_path, parent, cohort="demo", n_resamples=400)
     table = report.significance.set_index("schema_a")
-    assert set(table["method"]) == {"paired bootstrap over patients"} and set(table["n_cases"]) == {60}
+    assert set(table["method"]) == {"two-level bootstrap: patients × seeds"} and set(table["n_cases"]) == {60}
     assert table.at["image_table", "significant"] and table.at["image_table", "better"] == "image_table"
     assert table.at["image_table", "ci_low"] > 0
     assert (
@@ -91,6 +91,14 @@ def test_the_report_finds_the_planted_difference_and_only_it(planted_sweep, tmp_
     assert len(on_disk) == 2 and on_disk["p_holm"].ge(on_disk["p_value"]).all()
     summary = (tmp_path / "report" / "summary.md").read_text(encoding="utf-8")
     assert "| stage_classification | auc | image_table |" in summary and "**yes**" in summary
+    bbox = next(line for line in summary.splitlines() if line.startswith("| stage_classification | auc | image_bbox |"))
+    # not significant is "not shown", never "no difference"; no margin: equivalence not tested; the design's reach
+    assert "| not shown | equivalence not tested |" in bbox and "no difference" not in summary
+    assert (
+        float(bbox.split("|")[9]) == pytest.approx(table.at["image_bbox", "mde"], abs=0.01)
+        and float(bbox.split("|")[9]) > 0
+    )
+    assert "| two-level bootstrap |" in summary  # the headline table says which interval each cell carries
     logged = {a.path for a in MlflowClient(server.uri).list_artifacts(parent, "report")}
     assert {"report/summary.md", "report/summary.html", "report/significance.csv", "report/cells.csv"} <= logged
     # the chance level stands beside each headline number
@@ -316,7 +324,8 @@ def test_distractor_kinds_are_compared_paired_and_the_ct_bench_check_reads_them(
         report = write_report(server.uri, sweep, tmp_path, None, n_resamples=400)
     kinds = pd.read_csv(report.folder / "distractors.csv")
     assert set(kinds["schema"]) == {"image_only", "image_bbox"} and set(kinds["schema_a"]) == {"appearance"}
-    assert (kinds["task"] == "lesion_qa.img2txt").all() and (kinds["method"] == "paired bootstrap over patients").all()
+    assert (kinds["task"] == "lesion_qa.img2txt").all()
+    assert (kinds["method"] == "two-level bootstrap: patients × seeds").all()
     results = ct_bench_checks(report.folder)
     checks = {c.name: c.passed for c in results if not c.information}
     assert [c.name for c in results if c.information] == ["random distractors are easier (image_only)"]

@@ -317,10 +317,11 @@ def test_seed_comparisons_headline_only(monkeypatch):
     assert seed_comparisons(runs, baseline="missing") == []
 
 
-def test_paired_bootstraps_spread_over_processes_equal_one_process():
-    """The report's comparisons run in joblib's processes when they are long, in its own process when short: either
-    way each gives what it gives alone, in order, and a comparison without predictions stays None."""
-    from gx_ray.analysis.cases import CaseScorer, paired_bootstrap_of, paired_bootstraps
+def test_bootstrap_jobs_spread_over_processes_equal_one_process():
+    """The report's bootstraps run in joblib's processes when they are long, in its own process when short: either way
+    each gives what it gives alone, in order; a comparison without predictions stays None; a cross-validated seed's
+    fold models count as one unit (their mean)."""
+    from gx_ray.analysis.cases import BootstrapJob, CaseScorer, bootstrap_job, bootstrap_jobs
 
     rng = np.random.default_rng(0)
     cases = [f"case-{i}" for i in range(30)]
@@ -329,10 +330,21 @@ def test_paired_bootstraps_spread_over_processes_equal_one_process():
         values = rng.normal(shift, 1.0, len(cases))
         return CaseScorer(cases, lambda indices, v=values: float(v[indices].mean()))
 
-    jobs = [[[arm(shift), arm(shift)], [arm(0.0), arm(0.0)]] for shift in (0.0, 0.5, 1.5)]
-    jobs.append([[arm(1.0), None], [arm(0.0), arm(0.0)]])
-    alone = [paired_bootstrap_of(job, 300) for job in jobs]
-    spread = paired_bootstraps(jobs, 300, process_start_s=0.0)  # processes, however short the comparisons
-    assert spread == alone == paired_bootstraps(jobs, 300, process_start_s=1e9)  # and all in this one
+    jobs = [
+        BootstrapJob([[arm(shift) for _ in range(4)], [arm(0.0) for _ in range(4)]], margin=0.5)
+        for shift in (0.0, 0.5, 1.5)
+    ]
+    jobs.append(BootstrapJob([[arm(1.0), None], [arm(0.0), arm(0.0)]]))
+    jobs.append(
+        BootstrapJob([[[arm(1.0), arm(1.0)], [arm(1.0), arm(1.0)]], [[arm(0.0), arm(0.0)], [arm(0.0), arm(0.0)]]])
+    )
+    jobs.append(BootstrapJob([[arm(0.3), arm(0.3), arm(0.3)]]))  # a cell: one arm
+    alone = [bootstrap_job(job, 300) for job in jobs]
+    spread = bootstrap_jobs(jobs, 300, process_start_s=0.0)  # processes, however short the comparisons
+    assert spread == alone == bootstrap_jobs(jobs, 300, process_start_s=1e9)  # and all in this one
     assert spread[3] is None
     assert spread[2]["diff"] > spread[1]["diff"] > spread[0]["diff"] - 0.5 and spread[2]["p_value"] < 0.01
+    assert spread[2]["method"] == "two-level bootstrap: patients × seeds" and spread[2]["mde"] > 0
+    assert spread[0]["equivalence"] != "no difference" and spread[3 + 1]["equivalence"] == "equivalence not tested"
+    assert spread[4]["diff"] > 0.5 and spread[4]["n_seeds"] == 2  # two seeds of two fold models each
+    assert "diff" not in spread[5] and spread[5]["ci_low"] < 0.3 < spread[5]["ci_high"]

@@ -13,6 +13,7 @@ metric: detection boxes and scores are stored rounded.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -182,31 +183,74 @@ def case_scorer(task: str, records: Records, metric: str, language: str = "en") 
     raise ValueError(f"unknown task {task!r}")
 
 
-def paired_bootstrap_of(arms: list[list[CaseScorer | None]], n_resamples: int) -> dict | None:
-    """:func:`~gx_ray.analysis.bootstrap.paired_bootstrap` of arm A (its seeds' scorers) against arm B on the test
-    patients every trial scored; None without predictions or patients."""
-    from gx_ray.analysis.bootstrap import paired_bootstrap
+@dataclass(frozen=True)
+class BootstrapJob:
+    """One bootstrap of the report: arm A (and B, for a comparison) with one unit per seed, the equivalence margin in
+    the metric's units (None: equivalence not tested), the metric's direction, and the size of its Holm family (for
+    the smallest difference the design could detect). A unit is a trial's :class:`CaseScorer`, or under
+    cross-validation the scorers of that seed's fold models, whose mean is the seed's score on the test patients
+    (each fold model scores all of them); None where a trial logged no predictions."""
 
-    if any(s is None for arm in arms for s in arm):
+    arms: list[list[CaseScorer | list[CaseScorer | None] | None]]
+    margin: float | None = None
+    higher_is_better: bool = True
+    family: int = 1
+
+
+def _scorers(unit: Any) -> list[CaseScorer | None]:
+    return list(unit) if isinstance(unit, list | tuple) else [unit]
+
+
+def _aligned(unit: Any, common: list[str]) -> Callable[[np.ndarray], float]:
+    parts = [s.aligned(common) for s in _scorers(unit)]
+    if len(parts) == 1:
+        return parts[0]
+    return lambda indices: float(np.mean([part(indices) for part in parts]))
+
+
+POWER, ALPHA = 0.8, 0.05
+
+
+def bootstrap_job(job: BootstrapJob, n_resamples: int) -> dict | None:
+    """:func:`~gx_ray.analysis.job.two_level_bootstrap` of a cell (one arm) or of arm A against arm B, on the test
+    patients every trial scored; None without predictions or patients. A comparison also carries its TOST verdict
+    against the margin (``equivalence``; one-sided tests at 0.025, as the 95 % intervals) and ``mde``: the smallest
+    difference this design detects with 80 % power after Holm over its family, (z(1 - 0.05 / 2m) + z(0.8)) x the
+    difference's standard error (both levels), a normal approximation."""
+    from scipy.stats import norm
+
+    from gx_ray.analysis.study import equivalence, two_level_bootstrap
+
+    scorers = [s for arm in job.arms for unit in arm for s in _scorers(unit)]
+    if not scorers or any(s is None for s in scorers):
         return None
-    common = sorted(set.intersection(*(set(s.case_ids) for arm in arms for s in arm)))
+    common = sorted(set.intersection(*(set(s.case_ids) for s in scorers)))
     if len(common) < 2:
         return None
-    score_a, score_b = ([s.aligned(common) for s in arm] for arm in arms)
-    return paired_bootstrap(score_a, score_b, len(common), n_resamples=n_resamples)
+    score_a = [_aligned(unit, common) for unit in job.arms[0]]
+    score_b = [_aligned(unit, common) for unit in job.arms[1]] if len(job.arms) > 1 else None
+    result = two_level_bootstrap(score_a, score_b, len(common), n_resamples=n_resamples, keep_replicates=True)
+    replicates = result.pop("replicates")
+    if score_b is None:
+        return result
+    tost = equivalence(replicates, job.margin, alpha=ALPHA / 2, higher_is_better=job.higher_is_better)
+    se = math.hypot(result["se_patients"], result["se_seeds"])
+    mde = (norm.ppf(1 - ALPHA / (2 * job.family)) + norm.ppf(POWER)) * se
+    tested = {k: tost[k] for k in ("p_noninferior", "p_equivalence")} if job.margin else {}
+    return {**result, "equivalence": tost["verdict"], "margin": job.margin, **tested, "mde": float(mde)}
 
 
 PROCESS_START_S = 2.0
 """About what starting joblib's loky processes costs before they score anything: each imports the scorers' modules
-(0.5 s for two on a 2-core machine since :mod:`gx_ray.analysis.bootstrap` stands alone; 5-8 s when the workers
+(0.5 s for two on a 2-core machine since :mod:`gx_ray.analysis.study` needs NumPy and SciPy only; 5-8 s when the workers
 imported MLflow, SciPy and pandas with it), more where a scorer's first call imports its metric's library. The
 report spreads its comparisons over processes only when they would take longer than this in one."""
 
 
-def estimated_seconds(arms: list[list[CaseScorer | None]], n_resamples: int) -> float:
-    """What :func:`paired_bootstrap_of` will take: one scoring of every trial's whole test split, timed, times the
+def estimated_seconds(job: BootstrapJob, n_resamples: int) -> float:
+    """What :func:`bootstrap_job` will take: one scoring of every trial's whole test split, timed, times the
     replicates (each scores every trial once more)."""
-    scorers = [s for arm in arms for s in arm]
+    scorers = [s for arm in job.arms for unit in arm for s in _scorers(unit)]
     if any(s is None for s in scorers):
         return 0.0  # no bootstrap: a comparison without predictions is None at once
     started = time.perf_counter()
@@ -215,22 +259,22 @@ def estimated_seconds(arms: list[list[CaseScorer | None]], n_resamples: int) -> 
     return (time.perf_counter() - started) * n_resamples
 
 
-def paired_bootstraps(
-    jobs: list[list[list[CaseScorer | None]]], n_resamples: int, process_start_s: float = PROCESS_START_S
+def bootstrap_jobs(
+    jobs: list[BootstrapJob], n_resamples: int, process_start_s: float = PROCESS_START_S
 ) -> list[dict | None]:
-    """:func:`paired_bootstrap_of` of every comparison, in order. Rescoring a thousand resamples is the report's
-    longest part (a 60-trial demo sweep's 15 comparisons: 80 s of 105 in one process; a ten-trial slice with 255 test
-    patients: detection's comparison alone ~5 s on 2 cores), so each comparison's time is estimated first
-    (:func:`estimated_seconds`) and, when all of them would take longer than starting processes, they go to joblib's
-    loky processes, longest first (the scorers are closures that only cloudpickle carries). Each comparison is
-    seeded, so the results do not depend on the process that computed them."""
+    """:func:`bootstrap_job` of every job, in order. Rescoring a thousand resamples is the report's longest part
+    (a 60-trial demo sweep's 15 comparisons: 80 s of 105 in one process; a ten-trial slice with 255 test patients:
+    detection's comparison alone ~5 s on 2 cores), so each job's time is estimated first (:func:`estimated_seconds`)
+    and, when all of them would take longer than starting processes, they go to joblib's loky processes, longest first
+    (the scorers are closures that only cloudpickle carries). Each is seeded, so the results do not depend on the
+    process that computed them."""
     workers = min(len(jobs), os.cpu_count() or 1)
-    estimates = [estimated_seconds(arms, n_resamples) for arms in jobs] if workers > 1 else []
+    estimates = [estimated_seconds(job, n_resamples) for job in jobs] if workers > 1 else []
     if workers <= 1 or sum(estimates) <= process_start_s:
-        return [paired_bootstrap_of(arms, n_resamples) for arms in jobs]
+        return [bootstrap_job(job, n_resamples) for job in jobs]
     from joblib import Parallel, delayed
 
     order = sorted(range(len(jobs)), key=lambda i: -estimates[i])
-    results = Parallel(n_jobs=workers)(delayed(paired_bootstrap_of)(jobs[i], n_resamples) for i in order)
+    results = Parallel(n_jobs=workers)(delayed(bootstrap_job)(jobs[i], n_resamples) for i in order)
     by_job = dict(zip(order, results, strict=True))
     return [by_job[i] for i in range(len(jobs))]

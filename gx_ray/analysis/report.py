@@ -23,8 +23,9 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from gx_ray.analysis import plots, reference, search_views, stats, tables
-from gx_ray.analysis.cases import CaseScorer, case_scorer, paired_bootstraps
+from gx_ray.analysis.cases import BootstrapJob, CaseScorer, bootstrap_jobs, case_scorer
 from gx_ray.analysis.runs import headline_metric, higher_is_better, load_runs, test_records
+from gx_ray.analysis.study import format_p
 
 REPORT_FOLDER = "report"
 BASELINE = "image_only"
@@ -67,11 +68,14 @@ def write_report(
     runs = load_runs(tracking_uri, sweep_id)
     finished = runs[runs["status"] == "FINISHED"]
     report = Report(folder)
+    margins = _margins(tracking_uri, parent_run_id)
     if finished.empty:
         summary = f"# Sweep {sweep_id}\n\nNo finished trials yet: nothing to report.\n"
         report.files += _write_summary(folder, summary)
     else:
-        report.cells = stats.cell_statistics(finished, split="test")
+        report.cells = cell_intervals(
+            stats.cell_statistics(finished, split="test"), finished, tracking_uri, n_resamples
+        )
         path = folder / CELLS_FILE  # every metric of every cell over seeds, chance levels among them: for scripts
         report.cells.to_csv(path, index=False)
         report.files.append(path)
@@ -81,7 +85,7 @@ def write_report(
         report.files += plots.box_effect_plot(report.cells, folder / "figures" / "box_effect")  # lesion QA only
         report.files += plots.slice_context_plot(report.cells, folder / "figures" / "slice_context")  # likewise
         report.files += search_views.write_search_views(runs, folder / "search")  # stopped trials count there
-        comparisons = schema_comparisons(finished, tracking_uri, baseline, n_resamples)
+        comparisons = schema_comparisons(finished, tracking_uri, baseline, n_resamples, margins)
         report.significance = stats.significance_table(comparisons) if comparisons else None
         if report.significance is not None:
             path = folder / "significance.csv"
@@ -120,10 +124,16 @@ def write_report(
 
 
 def schema_comparisons(
-    runs: pd.DataFrame, tracking_uri: str, baseline: str = BASELINE, n_resamples: int = 1000
+    runs: pd.DataFrame,
+    tracking_uri: str,
+    baseline: str = BASELINE,
+    n_resamples: int = 1000,
+    margins: dict[str, float] | float | None = None,
 ) -> list[dict]:
     """Every schema against ``baseline`` on each task's headline metric (:func:`stats.paired_arms`), paired on seeds
-    and test patients.
+    and test patients: a two-level bootstrap over patients and seeds (:mod:`gx_ray.analysis.study`), with its TOST
+    verdict where the space gives the task a margin (``analysis.margin``) and the smallest difference the design
+    could detect.
 
     A pair of trials is compared on the test patients both scored; the bootstrap needs every trial's test
     predictions, else the comparison falls back to a Wilcoxon test over seeds.
@@ -132,16 +142,71 @@ def schema_comparisons(
     scorer = _trial_scorers(tracking_uri)
     pairs = list(stats.paired_arms(runs, baseline, headline_only=True))
     jobs = [
-        [[scorer(run_id, cell["task"], cell["metric"]) for run_id in frame["run_id"]] for frame in (arm, base)]
+        BootstrapJob(
+            [_units(scorer, frame["run_id"], cell["task"], cell["metric"]) for frame in (arm, base)],
+            margin=_margin(margins, cell["task"]),
+            higher_is_better=higher_is_better(cell["metric"]),
+            family=len(pairs),
+        )
         for cell, arm, base in pairs
     ]
     comparisons = []
     n_resamples = stats.family_resamples(len(pairs), n_resamples)  # one Holm family: its size sets the p floor
-    for (cell, arm, base), result in zip(pairs, paired_bootstraps(jobs, n_resamples), strict=True):
+    for (cell, arm, base), result in zip(pairs, bootstrap_jobs(jobs, n_resamples), strict=True):
         if result is None:
             result = stats.wilcoxon_over_seeds(arm["value"].to_numpy(), base["value"].to_numpy())
         comparisons.append({**cell, **result})
     return comparisons
+
+
+def cell_intervals(cells: pd.DataFrame, runs: pd.DataFrame, tracking_uri: str, n_resamples: int = 1000) -> pd.DataFrame:
+    """Each cell's headline metric with the two-level bootstrap's 95 % interval over test patients and seeds
+    (``boot_low``/``boot_high``; its ``interval`` says which interval the headline table shows: that one where the
+    trials logged their predictions, else Student's t over seeds)."""
+    scorer = _trial_scorers(tracking_uri)
+    keys = ["task", "model", "fusion", "schema"]
+    test = runs[runs["split"] == "test"]
+    found, jobs = [], []
+    for key, group in test.groupby(keys, dropna=False):
+        metric = headline_metric(key[0])
+        seeds = stats.per_seed(group[group["metric"] == metric])
+        if len(seeds):
+            found.append((*key, metric))
+            jobs.append(BootstrapJob([_units(scorer, seeds["run_id"], key[0], metric)]))
+    results = bootstrap_jobs(jobs, n_resamples)
+    extra = {k: (r["ci_low"], r["ci_high"]) for k, r in zip(found, results, strict=True) if r is not None}
+    index = list(zip(*(cells[k] for k in [*keys, "metric"]), strict=True))
+    cells = cells.copy()
+    cells["boot_low"] = [extra.get(k, (math.nan, math.nan))[0] for k in index]
+    cells["boot_high"] = [extra.get(k, (math.nan, math.nan))[1] for k in index]
+    cells["interval"] = ["two-level bootstrap" if k in extra else "t over seeds" for k in index]
+    return cells
+
+
+def _units(scorer: Callable, run_ids: pd.Series, task: str, metric: str) -> list:
+    """One bootstrap unit per seed: a trial's scorer, or a cross-validated seed's fold models' scorers."""
+    return [
+        [scorer(r, task, metric) for r in run_id] if isinstance(run_id, list) else scorer(run_id, task, metric)
+        for run_id in run_ids
+    ]
+
+
+def _margin(margins: dict[str, float] | float | None, task: str) -> float | None:
+    from gx_ray.tasks import task_of
+
+    if isinstance(margins, dict):
+        return margins.get(task_of(task))
+    return margins
+
+
+def _margins(tracking_uri: str, parent_run_id: str | None) -> dict[str, float] | float | None:
+    """The space's equivalence margin(s), as the sweep's parent run keeps them (``analysis.margin``)."""
+    import json
+
+    if not parent_run_id:
+        return None
+    value = MlflowClient(tracking_uri).get_run(parent_run_id).data.params.get("analysis.margin")
+    return json.loads(value) if value else None
 
 
 def distractor_comparisons(runs: pd.DataFrame, tracking_uri: str, n_resamples: int = 1000) -> list[dict]:
@@ -166,20 +231,20 @@ def distractor_comparisons(runs: pd.DataFrame, tracking_uri: str, n_resamples: i
     for (family, schema, model, fusion, metric), group in test.groupby(keys, dropna=False):
         if metric != headline_metric(family + ".random"):
             continue
-        arms = {kind: frame.set_index("seed") for kind, frame in group.groupby("kind")}
-        if "random" not in arms or not all(frame.index.is_unique for frame in arms.values()):
+        arms = {kind: stats.per_seed(frame) for kind, frame in group.groupby("kind")}
+        if "random" not in arms or not all(len(frame) for frame in arms.values()):
             continue
         for kind in sorted(set(arms) - {"random"}):
             seeds = sorted(set(arms[kind].index) & set(arms["random"].index))
             if not seeds:
                 continue
             pair = [arms[kind].loc[seeds], arms["random"].loc[seeds]]
-            jobs.append([[scorer(run_id, family, metric) for run_id in frame["run_id"]] for frame in pair])
+            jobs.append(BootstrapJob([_units(scorer, frame["run_id"], family, metric) for frame in pair]))
             cell = {"task": family, "schema": schema, "model": model, "fusion": fusion, "metric": metric}
             cells.append(({**cell, "schema_a": kind, "schema_b": "random"}, pair))
     comparisons = []
     n_resamples = stats.family_resamples(len(cells), n_resamples)
-    for (cell, pair), result in zip(cells, paired_bootstraps(jobs, n_resamples), strict=True):
+    for (cell, pair), result in zip(cells, bootstrap_jobs(jobs, n_resamples), strict=True):
         result = result or stats.wilcoxon_over_seeds(pair[0]["value"].to_numpy(), pair[1]["value"].to_numpy())
         comparisons.append({**cell, **result})
     return comparisons
@@ -203,8 +268,8 @@ def _fmt(value: float, digits: int = 1) -> str:
 
 def _headline_markdown(cells: pd.DataFrame) -> str:
     lines = [
-        "| task | model | schema | metric | test mean ± sd | 95 % CI | chance | seeds |",
-        "|---|---|---|---|---|---|---|---|",
+        "| task | model | schema | metric | test mean ± sd | 95 % CI | interval | chance | seeds |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     keys = ["task", "model", "schema"]
     chance = cells[cells["metric"] == CHANCE].set_index(keys)["mean"].to_dict()
@@ -216,9 +281,11 @@ def _headline_markdown(cells: pd.DataFrame) -> str:
     for _, row in headline.iterrows():
         arrow = "↑" if higher_is_better(row["metric"]) else "↓"
         spread = f" ± {_fmt(row['sd'])}" if row["n"] > 1 else ""
+        booted = row.get("interval") == "two-level bootstrap"
+        low, high = (row["boot_low"], row["boot_high"]) if booted else (row["ci_low"], row["ci_high"])
         lines.append(
             f"| {row['task']} | {row['model']} | {row['schema']} | {row['metric']} {arrow} | "
-            f"{_fmt(row['mean'])}{spread} | [{_fmt(row['ci_low'])}, {_fmt(row['ci_high'])}] | "
+            f"{_fmt(row['mean'])}{spread} | [{_fmt(low)}, {_fmt(high)}] | {row.get('interval', 't over seeds')} | "
             f"{_fmt(chance.get(tuple(row[keys]), math.nan))} | {row['n']} |"
         )
     return "\n".join(lines)
@@ -238,19 +305,36 @@ def _significance_markdown(table: pd.DataFrame | None, baseline: str) -> str:
             f"{SMALL_TEST_SET}, resampling them understates the spread: read these p-values as indicative.*"
         )
     lines = [
-        "| task | metric | schema vs " + baseline + " | difference [95 % CI] | p | p (Holm) | significant | method |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| task | metric | schema vs {baseline} | difference [95 % CI] | p | p (Holm) | significant | "
+        "equivalence | smallest detectable | method |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    family = len(table)
     for _, row in table.iterrows():
-        lines.append(f"| {row['task']} | {row['metric']} | {row['schema_a']} | {_verdict(row)} | {row['method']} |")
+        lines.append(
+            f"| {row['task']} | {row['metric']} | {row['schema_a']} | {_verdict(row, family)} | "
+            f"{row.get('equivalence') if isinstance(row.get('equivalence'), str) else '—'} | "
+            f"{_fmt(row.get('mde'), 2) if _present(row.get('mde')) else '—'} | {row['method']} |"
+        )
     return "\n".join(lines) + caution
 
 
-def _verdict(row: pd.Series) -> str:
-    """A comparison's table cells: difference [95 % CI] | p | p (Holm) | significant."""
-    interval = f" [{_fmt(row.get('ci_low'), 2)}, {_fmt(row.get('ci_high'), 2)}]" if "ci_low" in row else ""
-    significant = "**yes**" if row["significant"] else "no"
-    return f"{_fmt(row['diff'], 2)}{interval} | {row['p_value']:.3g} | {row['p_holm']:.3g} | {significant}"
+def _present(value: object) -> bool:
+    return value is not None and not (isinstance(value, float) and math.isnan(value))
+
+
+def _verdict(row: pd.Series, family: int = 1) -> str:
+    """A comparison's table cells: difference [95 % CI] | p | p (Holm) | significant. A bootstrap p-value at its
+    floor is shown as a bound with its replicates (it would read as a borderline result); a difference that is not
+    significant is "not shown", never "no difference"."""
+    interval = f" [{_fmt(row.get('ci_low'), 2)}, {_fmt(row.get('ci_high'), 2)}]" if _present(row.get("ci_low")) else ""
+    significant = "**yes**" if row["significant"] else "not shown"
+    replicates = row.get("n_resamples")
+    if _present(replicates):  # a bootstrap: its resolution floor applies
+        p, p_holm = format_p(row["p_value"], int(replicates)), format_p(row["p_holm"], int(replicates), family)
+    else:
+        p, p_holm = f"{row['p_value']:.3g}", f"{row['p_holm']:.3g}"
+    return f"{_fmt(row['diff'], 2)}{interval} | {p} | {p_holm} | {significant}"
 
 
 def _distractors_markdown(table: pd.DataFrame | None) -> str:
@@ -334,12 +418,19 @@ def _summary(sweep_id: str, runs: pd.DataFrame, report: Report, cohort: str, bas
         "*Chance*: the same metric for a predictor that never looks at the patient and knows only the training "
         "split (its stage frequencies, a guess among each question's training answers, the median tumour box, "
         "the most typical training report, a random ranking, a uniform guess among four options). A cell whose "
-        "interval does not clear it has not shown that it learnt anything. *95 % CI*: Student's t over the seeds "
-        "(training randomness on this test set), wide with few seeds.",
+        "interval does not clear it has not shown that it learnt anything. *95 % CI*: where the trials logged their "
+        "test predictions, a two-level bootstrap over test patients and seeds (both sources of variation: another "
+        "test set, another training run); else Student's t over the seeds (training randomness on this test set "
+        "only). The *interval* column says which.",
         _headline_markdown(report.cells),
         _inputs_markdown(runs),
         f"## Which inputs help: each schema against {baseline}",
-        "Paired on seeds and test patients; p-values Holm-corrected across every comparison below.",
+        "Paired on seeds and test patients (two-level bootstrap: the same patients and seed draws for both arms); "
+        "p-values Holm-corrected across every comparison below; a p-value at the bootstrap's floor is shown as a "
+        'bound. *Significant*: "not shown" means the data cannot tell the schemas apart, not that they are alike. '
+        "*Equivalence*: TOST against the space's margin (`analysis.margin`, in the metric's units): equivalent, "
+        "non-inferior, worse or not shown; without a margin, not tested. *Smallest detectable*: the difference this "
+        "design (its patients, seeds and family of comparisons) would detect with 80 % power.",
         _significance_markdown(report.significance, baseline),
         _distractors_markdown(report.distractors),
         _lesion_qa_overall_markdown(runs),

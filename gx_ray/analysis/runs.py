@@ -4,11 +4,11 @@ Columns (:data:`RUN_COLUMNS`): ``sweep_id``, ``run_id``, ``trial`` (the trial's 
 status), ``stopped_early`` (the scheduler ended the trial before its last epoch: it has validation values, no
 test values), ``start_time`` (ms since the epoch; the order trials began), ``task``, ``schema``, ``model`` (a label
 such as ``swin3d+minilm``; ``vlm:<vlm.name>`` for a vision-language model, whose ``fusion`` is ``vlm``), ``vision``,
-``text``, ``fusion``, ``seed``, ``inputs`` (what the schema gave the model, in
-words: :func:`inputs_of`), ``split`` (``val``: the best epoch's
-validation value; ``test``: the best checkpoint on the test split), ``metric`` (the task's metric name, e.g.
-``auc`` or ``image_to_text_recall_at_5``) and ``value`` (NaN where the metric is undefined on the split), then
-one column per searched parameter, named by its flat config key (``optimiser.lr``) and listed in
+``text``, ``fusion``, ``seed``, ``fold`` (the cross-validation fold the trial validated on; None without
+cross-validation), ``inputs`` (what the schema gave the model, in words: :func:`inputs_of`), ``split`` (``val``: the
+best epoch's validation value; ``test``: the best checkpoint on the test split), ``metric`` (the task's metric
+name, e.g. ``auc`` or ``image_to_text_recall_at_5``) and ``value`` (NaN where the metric is undefined on the split),
+then one column per searched parameter, named by its flat config key (``optimiser.lr``) and listed in
 ``table.attrs["searched"]``.
 """
 
@@ -41,6 +41,7 @@ RUN_COLUMNS = (
     "text",
     "fusion",
     "seed",
+    "fold",
     "inputs",
     "split",
     "metric",
@@ -120,7 +121,7 @@ def _parse(value: str) -> Any:
     return value
 
 
-NOT_SEARCHED = ("task", "seed", "schema", "schema.name", "data.shards")
+NOT_SEARCHED = ("task", "seed", "schema", "schema.name", "data.shards", "data.fold", "data.folds_file")
 """Config keys that are the ablation's axes (or where the data lives), never "searched parameters"."""
 
 
@@ -168,6 +169,7 @@ def load_runs(tracking_uri: str, sweep_id: str) -> pd.DataFrame:
             "text": text,
             "fusion": fusion,
             "seed": int(tags.get("seed", param.get("seed", 0))),
+            "fold": param.get("data.fold"),
             "inputs": inputs_of(param),
             **{key: param.get(key) for key in searched},
         }
@@ -197,12 +199,13 @@ def _searched(runs: list[Run], params: list[dict[str, Any]]) -> list[str]:
     return sorted(varying - set(NOT_SEARCHED))
 
 
-def test_records(tracking_uri: str, run_id: str) -> list[dict[str, Any]] | None:
-    """The trial's full test predictions (``predictions/test.json``), or None when it logged none."""
+def test_records(tracking_uri: str, run_id: str, split: str = "test") -> list[dict[str, Any]] | None:
+    """The trial's full test predictions (``predictions/test.json``; ``split="val"``: a cross-validation trial's
+    out-of-fold predictions), or None when it logged none."""
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per small file is noise
     with tempfile.TemporaryDirectory() as folder:
         try:
-            path = MlflowClient(tracking_uri).download_artifacts(run_id, "predictions/test.json", folder)
+            path = MlflowClient(tracking_uri).download_artifacts(run_id, f"predictions/{split}.json", folder)
         except (MlflowException, OSError):
             return None
         return json.loads(Path(path).read_text(encoding="utf-8"))

@@ -56,7 +56,7 @@ def cell_statistics(runs: pd.DataFrame, split: str = "test") -> pd.DataFrame:
     trials (the seeds), plus ``higher_is_better``. Cells keep the order in which they first appear."""
     rows = []
     for key, group in runs[runs["split"] == split].groupby(CELL_KEYS, sort=False, dropna=False):
-        rows.append({**dict(zip(CELL_KEYS, key, strict=True)), **seed_summary(group["value"].to_numpy())})
+        rows.append({**dict(zip(CELL_KEYS, key, strict=True)), **seed_summary(per_seed(group)["value"].to_numpy())})
     columns = [*CELL_KEYS, "mean", "sd", "n", "ci_low", "ci_high"]
     table = pd.DataFrame(rows, columns=columns)
     table["higher_is_better"] = [higher_is_better(m) for m in table["metric"]]
@@ -117,22 +117,36 @@ def significance_table(comparisons: list[dict], alpha: float = 0.05) -> pd.DataF
     return table[COMPARISON_KEYS + rest].sort_values(["task", "p_value"], kind="stable").reset_index(drop=True)
 
 
+def per_seed(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per seed, indexed by seed: a trial's ``value`` and ``run_id``; under cross-validation (a ``fold``
+    column), the mean ``value`` of the seed's fold models and their run ids as a list (one unit of the seed level).
+    Empty where a seed has several trials that are not its folds (a search over other parameters)."""
+    folded = "fold" in frame and frame["fold"].notna().any()
+    keys = ["seed", "fold"] if folded else ["seed"]
+    if frame.duplicated(keys).any():
+        return frame.iloc[0:0].set_index("seed")
+    if not folded:
+        return frame.set_index("seed")
+    grouped = frame.groupby("seed", sort=True)
+    return pd.DataFrame({"value": grouped["value"].mean(), "run_id": grouped["run_id"].agg(list)})
+
+
 def paired_arms(
     runs: pd.DataFrame, baseline: str = "image_only", split: str = "test", headline_only: bool = False
 ) -> Iterator[tuple[dict, pd.DataFrame, pd.DataFrame]]:
     """Every schema against ``baseline`` per task, model, fusion and metric: ``(cell, arm, baseline_arm)``, the two
-    arms' rows indexed by seed, on the seeds both have; ``cell`` names the comparison.
+    arms' rows indexed by seed (:func:`per_seed`), on the seeds both have; ``cell`` names the comparison.
 
-    A schema with several trials on one seed differs from the baseline in more than its inputs (a search over other
-    parameters too) and is not paired. ``headline_only`` keeps each task's primary metric
-    (:func:`~gx_ray.analysis.runs.headline_metric`, which imports the tasks).
+    A schema with several trials on one seed that are not its cross-validation folds differs from the baseline in more
+    than its inputs (a search over other parameters too) and is not paired. ``headline_only`` keeps each task's
+    primary metric (:func:`~gx_ray.analysis.runs.headline_metric`, which imports the tasks).
     """
     keys = ["task", "model", "fusion", "metric"]
     for (task, model, fusion, metric), group in runs[runs["split"] == split].groupby(keys, dropna=False):
         if headline_only and metric != headline_metric(task):
             continue
-        arms = {schema: frame.set_index("seed") for schema, frame in group.groupby("schema")}
-        arms = {schema: frame for schema, frame in arms.items() if frame.index.is_unique}
+        arms = {schema: per_seed(frame) for schema, frame in group.groupby("schema")}
+        arms = {schema: frame for schema, frame in arms.items() if len(frame)}
         if baseline not in arms:
             continue
         for schema in sorted(set(arms) - {baseline}):

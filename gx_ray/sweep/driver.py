@@ -308,6 +308,8 @@ def _tune(
             "data": context.shards,  # the report reads its manifest (which cohort) from anywhere
             **{f"fixed.{k}": v for k, v in space.fixed.items()},
             **{f"grid.{k}": v for k, v in space.grid.items()},
+            # the report's equivalence tests read the margin(s) here
+            **({"analysis.margin": json.dumps(space.analysis["margin"])} if "margin" in space.analysis else {}),
         },
         context.provenance,
     )
