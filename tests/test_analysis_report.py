@@ -348,3 +348,46 @@ def test_distractor_kinds_are_compared_paired_and_the_ct_bench_check_reads_them(
             assert row in summary, row
     else:
         assert not kinds["significant"].any() and not any(checks.values())
+
+
+def test_jackknife_pseudo_values_are_each_patients_share_of_the_metric():
+    """For a mean of cases each patient's pseudo-value is its own value; for AUC their mean is the AUC (the planner
+    resamples them as per-patient differences)."""
+    from gx_ray.analysis.cases import case_scorer
+    from gx_ray.analysis.plan import pseudo_values
+
+    records = _records("image_table", 0, patients=40)
+    ids = [r["case_id"] for r in records]
+    accuracy = pseudo_values(case_scorer("stage_classification", records, "accuracy"), ids)
+    right = [100.0 * (r["prediction"] == r["target"]) for r in records]
+    assert accuracy == pytest.approx(right, abs=1e-9)
+    auc_scorer = case_scorer("stage_classification", records, "auc")
+    auc = pseudo_values(auc_scorer, ids)
+    assert auc.mean() == pytest.approx(auc_scorer.score(np.arange(len(ids))), rel=0.02)
+
+
+def test_a_study_is_planned_from_the_pilots_predictions(planted_sweep, tmp_path, capsys):
+    """``python jobs/plan.py --pilot``: every comparison of the pilot planned on its own per-patient differences;
+    power grows with patients and seeds, a large effect finds a design and a tiny one none; the summary, the plan's
+    data and a power curve per comparison on disk."""
+    import json
+
+    from jobs.plan import main
+
+    server, _ = planted_sweep
+    argv = ["--pilot", SWEEP, "--mlflow-uri", server.uri, "--output", str(tmp_path), "--seeds", "3,5", "--patients",
+            "30,60", "--studies", "400"]  # fmt: skip
+    assert main([*argv, "--effect", "30"]) == 0
+    assert "smallest design at 80 %" in capsys.readouterr().out
+    planned = json.loads((tmp_path / "plan" / "plan.json").read_text(encoding="utf-8"))
+    assert {p["schema_a"] for p in planned} == {"image_table", "image_bbox"}
+    for plan in planned:
+        power = {(d["seeds"], d["patients"]): d["power"] for d in plan["designs"]}
+        slack = 3 * max(d["mc_error"] for d in plan["designs"])
+        assert power[(3, 60)] >= power[(3, 30)] - slack and power[(5, 60)] >= power[(3, 60)] - slack
+        assert plan["smallest"] is not None and plan["pilot_seeds"] == 3 and plan["pilot_patients"] == 60
+        assert (tmp_path / "plan" / plan["figure"]).is_file()
+    assert main([*argv, "--effect", "0.01"]) == 0
+    tiny = json.loads((tmp_path / "plan" / "plan.json").read_text(encoding="utf-8"))
+    assert all(p["smallest"] is None for p in tiny)
+    assert "none of the designs tried" in (tmp_path / "plan" / "summary.md").read_text(encoding="utf-8")

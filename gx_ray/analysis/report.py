@@ -15,9 +15,11 @@ import html
 import math
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 from mlflow.tracking import MlflowClient
@@ -486,14 +488,24 @@ def cohort_of(manifest: dict) -> str:
     return Path(str(manifest.get("source", ""))).name
 
 
-def report_sweep(sweep: str, mlflow_uri: str | None = None, output: Path | None = None) -> Report:
-    """The report of a finished (or interrupted) sweep, named by its output folder or by its id.
+@dataclass
+class SweepStore:
+    """Where a sweep's runs are: its MLflow tracking URI, id, parent run, cohort and output folder."""
+
+    uri: str
+    sweep_id: str
+    parent: Any
+    cohort: str
+    folder: Path
+
+
+@contextmanager
+def open_sweep(sweep: str, mlflow_uri: str | None = None, output: Path | None = None) -> Iterator[SweepStore]:
+    """A finished (or interrupted) sweep, named by its output folder or by its id, with its MLflow store open.
 
     An output folder holds ``sweep.json`` (the tracking URI and parent run); when the sweep ran its own local
-    MLflow server (its store is ``OUTPUT/mlflow``) and no ``mlflow_uri`` is given, that store is served again
-    for the report. A sweep id needs ``mlflow_uri``; its report goes to ``output`` (default
-    ``outputs/sweeps/ID``).
-    """
+    MLflow server (its store is ``OUTPUT/mlflow``) and no ``mlflow_uri`` is given, that store is served again for the
+    block. A sweep id needs ``mlflow_uri``; its folder is ``output`` (default ``outputs/sweeps/ID``)."""
     import json
 
     from gx_ray.data.shards import read_manifest
@@ -517,16 +529,22 @@ def report_sweep(sweep: str, mlflow_uri: str | None = None, output: Path | None 
         parents = client.search_runs(experiments, f"tags.`{SWEEP_TAG}` = '{sweep_id}' and tags.`gx_ray.kind` = 'sweep'")
         if not parents:
             raise ValueError(f"no sweep {sweep_id!r} on the MLflow server {uri}")
-        parent = parents[0]
         try:
-            cohort = cohort_of(read_manifest(parent.data.params["data"], verify=False))
+            cohort = cohort_of(read_manifest(parents[0].data.params["data"], verify=False))
         except (KeyError, OSError, ValueError):
             cohort = ""
         destination = folder if document else Path(output or Path("outputs/sweeps") / sweep_id)
-        return write_report(uri, sweep_id, destination, parent.info.run_id, cohort)
+        yield SweepStore(uri, sweep_id, parents[0], cohort, destination)
     finally:
         if server:
             server.stop()
 
 
-__all__ = ["Report", "cohort_of", "report_sweep", "schema_comparisons", "write_report"]
+def report_sweep(sweep: str, mlflow_uri: str | None = None, output: Path | None = None) -> Report:
+    """The report of a finished (or interrupted) sweep, named by its output folder or by its id (:func:`open_sweep`);
+    it goes to the output folder (a sweep id's: ``output``, default ``outputs/sweeps/ID``)."""
+    with open_sweep(sweep, mlflow_uri, output) as store:
+        return write_report(store.uri, store.sweep_id, store.folder, store.parent.info.run_id, store.cohort)
+
+
+__all__ = ["Report", "SweepStore", "cohort_of", "open_sweep", "report_sweep", "schema_comparisons", "write_report"]

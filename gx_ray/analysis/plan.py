@@ -1,0 +1,138 @@
+"""Planning a study from a pilot sweep: how many seeds and test patients a paired comparison of two input schemas
+needs to detect a difference of a given size with 80 % power, after Holm over the family of comparisons.
+
+The pilot's trials logged their test predictions. For each comparison (each schema against the baseline, per task,
+paired on seeds as the report pairs them), every seed's per-patient paired differences are the jackknife
+pseudo-values of arm A's metric minus arm B's on the patients both scored (``n θ − (n − 1) θ₋ᵢ``: for a mean of cases
+exactly each case's own value; for a corpus metric such as AUC, what the patient contributes to it), so the planner
+(:func:`gx_ray.analysis.study.plan_power`) resamples patients for any metric. The seed-to-seed spread comes from the
+pilot's seeds. What :func:`plan_study` writes: ``plan/summary.md`` (every design's power, the smallest design that
+reaches 80 %), ``plan/plan.json`` and a power curve per comparison (power against seeds and against patients).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from gx_ray.analysis import plots, stats, study
+from gx_ray.analysis.cases import CaseScorer, case_scorer
+from gx_ray.analysis.runs import load_runs, test_records
+
+PLAN_FOLDER = "plan"
+
+
+def pseudo_values(scorer: CaseScorer, case_ids: list[str]) -> np.ndarray:
+    """Each patient's jackknife pseudo-value of the trial's metric over ``case_ids``: ``n θ − (n − 1) θ₋ᵢ``."""
+    score = scorer.aligned(case_ids)
+    n = len(case_ids)
+    everyone = np.arange(n)
+    theta = score(everyone)
+    left_out = np.array([score(np.delete(everyone, i)) for i in range(n)])
+    return n * theta - (n - 1) * left_out
+
+
+def pilot_differences(arm: list[CaseScorer], base: list[CaseScorer]) -> np.ndarray:
+    """Per seed, per patient (both arms scored): arm's pseudo-value minus the baseline's, ``(seeds, patients)``."""
+    common = sorted(set.intersection(*(set(s.case_ids) for s in [*arm, *base])))
+    if len(common) < 3:
+        raise ValueError(f"the pilot's arms share {len(common)} test patients: too few to plan from")
+    return np.array([pseudo_values(a, common) - pseudo_values(b, common) for a, b in zip(arm, base, strict=True)])
+
+
+def plan_study(
+    tracking_uri: str,
+    sweep_id: str,
+    effect: float,
+    output: Path,
+    metric: str | None = None,
+    baseline: str = "image_only",
+    seeds: tuple[int, ...] = (3, 5, 10),
+    patients: tuple[int, ...] = (64, 128, 255),
+    comparisons: int | None = None,
+    studies: int = 2000,
+) -> dict[str, Any]:
+    """Plan every comparison of the pilot sweep ``sweep_id`` (each task's ``metric``, default its headline) for a
+    difference of ``effect`` in the metric's units, over a family of ``comparisons`` (default: the pilot's own);
+    writes ``output/plan/``. Returns ``{"comparisons": [...], "folder": ...}``."""
+    runs = load_runs(tracking_uri, sweep_id)
+    finished = runs[runs["status"] == "FINISHED"]
+    if metric is not None:
+        finished = finished[finished["metric"] == metric]
+    pairs = list(stats.paired_arms(finished, baseline, headline_only=metric is None))
+    if not pairs:
+        raise ValueError(f"sweep {sweep_id}: no schema can be compared with {baseline} on shared seeds")
+    family = comparisons or len(pairs)
+    folder = Path(output) / PLAN_FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    planned = []
+    for cell, arm, base in pairs:
+        scorers = [[_scorer(tracking_uri, r, cell["task"], cell["metric"]) for r in f["run_id"]] for f in (arm, base)]
+        if any(s is None for side in scorers for s in side):
+            continue  # a trial without predictions: no patients to resample
+        differences = pilot_differences(*scorers)
+        options = {"comparisons": family, "studies": studies}
+        if len(differences) < 2:
+            options["seed_sd"] = 0.0  # one pilot seed: the spread over seeds is unknown, and planned as none
+        plan = study.plan_power(differences, effect, seeds, patients, **options)
+        name = f"{cell['task']}.{cell['schema_a']}"
+        curve = study.power_curve(differences, effect, **options)
+        figures = plots.power_curve_plot(curve, folder / f"power_{name}")
+        planned.append(
+            {**cell, "effect": effect, "pilot_seeds": len(differences), "pilot_patients": differences.shape[1],
+             "observed": float(differences.mean()), **plan, "curve": curve, "figure": figures[0].name}
+        )  # fmt: skip
+    (folder / "plan.json").write_text(json.dumps(planned, indent=1, default=float) + "\n", encoding="utf-8")
+    (folder / "summary.md").write_text(_summary(sweep_id, planned, family, effect), encoding="utf-8")
+    return {"comparisons": planned, "folder": folder}
+
+
+def _scorer(tracking_uri: str, run_id: Any, task: str, metric: str) -> CaseScorer | None:
+    if isinstance(run_id, list):
+        raise ValueError("planning from a cross-validated pilot is not built: plan from a sweep without cv")
+    records = test_records(tracking_uri, run_id)
+    return case_scorer(task, records, metric) if records else None
+
+
+def _summary(sweep_id: str, planned: list[dict], family: int, effect: float) -> str:
+    lines = [
+        f"# Study plan from pilot sweep {sweep_id}",
+        "",
+        f"How many seeds and test patients each comparison needs to detect a difference of **{effect:g}** (the "
+        f"metric's units) with 80 % power, after Holm over a family of {family} comparisons. Method: "
+        f"{planned[0]['method'] if planned else '—'}; per-patient differences are jackknife pseudo-values of the "
+        "pilot's test predictions.",
+        "",
+        "| task | metric | schema vs baseline | pilot (seeds × patients) | pilot difference | seed SD | "
+        "smallest design at 80 % |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in planned:
+        best = p["smallest"]
+        design = "none of the designs tried"
+        if best is not None:
+            design = f"{best['seeds']} seeds × {best['patients']} patients (power {100 * best['power']:.0f} %)"
+        lines.append(
+            f"| {p['task']} | {p['metric']} | {p['schema_a']} | {p['pilot_seeds']} × {p['pilot_patients']} | "
+            f"{p['observed']:.2f} | {p['seed_sd']:.2f} | {design} |"
+        )
+    for p in planned:
+        lines += ["", f"## {p['task']}: {p['schema_a']} against {p['schema_b']}", ""]
+        lines += ["| seeds | patients | power | ± MC | minimum detectable effect (80 %) |", "|---|---|---|---|---|"]
+        for d in p["designs"]:
+            lines.append(
+                f"| {d['seeds']} | {d['patients']} | {100 * d['power']:.1f} % | {100 * d['mc_error']:.1f} | "
+                f"{d['mde']:.2f} |"
+            )
+        lines += ["", f"![power curve]({p['figure']})"]
+    return "\n".join(lines) + "\n"
+
+
+def plan_table(planned: list[dict]) -> pd.DataFrame:
+    """Every design of every comparison, one row each (for scripts)."""
+    return pd.DataFrame([{**{k: p[k] for k in ("task", "metric", "schema_a", "schema_b")}, **d}
+                         for p in planned for d in p["designs"]])  # fmt: skip

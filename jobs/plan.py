@@ -1,0 +1,54 @@
+"""Plan a study from a pilot sweep: the seeds and test patients a comparison needs for 80 % power
+(docs/reference/statistics-study.md).
+
+python jobs/plan.py --pilot outputs/sweeps/<sweep id> --effect 2                  # each task's headline metric
+python jobs/plan.py --pilot outputs/sweeps/<sweep id> --effect 2 --metric auc     # one metric
+python jobs/plan.py --pilot <sweep id> --mlflow-uri http://mlflow.internal:5000 --effect 2 --seeds 3,5,10,20
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from gx_ray.analysis.plan import plan_study
+from gx_ray.analysis.report import open_sweep
+from gx_ray.runtime import tolerant_console
+
+
+def numbers(text: str) -> tuple[int, ...]:
+    return tuple(int(n) for n in text.split(","))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--pilot", required=True, help="the pilot sweep: its output folder, or its id with --mlflow-uri"
+    )
+    parser.add_argument("--effect", required=True, type=float, help="the difference to detect, in the metric's units")
+    parser.add_argument("--metric", help="the metric compared (default: each task's headline metric)")
+    parser.add_argument("--baseline", default="image_only", help="the schema every other is compared with")
+    parser.add_argument("--seeds", type=numbers, default=(3, 5, 10), help="seeds per arm to try (default 3,5,10)")
+    parser.add_argument("--patients", type=numbers, default=(64, 128, 255), help="test patients to try")
+    parser.add_argument("--comparisons", type=int, help="the Holm family's size (default: the pilot's comparisons)")
+    parser.add_argument("--studies", type=int, default=2000, help="simulated studies per design")
+    parser.add_argument("--mlflow-uri", help="the MLflow server of a sweep named by its id")
+    parser.add_argument("--output", type=Path, help="where plan/ goes for a sweep named by its id")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    tolerant_console()
+    args = build_parser().parse_args(argv)
+    with open_sweep(args.pilot, args.mlflow_uri, args.output) as store:
+        result = plan_study(store.uri, store.sweep_id, args.effect, store.folder, args.metric, args.baseline,
+                            args.seeds, args.patients, args.comparisons, args.studies)  # fmt: skip
+    summary = result["folder"] / "summary.md"
+    print(summary.read_text(encoding="utf-8").split("\n## ")[0])
+    print(f"plan: {summary} (power curves beside it)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
