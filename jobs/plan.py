@@ -1,5 +1,5 @@
 """Plan a study from a pilot sweep: the seeds and test patients a comparison needs for 80 % power
-(docs/reference/statistics-study.md).
+(docs/how-to/plan-a-study.md).
 
 python jobs/plan.py --pilot outputs/sweeps/<sweep id> --effect 2                  # each task's headline metric
 python jobs/plan.py --pilot outputs/sweeps/<sweep id> --effect 2 --metric auc     # one metric
