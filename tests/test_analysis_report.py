@@ -99,6 +99,21 @@ def test_the_report_finds_the_planted_difference_and_only_it(planted_sweep, tmp_
         and float(bbox.split("|")[9]) > 0
     )
     assert "| two-level bootstrap |" in summary  # the headline table says which interval each cell carries
+    # failure analysis: the best cell's patients most wrong, by their share of the AUC averaged over seeds
+    failures = next(
+        line for line in summary.splitlines() if line.startswith("| stage_classification | image_table | auc")
+    )
+    worst = [part.split(" (")[0] for part in failures.split("|")[4].strip().split(", ")]
+    assert len(worst) == 5 and all(case.startswith("P") for case in worst)
+    true_class = pd.DataFrame(
+        {
+            seed: {
+                r["case_id"]: r["probabilities"][STAGE_GROUPS.index(r["target"])] for r in _records("image_table", seed)
+            }
+            for seed in range(3)
+        }  # fmt: skip
+    ).mean(axis=1)
+    assert (true_class[worst] < true_class.median()).all()  # the model's least confident patients, in every case
     logged = {a.path for a in MlflowClient(server.uri).list_artifacts(parent, "report")}
     assert {"report/summary.md", "report/summary.html", "report/significance.csv", "report/cells.csv"} <= logged
     # the chance level stands beside each headline number

@@ -117,6 +117,13 @@ def test_every_sweep_ends_with_its_report_on_disk_and_on_the_parent_run(smoke_ab
     # the tiny cohort has one test patient: too few to resample, so the comparisons fall back to the seeds
     assert set(significance["method"]) == {"Wilcoxon signed-rank over seeds"}
     assert "<table>" in (folder / "summary.html").read_text(encoding="utf-8")
+    # the reporting appendix: the CLAIM / TRIPOD+AI items a sweep can fill, from its cohort and its runs
+    appendix = summary.split("## Reporting appendix (CLAIM 2024, TRIPOD+AI)")[1]
+    for section in ("Flow of patients", "Characteristics per split", "Sample size", "Metric definitions", "Provenance"):
+        assert f"### {section}" in appendix, section
+    assert "Cases found: 10; included: 10" in appendix and "| test | 1 |" in appendix
+    assert all(f"| {task} | `" in appendix for task in TASKS)  # every task's metric and its reference implementation
+    assert "- seeds: 0" in appendix and "- code: git:" in appendix
     logged = MlflowClient(mlflow_server.uri).list_artifacts(smoke_ablation.parent_run_id, "report")
     assert {"report/summary.md", "report/summary.html", "report/tables", "report/figures"} <= {a.path for a in logged}
     assert json.loads((smoke_ablation.output / "sweep.json").read_text())["report"] == str(smoke_ablation.report)

@@ -25,6 +25,7 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from gx_ray.analysis import plots, reference, search_views, stats, tables
+from gx_ray.analysis.appendix import appendix_markdown
 from gx_ray.analysis.cases import BootstrapJob, CaseScorer, bootstrap_jobs, case_scorer
 from gx_ray.analysis.runs import headline_metric, higher_is_better, load_runs, test_records
 from gx_ray.analysis.study import format_p
@@ -110,7 +111,11 @@ def write_report(
             section = other(report.cells, related)  # CT-Bench's, the endoscopy paper's: another dataset, for scale
             if section:
                 beside += "\n" + section
-        summary = _summary(sweep_id, runs, report, cohort, baseline, beside)
+        appendix = appendix_markdown(
+            tracking_uri, sweep_id, runs, report.significance, _shards(tracking_uri, parent_run_id),
+            _trial_scorers(tracking_uri),
+        )  # fmt: skip
+        summary = _summary(sweep_id, runs, report, cohort, baseline, beside) + "\n" + appendix + "\n"
         report.files += _write_summary(folder, summary)
     if parent_run_id:
         client = MlflowClient(tracking_uri)
@@ -199,6 +204,13 @@ def _margin(margins: dict[str, float] | float | None, task: str) -> float | None
     if isinstance(margins, dict):
         return margins.get(task_of(task))
     return margins
+
+
+def _shards(tracking_uri: str, parent_run_id: str | None) -> str | None:
+    """The cohort the sweep ran on, as its parent run keeps it (``data``)."""
+    if not parent_run_id:
+        return None
+    return MlflowClient(tracking_uri).get_run(parent_run_id).data.params.get("data")
 
 
 def _margins(tracking_uri: str, parent_run_id: str | None) -> dict[str, float] | float | None:
