@@ -170,7 +170,9 @@ def _failures(runs: pd.DataFrame, scorer: Callable[[str, str, str], CaseScorer |
         headline = group[group["metric"] == metric]
         if headline.empty:
             continue
-        means = headline.groupby("schema")["value"].mean()
+        means = headline.groupby("schema")["value"].mean().dropna()
+        if means.empty:  # the metric undefined on the test split (an AUC of one class)
+            continue
         best = means.idxmax() if higher_is_better(metric) else means.idxmin()
         trials = stats.per_seed(headline[headline["schema"] == best])
         shares = _shares(trials["run_id"], str(task), metric, scorer)

@@ -34,10 +34,12 @@ class CaseScorer:
     case_ids: list[str]
     score: Callable[[np.ndarray], float]
 
-    def aligned(self, case_ids: Sequence[str]) -> Callable[[np.ndarray], float]:
-        """The scorer over another ordering of (a subset of) this trial's cases: what pairs two trials."""
+    def aligned(self, case_ids: Sequence[str], partial: bool = False) -> Callable[[np.ndarray], float]:
+        """The scorer over another ordering of (a subset of) this trial's cases: what pairs two trials. With
+        ``partial``, ``case_ids`` may hold cases this trial did not score (a cross-validation fold's scorer over every
+        fold's patients), which it is never asked about."""
         position = {case_id: i for i, case_id in enumerate(self.case_ids)}
-        own = np.array([position[c] for c in case_ids], dtype=np.int64)
+        own = np.array([position.get(c, -1) if partial else position[c] for c in case_ids], dtype=np.int64)
         return lambda indices: self.score(own[np.asarray(indices, dtype=np.int64)])
 
 
@@ -195,6 +197,9 @@ class BootstrapJob:
     margin: float | None = None
     higher_is_better: bool = True
     family: int = 1
+    out_of_fold: bool = False
+    """Each unit is a seed's fold models scored on their own folds' patients (out-of-fold predictions): the patients are
+    every fold's, resampled within their fold, and a seed's score weighs its folds by their size."""
 
 
 def _scorers(unit: Any) -> list[CaseScorer | None]:
@@ -224,12 +229,19 @@ def bootstrap_job(job: BootstrapJob, n_resamples: int) -> dict | None:
     scorers = [s for arm in job.arms for unit in arm for s in _scorers(unit)]
     if not scorers or any(s is None for s in scorers):
         return None
-    common = sorted(set.intersection(*(set(s.case_ids) for s in scorers)))
+    if job.out_of_fold:
+        if len({len(_scorers(unit)) for arm in job.arms for unit in arm}) > 1:
+            return None  # a seed without all its folds (an unfinished trial)
+        fold_of = {c: k for arm in job.arms for unit in arm for k, s in enumerate(_scorers(unit)) for c in s.case_ids}
+        common, folds = sorted(fold_of), [fold_of[c] for c in sorted(fold_of)]
+        arms = [[[s.aligned(common, partial=True) for s in _scorers(unit)] for unit in arm] for arm in job.arms]
+    else:
+        common, folds = sorted(set.intersection(*(set(s.case_ids) for s in scorers))), None
+        arms = [[_aligned(unit, common) for unit in arm] for arm in job.arms]
     if len(common) < 2:
         return None
-    score_a = [_aligned(unit, common) for unit in job.arms[0]]
-    score_b = [_aligned(unit, common) for unit in job.arms[1]] if len(job.arms) > 1 else None
-    result = two_level_bootstrap(score_a, score_b, len(common), n_resamples=n_resamples, keep_replicates=True)
+    score_a, score_b = arms[0], arms[1] if len(arms) > 1 else None
+    result = two_level_bootstrap(score_a, score_b, len(common), folds, n_resamples, keep_replicates=True)
     replicates = result.pop("replicates")
     if score_b is None:
         return result

@@ -47,6 +47,9 @@ class Report:
     distractors: pd.DataFrame | None = None
     """Lesion QA: each distractor kind against random ones, per family and schema (``distractors.csv``)."""
     cells: pd.DataFrame | None = None
+    out_of_fold: pd.DataFrame | None = None
+    """Cross-validated sweeps: each cell's headline metric on its out-of-fold predictions (``out_of_fold.csv``)."""
+    out_of_fold_significance: pd.DataFrame | None = None
     seconds: float = 0.0
 
 
@@ -94,6 +97,17 @@ def write_report(
             path = folder / "significance.csv"
             report.significance.to_csv(path, index=False)
             report.files.append(path)
+        oof_cells, oof_comparisons = out_of_fold(finished, tracking_uri, baseline, n_resamples, margins)
+        if not oof_cells.empty:
+            report.out_of_fold = oof_cells
+            report.out_of_fold_significance = stats.significance_table(oof_comparisons) if oof_comparisons else None
+            for name, frame in (
+                ("out_of_fold", oof_cells),
+                ("out_of_fold_significance", report.out_of_fold_significance),
+            ):
+                if frame is not None:
+                    frame.to_csv(folder / f"{name}.csv", index=False)
+                    report.files.append(folder / f"{name}.csv")
         kinds = distractor_comparisons(finished, tracking_uri, n_resamples)
         if kinds:
             report.distractors = stats.significance_table(kinds)
@@ -188,6 +202,45 @@ def cell_intervals(cells: pd.DataFrame, runs: pd.DataFrame, tracking_uri: str, n
     cells["boot_high"] = [extra.get(k, (math.nan, math.nan))[1] for k in index]
     cells["interval"] = ["two-level bootstrap" if k in extra else "t over seeds" for k in index]
     return cells
+
+
+def out_of_fold(
+    runs: pd.DataFrame, tracking_uri: str, baseline: str = BASELINE, n_resamples: int = 1000, margins=None
+) -> tuple[pd.DataFrame, list[dict]]:
+    """Cross-validated sweeps: each cell's headline metric on its out-of-fold predictions (every training and
+    validation patient predicted once a seed, by the fold model that did not train on it), with the two-level
+    bootstrap's interval (patients resampled within their fold, a seed's fold models one unit), and each schema
+    against ``baseline`` on them. Empty for sweeps without cross-validation."""
+    test = runs[(runs["split"] == "test") & runs["fold"].notna()] if "fold" in runs else runs.iloc[0:0]
+    if test.empty:
+        return pd.DataFrame(), []
+
+    @functools.cache
+    def scorer(run_id: str, task: str, metric: str) -> CaseScorer | None:
+        records = test_records(tracking_uri, run_id, split="val")
+        return case_scorer(task, records, metric) if records else None
+
+    keys = ["task", "model", "fusion", "schema"]
+    arms: dict[tuple, list[list[CaseScorer | None]]] = {}
+    for key, group in test.groupby(keys, dropna=False):
+        metric = headline_metric(key[0])
+        rows = group[group["metric"] == metric].sort_values(["seed", "fold"])
+        arms[(*key, metric)] = [[scorer(r, key[0], metric) for r in seed["run_id"]] for _, seed in rows.groupby("seed")]
+    cells = [dict(zip([*keys, "metric"], key, strict=True)) for key in arms]
+    jobs = [BootstrapJob([arm], out_of_fold=True) for arm in arms.values()]
+    pairs = [(k, (*k[:3], baseline, k[4])) for k in arms if k[3] != baseline and (*k[:3], baseline, k[4]) in arms]
+    jobs += [
+        BootstrapJob([arms[a], arms[b]], _margin(margins, a[0]), higher_is_better(a[4]), len(pairs), out_of_fold=True)
+        for a, b in pairs
+    ]
+    results = bootstrap_jobs(jobs, stats.family_resamples(len(pairs), n_resamples))
+    table = pd.DataFrame([{**c, **(r or {})} for c, r in zip(cells, results[: len(cells)], strict=True)])
+    comparisons = [
+        {"task": a[0], "model": a[1], "fusion": a[2], "metric": a[4], "schema_a": a[3], "schema_b": b[3], **r}
+        for (a, b), r in zip(pairs, results[len(cells) :], strict=True)
+        if r is not None
+    ]
+    return table, comparisons
 
 
 def _units(scorer: Callable, run_ids: pd.Series, task: str, metric: str) -> list:
@@ -351,6 +404,31 @@ def _verdict(row: pd.Series, family: int = 1) -> str:
     return f"{_fmt(row['diff'], 2)}{interval} | {p} | {p_holm} | {significant}"
 
 
+def _out_of_fold_markdown(report: Report, baseline: str) -> str:
+    """Cross-validated sweeps: the cells and comparisons on the out-of-fold predictions."""
+    cells = report.out_of_fold
+    if cells is None or cells.empty:
+        return ""
+    lines = [
+        "## Cross-validation: out-of-fold",
+        "Every training and validation patient is predicted once a seed, by the fold model that did not train on it. "
+        "Intervals: two-level bootstrap (patients resampled within their fold, a seed's fold models one unit); a "
+        "seed's score weighs its folds by their patients.",
+        "| task | model | schema | metric | out-of-fold mean [95 % CI] | patients | seeds | folds |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for _, row in cells.iterrows():
+        if not _present(row.get("estimate")):
+            continue
+        lines.append(
+            f"| {row['task']} | {row['model']} | {row['schema']} | {row['metric']} | {_fmt(row['estimate'])} "
+            f"[{_fmt(row['ci_low'])}, {_fmt(row['ci_high'])}] | {int(row['n_cases'])} | {int(row['n_seeds'])} | "
+            f"{int(row['n_folds'])} |"
+        )
+    comparisons = _significance_markdown(report.out_of_fold_significance, baseline)
+    return "\n\n".join(lines[:2]) + "\n\n" + "\n".join(lines[2:]) + "\n\n" + comparisons
+
+
 def _distractors_markdown(table: pd.DataFrame | None) -> str:
     """Lesion QA's distractor kinds against random ones (CT-Bench: random distractors are too easy)."""
     if table is None or table.empty:
@@ -446,6 +524,7 @@ def _summary(sweep_id: str, runs: pd.DataFrame, report: Report, cohort: str, bas
         "non-inferior, worse or not shown; without a margin, not tested. *Smallest detectable*: the difference this "
         "design (its patients, seeds and family of comparisons) would detect with 80 % power.",
         _significance_markdown(report.significance, baseline),
+        _out_of_fold_markdown(report, baseline),
         _distractors_markdown(report.distractors),
         _lesion_qa_overall_markdown(runs),
         "## Figures",

@@ -1,0 +1,59 @@
+"""A cross-validated sweep end to end: every cell on every fold, the folds written and logged, every trial tagged
+with their hash and keeping its out-of-fold predictions, every training patient predicted once a seed, and the
+report's out-of-fold section."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import yaml
+from mlflow.tracking import MlflowClient
+
+from gx_ray.data.folds import cohort_splits
+from gx_ray.data.stream import split_rows
+from gx_ray.sweep.driver import SweepOptions, run_sweep
+from gx_ray.tracking.server import LocalMlflowServer
+from tests.common import small_stage_space
+
+FOLDS = 2
+
+
+def test_a_cross_validated_sweep_predicts_every_training_patient_once_a_seed(ray_cluster, demo_prepared, tmp_path):
+    shards = str(demo_prepared.shard_dir)
+    path = small_stage_space(tmp_path / "cv.yaml", 1, [0], "cross-validation, end to end")
+    space = yaml.safe_load(path.read_text(encoding="utf-8"))
+    space["grid"]["schema"] = ["image_only", "image_table"]
+    space["cv"] = {"folds": FOLDS}
+    path.write_text(yaml.safe_dump(space), encoding="utf-8")
+    with LocalMlflowServer(tmp_path / "mlflow") as server:
+        result = run_sweep(SweepOptions(space=str(path), output=tmp_path / "out", data=shards, mlflow_uri=server.uri))
+        assert (result.finished, result.failed) == (2 * FOLDS, 0)
+        client = MlflowClient(server.uri)
+        parent = client.get_run(result.parent_run_id)
+        folds_path = client.download_artifacts(parent.info.run_id, "folds.json", str(tmp_path))
+        folds = json.loads(Path(folds_path).read_text(encoding="utf-8"))
+        children = client.search_runs(
+            [parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'"
+        )
+        assert len(children) == 2 * FOLDS
+        assert {c.data.tags["gx_ray.folds_sha256"] for c in children} == {parent.data.tags["gx_ray.folds_sha256"]}
+        out_of_fold: dict[str, Counter] = {}
+        for child in children:
+            fold, schema = int(child.data.params["data.fold"]), child.data.tags["schema"]
+            (tmp_path / child.info.run_id).mkdir()
+            local = client.download_artifacts(
+                child.info.run_id, "predictions/val.json", str(tmp_path / child.info.run_id)
+            )
+            cases = [r["case_id"] for r in json.loads(Path(local).read_text(encoding="utf-8"))]
+            patients = {r["case_id"]: r["patient_id"] for r in split_rows(shards, "train") + split_rows(shards, "val")}
+            assert {patients[c] for c in cases} == set(folds["fold_patients"][fold])  # its own fold, and only it
+            out_of_fold.setdefault(schema, Counter()).update(cases)
+        training = {p for p, s in cohort_splits(shards).items() if s in ("train", "val")}
+        for schema, counts in out_of_fold.items():  # every training patient predicted exactly once per seed
+            assert set(counts.values()) == {1} and {patients[c] for c in counts} == training, schema
+        summary = result.report.read_text(encoding="utf-8")
+        section = summary.split("## Cross-validation: out-of-fold")[1]
+        assert "| stage_classification |" in section and f"| {len(training)} | 1 | {FOLDS} |" in section
+        assert (result.output / "report" / "out_of_fold.csv").is_file()
