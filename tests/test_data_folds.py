@@ -164,3 +164,29 @@ def test_a_space_with_cv_runs_every_cell_on_every_fold_and_refuses_what_it_canno
         load_space(_cv_space(tmp_path, {"folds": 3}, fixed={"task": "stage_classification", "data.fold": 0}))
     with pytest.raises(SpaceError, match="cross-validation .* is not built for it"):
         load_space(_cv_space(tmp_path, {"folds": 3}, fixed={"task": "lesion_qa"}))
+
+
+def test_a_fold_file_made_for_a_cohort_whose_fingerprint_changed_is_refused_naming_what_changed(
+    demo_prepared, tmp_path
+):
+    """gx-ray's own fold file names its cohort: given as cv.file for a cohort re-prepared since (another scanner's
+    intensities, say), it is refused naming the fingerprint's changed keys."""
+    import hashlib
+    import shutil
+
+    from gx_ray.data.fingerprint import FINGERPRINT_FILE
+    from gx_ray.data.shards import MANIFEST_FILE
+
+    shards = tmp_path / "shards"
+    shutil.copytree(demo_prepared.shard_dir, shards)
+    location = write_fold_file(str(shards), str(tmp_path), fold_patients(str(shards), 2), {"dealt": {"folds": 2}})
+    assert read_custom_folds(location, str(shards)) == [list(f) for f in read_fold_file(location, str(shards))]
+    fingerprint = json.loads((shards / FINGERPRINT_FILE).read_text(encoding="utf-8"))
+    fingerprint["intensity_hu"]["venous"]["p50"] += 40.0
+    text = json.dumps(fingerprint, indent=1, sort_keys=True) + "\n"
+    (shards / FINGERPRINT_FILE).write_text(text, encoding="utf-8")
+    manifest = read_manifest(shards)
+    manifest["fingerprint"]["sha256"] = hashlib.sha256(text.encode()).hexdigest()
+    (shards / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    with pytest.raises(FoldError, match=r"another cohort .* fingerprint\.intensity_hu\.venous\.p50: [\d.-]+ → [\d.-]+"):
+        read_custom_folds(location, str(shards))

@@ -149,6 +149,29 @@ def read_fingerprint(shards: str, manifest: Mapping[str, Any]) -> dict[str, Any]
     return json.loads(data)
 
 
+def differences(before: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[str]:
+    """Every key whose value differs, as ``key: before → now`` (nested keys dotted)."""
+    changes = []
+    for key in sorted(set(before) | set(now)):
+        name = f"{prefix}{key}"
+        a, b = before.get(key, "<absent>"), now.get(key, "<absent>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            changes += differences(a, b, f"{name}.")
+        elif _canonical(a) != _canonical(b):
+            label = {"manifest_sha256": "the cohort (its shard manifest)"}.get(name, name)
+            changes.append(f"{label}: {_short(a)} → {_short(b)}")
+    return changes
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _short(value: Any) -> str:
+    text = _canonical(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _percentiles(values: Sequence[float], levels: Sequence[float] = PERCENTILES) -> dict[str, float]:
     return {f"p{level:g}": round(float(v), 1) for level, v in zip(levels, values, strict=True)}
 

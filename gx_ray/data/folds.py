@@ -24,6 +24,7 @@ from functools import lru_cache
 from typing import Any
 
 from gx_ray import storage
+from gx_ray.data.fingerprint import differences, read_fingerprint
 from gx_ray.data.shards import MANIFEST_FILE, open_shard, read_shard, split_files
 from gx_ray.data.splits import SPLIT_FILE, SPLITS, assign_folds
 
@@ -65,14 +66,17 @@ def _stratum(row: Mapping[str, Any], column: str) -> Any:
     return row.get(column)
 
 
-def read_custom_folds(location: str) -> list[list[str]]:
+def read_custom_folds(location: str, shards: str | None = None) -> list[list[str]]:
     """The validation patients of each fold in a file of one's own: gx-ray's fold file, or nnU-Net's
-    ``splits_final.json`` (a list of folds, each ``{"train": [...], "val": [...]}``)."""
+    ``splits_final.json`` (a list of folds, each ``{"train": [...], "val": [...]}``). A gx-ray fold file made for
+    another cohort than ``shards`` is refused, naming what changed in the cohort's fingerprint."""
     try:
         document = json.loads(storage.read_text(location))
     except (OSError, ValueError) as err:
         raise FoldError(f"{location}: not a readable JSON fold file ({err})") from err
     if isinstance(document, dict) and "fold_patients" in document:
+        if shards is not None:
+            _same_cohort(document, shards, location)
         return [list(fold) for fold in document["fold_patients"]]
     if isinstance(document, list) and all(isinstance(f, dict) and "val" in f for f in document):
         for k, fold in enumerate(document):
@@ -81,6 +85,17 @@ def read_custom_folds(location: str) -> list[list[str]]:
                 raise FoldError(f"{location}: fold {k} trains and validates on patient {overlap[0]}")
         return [list(fold["val"]) for fold in document]
     raise FoldError(f"{location}: expected gx-ray's fold file or nnU-Net's list of {{'train', 'val'}} folds")
+
+
+def _same_cohort(document: Mapping[str, Any], shards: str, location: str) -> None:
+    manifest = storage.read_bytes(storage.join(shards, MANIFEST_FILE))
+    if document.get("manifest_sha256") in (None, hashlib.sha256(manifest).hexdigest()):
+        return
+    changed = differences(document.get("fingerprint") or {}, read_fingerprint(shards, json.loads(manifest)) or {})
+    raise FoldError(
+        f"{location}: made for another cohort than {shards}; its fingerprint changed since: "
+        + "; ".join(f"fingerprint.{c}" for c in changed[:5] or ["(none recorded)"])
+    )
 
 
 def check_folds(folds: Sequence[Sequence[str]], splits: Mapping[str, str], where: str) -> None:
@@ -111,10 +126,12 @@ def write_fold_file(shards: str, root: str, folds: Sequence[Sequence[str]], how:
     ``how`` says how they were made (``{"dealt": {...}}`` or ``{"file": location}``). Returns the location."""
     check_folds(folds, cohort_splits(shards), str(how.get("file", "the folds")))
     manifest_sha = hashlib.sha256(storage.read_bytes(storage.join(shards, MANIFEST_FILE))).hexdigest()
+    manifest = json.loads(storage.read_bytes(storage.join(shards, MANIFEST_FILE)))
     document = {
         "format": FOLD_FORMAT,
         "folds": len(folds),
         "manifest_sha256": manifest_sha,
+        "fingerprint": read_fingerprint(shards, manifest),
         "how": dict(how),
         "fold_patients": [sorted(fold) for fold in folds],
     }

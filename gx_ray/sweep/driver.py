@@ -412,7 +412,7 @@ def fold_file(cv: dict[str, Any], shards: str, root: str) -> str:
     """The sweep's fold assignment (its space's ``cv``), checked against the cohort and written under ``root`` named by
     its hash: dealt by stratum, or a file of one's own (refused when it leaks or leaves a patient out)."""
     if "file" in cv:
-        folds, how = read_custom_folds(cv["file"]), {"file": cv["file"]}
+        folds, how = read_custom_folds(cv["file"], shards), {"file": cv["file"]}
     else:
         folds, how = fold_patients(shards, cv["folds"], cv["stratify"], cv["seed"]), {"dealt": cv}
     return write_fold_file(shards, root, folds, how)

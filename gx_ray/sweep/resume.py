@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gx_ray import storage
-from gx_ray.data.fingerprint import read_fingerprint
+from gx_ray.data.fingerprint import differences, read_fingerprint
 from gx_ray.data.shards import MANIFEST_FILE
 from gx_ray.sweep.spaces import SearchSpace
 
@@ -84,29 +84,6 @@ def check_resumable(output_root: Path, sweep_id: str, inputs: dict[str, Any]) ->
         + "; ".join(changes or ["its id"])
         + ". Restore them to resume it, or start a new sweep without --resume."
     )
-
-
-def differences(before: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[str]:
-    """Every key whose value differs, as ``key: before → now`` (nested keys dotted)."""
-    changes = []
-    for key in sorted(set(before) | set(now)):
-        name = f"{prefix}{key}"
-        a, b = before.get(key, "<absent>"), now.get(key, "<absent>")
-        if isinstance(a, dict) and isinstance(b, dict):
-            changes += differences(a, b, f"{name}.")
-        elif _canonical(a) != _canonical(b):
-            label = {"manifest_sha256": "the cohort (its shard manifest)"}.get(name, name)
-            changes.append(f"{label}: {_short(a)} → {_short(b)}")
-    return changes
-
-
-def _canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, default=str)
-
-
-def _short(value: Any) -> str:
-    text = _canonical(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _load(path: Path) -> dict[str, Any]:
