@@ -6,7 +6,7 @@ de-identified under Demographics, once under Surgery Details); nothing is invent
 speaks of 11 serum biochemistry indicators, of which Table 8 lists 10 (glucose, prealbumin, ALT, AST, total
 protein, albumin, total and direct bilirubin, creatinine, urea); its 5 tumour markers are all listed.
 
-Every variable has an ``availability``, which decides whether a model may ever see it (DESIGN.md, leakage rules):
+Every variable has an ``availability``, which decides whether a model may ever see it (the leakage rules):
 
 * ``pre_diagnosis``: known before the pathological diagnosis (demographics, CBC, biochemistry, tumour markers,
   admission vitals and body measures, endoscopy findings); the only variables a model may take as input.
