@@ -1,7 +1,7 @@
 """Preprocessed cases as Parquet shards, their manifest, and the streaming Ray Dataset that training reads.
 
 One row per case. The CT phases travel as one ``large_binary`` column of raw float16 bytes whose shape and
-dtype live in the schema metadata: measured five times faster to read than a tensor column (docs/design.md),
+dtype live in the schema metadata: five times faster to read than a tensor column (measured),
 and the collate function below turns a whole batch of it into one tensor without copying element by element
 (``np.frombuffer`` over Arrow's value buffer). Shards are written per split (``train-00000.parquet`` ...),
 so a split is read without filtering; ``manifest.json`` lists every file with its rows, size and SHA-256.
