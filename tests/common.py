@@ -179,3 +179,21 @@ def make_runs(
     table = pd.DataFrame(rows, columns=[*RUN_COLUMNS, *(searched or {})])
     table.attrs["searched"] = list(searched or {})
     return table
+
+
+def brighter_venous_phase(shards: Path, hu: float = 40.0) -> None:
+    """The cohort at ``shards`` as if re-prepared from another scanner: its fingerprint's venous median ``hu`` brighter,
+    and the manifest's record of the fingerprint's SHA-256 updated to match (a consistent, changed cohort)."""
+    import hashlib
+    import json
+
+    from gx_ray.data.fingerprint import FINGERPRINT_FILE
+    from gx_ray.data.shards import MANIFEST_FILE, read_manifest
+
+    fingerprint = json.loads((shards / FINGERPRINT_FILE).read_text(encoding="utf-8"))
+    fingerprint["intensity_hu"]["venous"]["p50"] += hu
+    text = json.dumps(fingerprint, indent=1, sort_keys=True) + "\n"
+    (shards / FINGERPRINT_FILE).write_text(text, encoding="utf-8")
+    manifest = read_manifest(shards)
+    manifest["fingerprint"]["sha256"] = hashlib.sha256(text.encode()).hexdigest()
+    (shards / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")

@@ -4,7 +4,6 @@ own numbers, refused when altered, and named when a resumed sweep finds it chang
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 from pathlib import Path
 
@@ -14,10 +13,11 @@ import yaml
 
 from gx_ray.data.catalogue import load_catalogue
 from gx_ray.data.fingerprint import FINGERPRINT_FILE, PERCENTILES, case_fingerprint, read_fingerprint
-from gx_ray.data.shards import MANIFEST_FILE, read_manifest
+from gx_ray.data.shards import read_manifest
 from gx_ray.schema import PHASES, Box
 from gx_ray.sweep.resume import ResumeError, check_resumable, record_inputs, sweep_inputs
 from gx_ray.sweep.spaces import load_space
+from tests.common import brighter_venous_phase
 
 
 def test_preparation_writes_the_fingerprint_and_the_manifest_holds_its_hash(demo_prepared):
@@ -94,14 +94,7 @@ def test_a_resume_on_a_cohort_whose_fingerprint_changed_is_refused_naming_what_c
     for sweep in ("sweep", "again"):
         (tmp_path / "out" / sweep).mkdir(parents=True)
     record_inputs(tmp_path / "out" / "sweep", sweep_inputs(space, str(shards)))
-    # the same cohort re-prepared with another scanner's intensities: the fingerprint and the manifest's hash of it
-    fingerprint = json.loads((shards / FINGERPRINT_FILE).read_text(encoding="utf-8"))
-    fingerprint["intensity_hu"]["venous"]["p50"] += 40.0
-    text = json.dumps(fingerprint, indent=1, sort_keys=True) + "\n"
-    (shards / FINGERPRINT_FILE).write_text(text, encoding="utf-8")
-    manifest = read_manifest(shards)
-    manifest["fingerprint"]["sha256"] = hashlib.sha256(text.encode()).hexdigest()
-    (shards / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    brighter_venous_phase(shards)  # the same cohort re-prepared from another scanner
     with pytest.raises(ResumeError, match=r"fingerprint\.intensity_hu\.venous\.p50: [-\d.]+ → [-\d.]+"):
         check_resumable(tmp_path / "out", "sweep", sweep_inputs(space, str(shards)))
     # a space that differs only in its description and budget still resumes

@@ -25,6 +25,7 @@ from gx_ray.data.shards import TensorLayout, read_manifest
 from gx_ray.data.splits import assign_folds
 from gx_ray.data.stream import DataConfig, SplitStream, split_pieces, split_rows
 from gx_ray.sweep.spaces import SpaceError, load_space
+from tests.common import brighter_venous_phase
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -171,22 +172,12 @@ def test_a_fold_file_made_for_a_cohort_whose_fingerprint_changed_is_refused_nami
 ):
     """gx-ray's own fold file names its cohort: given as cv.file for a cohort re-prepared since (another scanner's
     intensities, say), it is refused naming the fingerprint's changed keys."""
-    import hashlib
     import shutil
-
-    from gx_ray.data.fingerprint import FINGERPRINT_FILE
-    from gx_ray.data.shards import MANIFEST_FILE
 
     shards = tmp_path / "shards"
     shutil.copytree(demo_prepared.shard_dir, shards)
     location = write_fold_file(str(shards), str(tmp_path), fold_patients(str(shards), 2), {"dealt": {"folds": 2}})
     assert read_custom_folds(location, str(shards)) == [list(f) for f in read_fold_file(location, str(shards))]
-    fingerprint = json.loads((shards / FINGERPRINT_FILE).read_text(encoding="utf-8"))
-    fingerprint["intensity_hu"]["venous"]["p50"] += 40.0
-    text = json.dumps(fingerprint, indent=1, sort_keys=True) + "\n"
-    (shards / FINGERPRINT_FILE).write_text(text, encoding="utf-8")
-    manifest = read_manifest(shards)
-    manifest["fingerprint"]["sha256"] = hashlib.sha256(text.encode()).hexdigest()
-    (shards / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    brighter_venous_phase(shards)  # the same cohort re-prepared from another scanner
     with pytest.raises(FoldError, match=r"another cohort .* fingerprint\.intensity_hu\.venous\.p50: [\d.-]+ → [\d.-]+"):
         read_custom_folds(location, str(shards))
