@@ -290,7 +290,7 @@ def split_pieces(data: DataConfig, split: str) -> list[dict[str, Any]]:
 
 def read_piece(piece: dict[str, Any], columns: list[str] | None = None) -> pa.Table:
     """One row group of :func:`split_pieces`, only the rows it keeps."""
-    table = read_shard(piece["path"], columns, piece["row_group"])
+    table = read_shard(piece["path"], columns=columns, row_group=piece["row_group"])
     return table.take(piece["keep"]) if piece.get("keep") is not None else table
 
 
