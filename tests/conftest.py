@@ -5,6 +5,9 @@ helper functions and constants are in ``common.py``."""
 from __future__ import annotations
 
 import os
+import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -34,6 +37,12 @@ def pytest_configure(config: pytest.Config) -> None:
         config.issue_config_time_warning(pytest.PytestConfigWarning(f"tests run on the host's network: {err}"), 2)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The slow end-to-end tests first: pytest-xdist's workers (``-n``) start on them and share the quick ones out at
+    the end, rather than one worker finishing a long test alone while the other idles."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -42,22 +51,50 @@ def ray_cluster():
     ray.shutdown()
 
 
+def shared_folder(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A folder every pytest-xdist worker of this run shares (the run's own base folder, never an earlier run's), for
+    what the tests only read: made once, by whichever worker asks first (:func:`made_once`)."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+
+
+@contextmanager
+def made_once(folder: Path) -> Iterator[bool]:
+    """Hold ``folder``'s lock; yields whether it still has to be made (the block then makes it, marked done last)."""
+    from filelock import FileLock
+
+    with FileLock(f"{folder}.lock"):
+        done = folder.parent / f"{folder.name}.done"  # beside it: the folder holds only what it is made of
+        todo = not done.is_file()
+        yield todo
+        if todo:
+            done.touch()
+
+
 @pytest.fixture(scope="session")
 def demo_raw(ray_cluster, tmp_path_factory) -> Path:
-    """A tiny demo cohort in the release layout, written once per session; treat it as read-only."""
+    """A tiny demo cohort in the release layout, written once per run (all workers); treat it as read-only."""
     from gx_ray.data.demo.cohort import generate_cohort
 
-    root = tmp_path_factory.mktemp("demo_raw")
-    generate_cohort(root, tiny_cohort())
+    root = shared_folder(tmp_path_factory, "demo_raw")
+    with made_once(root) as todo:
+        if todo:
+            generate_cohort(root, tiny_cohort())
     return root
 
 
 @pytest.fixture(scope="session")
 def demo_prepared(demo_raw, tmp_path_factory):
-    """The tiny cohort preprocessed into shards (``PrepareResult``); treat it as read-only."""
+    """The tiny cohort preprocessed into shards (``PrepareResult``), once per run (all workers); treat it as
+    read-only."""
     from gx_ray.data.prepare import prepare_shards
 
-    return prepare_shards(demo_raw, tmp_path_factory.mktemp("demo_prepared"), tiny_prepare())
+    out = shared_folder(tmp_path_factory, "demo_prepared")
+    record = out.parent / f"{out.name}.pickle"
+    with made_once(out) as todo:
+        if todo:
+            record.write_bytes(pickle.dumps(prepare_shards(demo_raw, out, tiny_prepare())))
+    return pickle.loads(record.read_bytes())
 
 
 def find_real_ct_dir() -> Path:

@@ -71,6 +71,7 @@ def test_the_vlm_benchmark_packs_its_batch_with_the_padded_batchs_loss_and_measu
     assert 10 < padding < 50  # the varied questions' padding, packed away
 
 
+@pytest.mark.slow
 def test_the_loop_benchmark_runs_a_trials_own_loop_beside_its_raw_step(ray_cluster, demo_prepared):
     import itertools
     import sys

@@ -8,6 +8,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
@@ -20,6 +21,7 @@ from tests.common import small_stage_space
 FOLDS = 2
 
 
+@pytest.mark.slow
 def test_a_cross_validated_sweep_predicts_every_training_patient_once_a_seed(ray_cluster, demo_prepared, tmp_path):
     shards = str(demo_prepared.shard_dir)
     path = small_stage_space(tmp_path / "cv.yaml", 1, [0], "cross-validation, end to end")

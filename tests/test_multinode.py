@@ -230,7 +230,13 @@ def _assert_epochs_once(client: MlflowClient, run, epochs: int) -> None:
         assert steps == list(range(epochs)), f"{key} of {run.info.run_name}: steps {steps} (lost or logged twice)"
 
 
-def test_a_sweep_on_three_nodes_reads_and_keeps_everything_in_the_object_store(nodes, s3, tmp_path):
+def test_sweeps_on_several_nodes_keep_everything_in_the_object_store_and_survive_a_lost_node(
+    nodes, s3, mlflow_uri, tmp_path
+):
+    """One cluster (a head without CPUs, worker nodes), the cohort prepared onto the bucket by tasks on the workers:
+    a sweep reads it there and keeps its state there, with its own loopback MLflow; a second sweep (the team's
+    MLflow) loses its node mid-trial and resumes on a node that joined, nothing lost or logged twice; and a node at
+    another address makes a loopback MLflow refused before any work."""
     nodes.start("worker1", cpus=2)
     nodes.start("worker2", cpus=2)
     ids = nodes.alive()
@@ -264,20 +270,12 @@ def test_a_sweep_on_three_nodes_reads_and_keeps_everything_in_the_object_store(n
     for name in ("worker1", "worker2"):  # nothing a trial writes lands in a worker's working directory
         assert sorted(p.name for p in nodes.folder(name).iterdir()) == ["home", "ray.log", "tmp"]
 
-    # a node at another address: trials there could not reach the driver's loopback, refused before any work
-    nodes.start("elsewhere", cpus=0, ip=ELSEWHERE)
-    apart = {"s3://gx-state/sweeps": "s3://gx-state/refused", "out": "refused"}  # not the sweep that ran
-    command = [apart.get(c, c) for c in _sweep_command(nodes, space, None)]
-    refused = subprocess.run(command, cwd=driver, capture_output=True, text=True, timeout=300)
-    assert refused.returncode == 2, refused.stderr[-3000:]
-    assert "4 nodes" in refused.stderr and ELSEWHERE in refused.stderr and "--mlflow-uri" in refused.stderr
-
-
-def test_a_worker_node_lost_mid_trial_resumes_on_a_node_that_joined(nodes, s3, mlflow_uri, tmp_path):
-    epochs = 6
-    nodes.start("worker1", cpus=2)
-    _prepare(nodes, tmp_path)
-    space, driver, log = _space(tmp_path, epochs=epochs, seeds=2), tmp_path / "driver", tmp_path / "sweep.log"
+    # a worker node lost mid-trial: worker1 the only node with CPUs, its trial resumes on worker3, which joins
+    epochs = 4
+    nodes.kill_raylet("worker2")
+    nodes.wait_for(lambda alive: "worker2" not in alive, "worker2 seen gone")
+    space, log = _space(tmp_path / "lost", epochs=epochs, seeds=2), tmp_path / "lost.log"
+    driver = tmp_path / "lost" / "driver"
     process = _run([*_sweep_command(nodes, space, mlflow_uri), "--max-concurrent", "1"], driver, log)
     client = MlflowClient(mlflow_uri)
     deadline = time.monotonic() + 600
@@ -285,8 +283,8 @@ def test_a_worker_node_lost_mid_trial_resumes_on_a_node_that_joined(nodes, s3, m
         assert process.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-4000:]
         time.sleep(0.5)
     nodes.kill_raylet("worker1")  # lost mid-trial, after a checkpoint reached the bucket
-    nodes.start("worker2", cpus=2)  # joins mid-sweep: the only node left with CPUs
-    ids = nodes.wait_for(lambda alive: "worker1" not in alive and "worker2" in alive, "worker1 seen lost")
+    nodes.start("worker3", cpus=2)  # joins mid-sweep: the only node left with CPUs
+    ids = nodes.wait_for(lambda alive: "worker1" not in alive and "worker3" in alive, "worker1 seen lost")
     assert process.wait(timeout=900) == 0, log.read_text(errors="replace")[-4000:]
 
     trials = _trials(client)
@@ -294,10 +292,18 @@ def test_a_worker_node_lost_mid_trial_resumes_on_a_node_that_joined(nodes, s3, m
     assert {r.info.status for r in trials} == {"FINISHED"}
     assert len({r.data.tags[TRIAL_TAG] for r in trials}) == 2
     for run in trials:
-        assert run.data.tags["gx_ray.node_id"] == ids["worker2"], "the joined node took over the sweep's trials"
+        assert run.data.tags["gx_ray.node_id"] == ids["worker3"], "the joined node took over the sweep's trials"
         _assert_epochs_once(client, run, epochs)
     resumed = [r for r in trials if "resumed_from_epoch" in r.data.metrics]
     assert len(resumed) == 1 and resumed[0].data.metrics["resumed_from_epoch"] >= 1, "not resumed from a checkpoint"
+
+    # a node at another address: trials there could not reach the driver's loopback, refused before any work
+    nodes.start("elsewhere", cpus=0, ip=ELSEWHERE)
+    apart = {"s3://gx-state/sweeps": "s3://gx-state/refused", "out": "refused"}  # not the sweep that ran
+    command = [apart.get(c, c) for c in _sweep_command(nodes, space, None)]
+    refused = subprocess.run(command, cwd=driver, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "3 nodes" in refused.stderr and ELSEWHERE in refused.stderr and "--mlflow-uri" in refused.stderr
 
 
 def test_two_nodes_one_host_runs_a_command_on_two_loopback_nodes(tmp_path):

@@ -55,6 +55,7 @@ def smoke_ablation(ray_cluster, demo_prepared, mlflow_server, tmp_path_factory):
     return run_sweep(options)
 
 
+@pytest.mark.slow
 def test_smoke_ablation_runs_all_20_cells(smoke_ablation):
     assert (smoke_ablation.finished, smoke_ablation.failed) == (20, 0)
     cells = {(b["task"], b["schema"]) for b in smoke_ablation.best}
@@ -176,6 +177,7 @@ def _small_space(tmp_path: Path, vision_kwargs: list, name: str = "small") -> Pa
     return path
 
 
+@pytest.mark.slow
 def test_a_failing_trial_is_reported_and_the_others_finish(ray_cluster, demo_prepared, mlflow_server, tmp_path, capfd):
     # three block widths where MONAI's ResNet needs four: the model fails to build inside the trial
     path = _small_space(tmp_path, [{"block_inplanes": [8, 16, 32, 64]}, {"block_inplanes": [8, 16, 32]}])
@@ -193,8 +195,9 @@ def test_a_failing_trial_is_reported_and_the_others_finish(ray_cluster, demo_pre
     assert statuses == ["FAILED", "FAILED", "FINISHED", "FINISHED"]
 
 
+@pytest.mark.slow
 def test_interrupted_sweep_resumes_without_duplicates_or_gaps(demo_prepared, mlflow_server, tmp_path):
-    path = _small_space(tmp_path, [{"block_inplanes": [8, 16, 32, 64]}, {"block_inplanes": [4, 8, 16, 32]}], "resumed")
+    path = _small_space(tmp_path, [{"block_inplanes": [8, 16, 32, 64]}], "resumed")  # two trials, one at a time
     command = [
         sys.executable, str(ROOT / "jobs" / "sweep.py"), "--space", str(path), "--output", str(tmp_path / "out"),
         "--data", str(demo_prepared.shard_dir), "--mlflow-uri", mlflow_server.uri, "--max-concurrent", "1",
@@ -223,10 +226,11 @@ def test_interrupted_sweep_resumes_without_duplicates_or_gaps(demo_prepared, mlf
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     children = _children(mlflow_server.uri, sweep_id)
     trial_ids = [c.data.tags[TRIAL_TAG] for c in children]
-    assert len(trial_ids) == len(set(trial_ids)) == 4, "a trial was repeated or lost"
+    assert len(trial_ids) == len(set(trial_ids)) == 2, "a trial was repeated or lost"
     assert all(c.info.status == "FINISHED" for c in children)
 
 
+@pytest.mark.slow
 def test_an_optuna_search_with_asha_ends_every_trial_and_shows_its_search(
     ray_cluster, demo_prepared, mlflow_server, tmp_path
 ):
@@ -254,23 +258,6 @@ def test_an_optuna_search_with_asha_ends_every_trial_and_shows_its_search(
     search = result.output / "report" / "search"
     assert (search / "search_best_so_far.png").is_file()
     assert (search / "search_parallel_stage_classification.svg").is_file()
-
-
-def test_the_same_loop_runs_under_a_torch_trainer(ray_cluster, demo_prepared, mlflow_server, tmp_path):
-    """Trials with several workers use Ray Train's TorchTrainer (Train V2): the loop is the same function."""
-    path = _small_space(tmp_path, [{"block_inplanes": [8, 16, 32, 64]}])
-    document = yaml.safe_load(path.read_text(encoding="utf-8"))
-    document["fixed"]["resources.torch_trainer"] = True
-    document["grid"]["seed"] = [0]
-    path.write_text(yaml.safe_dump(document), encoding="utf-8")
-    options = SweepOptions(space=str(path), output=tmp_path, data=demo_prepared.shard_dir, mlflow_uri=mlflow_server.uri)
-    result = run_sweep(options)
-    assert (result.finished, result.failed) == (1, 0)
-    (child,) = _children(mlflow_server.uri, result.sweep_id)
-    # accuracy is defined on any test split (AUC is not when the two test patients share a stage)
-    assert child.info.status == "FINISHED" and "test_accuracy" in child.data.metrics
-    assert child.data.params["resources.torch_trainer"] == "True"
-    assert (result.output / "ray").is_dir() and any((result.output / "ray").iterdir())
 
 
 def test_run_names_lead_with_task_inputs_and_seed_also_when_the_space_fixes_them():

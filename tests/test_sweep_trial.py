@@ -95,3 +95,17 @@ def test_what_a_sweep_driver_reads_of_a_task_imports_no_monai_nor_transformers()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     classes, modules = out.strip().splitlines()
     assert "('lesion_detection', False)" in classes and modules == "[]", out
+
+
+def test_a_trial_with_several_workers_or_asked_to_trains_under_a_torch_trainer_holding_a_sliver(tmp_path):
+    """The branch every trial takes: in itself (its CPUs and GPU share reserved), or under Ray Train's TorchTrainer
+    (several workers, or ``resources.torch_trainer``), whose workers ask for their own while the trial holds a sliver.
+    The TorchTrainer path itself runs end to end in test_train_loop.py's DDP trial."""
+    from gx_ray.sweep.trial import under_torch_trainer
+
+    cases = [({}, False, {"cpu": 2.0, "gpu": 0.0}), ({"resources.torch_trainer": True}, True, {"cpu": 0.1}),
+             ({"resources.workers": 2, "data.effective_batch": 4}, True, {"cpu": 0.1})]  # fmt: skip
+    for fixed, trainer, reserved in cases:
+        context = _context(tmp_path, {"task": "vqa", "resources.cpus_per_worker": 2, **fixed}, {"seed": [0]})
+        assert under_torch_trainer(context.setting({"seed": 0}).config) is trainer
+        assert context.resources({"seed": 0}) == reserved

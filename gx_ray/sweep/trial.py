@@ -89,10 +89,14 @@ class SweepContext:
         """What Ray reserves for a trial: the worker's CPUs and its GPU share. A trial that starts a TorchTrainer holds
         a sliver; the trainer's workers ask for theirs."""
         setting = self.setting(chosen)
-        resources = setting.config.resources
-        if resources.workers > 1 or resources.torch_trainer:
+        if under_torch_trainer(setting.config):
             return {"cpu": 0.1}
-        return {"cpu": resources.cpus_per_worker, "gpu": setting.gpu_share}
+        return {"cpu": setting.config.resources.cpus_per_worker, "gpu": setting.gpu_share}
+
+
+def under_torch_trainer(config: TrialConfig) -> bool:
+    """Whether the trial trains under a Ray Train ``TorchTrainer`` (several workers, or asked to), or in itself."""
+    return config.resources.workers > 1 or config.resources.torch_trainer
 
 
 def task_key(config: TrialConfig) -> str:
@@ -166,7 +170,7 @@ def run_trial(params: dict[str, Any], context: SweepContext) -> None:
             client.set_terminated(run_id, "FINISHED")
 
     try:
-        if config.resources.workers == 1 and not config.resources.torch_trainer:
+        if not under_torch_trainer(config):
             torch.set_num_threads(max(1, int(config.resources.cpus_per_worker)))
             device = torch.device("cuda" if config.resources.use_gpu and torch.cuda.is_available() else "cpu")
             if device.type == "cuda" and share < 1:  # a packed trial keeps to its share of the card's memory
