@@ -274,6 +274,7 @@ def test_sweeps_on_several_nodes_keep_everything_in_the_object_store_and_survive
     epochs = 4
     nodes.kill_raylet("worker2")
     nodes.wait_for(lambda alive: "worker2" not in alive, "worker2 seen gone")
+    (tmp_path / "lost").mkdir()
     space, log = _space(tmp_path / "lost", epochs=epochs, seeds=2), tmp_path / "lost.log"
     driver = tmp_path / "lost" / "driver"
     process = _run([*_sweep_command(nodes, space, mlflow_uri), "--max-concurrent", "1"], driver, log)
