@@ -226,11 +226,10 @@ def micro_batch_for(
         return choose_micro_batch(per_rank, peak_of, budget)
 
 
-def probe_trial(flat: dict[str, Any]) -> dict[str, Any]:
+def probe_trial(config: TrialConfig) -> dict[str, Any]:
     """One measured training step and one evaluation forward of a trial's model on a whole GPU, before the sweep
     places its trials: the micro-batch it will use (``auto``: the largest that fits the card) and the peak memory of
     the step at it or of the evaluation at ``data.eval_batch_size``, whichever is higher."""
-    config = TrialConfig.from_flat(flat)
     device = torch.device("cuda")
     task, model, layout = build_trial(config, device)
     micro, peak = micro_batch_for(config, model, task, layout, device, config.resources.workers)
