@@ -5,6 +5,7 @@ python jobs/validate.py planted-signal                # two 160-case cohorts, 2 
 python jobs/validate.py planted-signal --cases 240    # more test patients, more power
 python jobs/validate.py ct-bench                      # CT-Bench's findings on a 320-case cohort (about 20 min)
 python jobs/validate.py coverage                      # bootstrap coverage and planned power, on simulated studies
+python jobs/validate.py cv                            # 5-fold CV, a null input's equivalence, a planned design
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from gx_ray.analysis import study
 from gx_ray.runtime import tolerant_console
-from gx_ray.sweep.validate import CT_BENCH_CASES, ct_bench, demo, planted_signal
+from gx_ray.sweep.validate import CT_BENCH_CASES, cross_validation, ct_bench, demo, planted_signal
 
 ADDRESS = "a Ray cluster to join (default: the one `ray start` runs here, else a local one; local: a new one)"
 
@@ -41,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     main_command = checks.add_parser("demo", help="the main command's demo learns every task and finds inputs help")
     main_command.add_argument("--output", type=Path, default=Path("outputs/validate/demo"))
     main_command.add_argument("--address", help=ADDRESS)
+    crossed = checks.add_parser("cv", help="cross-validation narrows the interval; equivalence; the planner's design")
+    crossed.add_argument("--output", type=Path, default=Path("outputs/validate/cv"))
+    crossed.add_argument("--cases", type=int, default=160, help="the cohort's cases (15 %% of them are test patients)")
+    crossed.add_argument("--seed", type=int, default=0, help="the demo cohort's seed (the confirming cohort: seed + 1)")
+    crossed.add_argument("--address", help=ADDRESS)
     simulated = checks.add_parser(
         "coverage", help="two-level bootstrap coverage and planned power, on simulated studies"
     )
@@ -126,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         return coverage_check(args)
     if args.check == "demo":
         results = demo(args.output, args.address)
+    elif args.check == "cv":
+        results = cross_validation(args.output, args.cases, args.seed, args.address)
     elif args.check == "ct-bench":
         results = ct_bench(args.output, args.cases, args.seed, args.address)
     else:

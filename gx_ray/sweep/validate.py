@@ -25,19 +25,21 @@ the second.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
-from gx_ray.analysis.report import CELLS_FILE, CHANCE
-from gx_ray.analysis.runs import headline_metric, higher_is_better
+from gx_ray.analysis.plan import plan_study
+from gx_ray.analysis.report import CELLS_FILE, CHANCE, open_sweep, out_of_fold
+from gx_ray.analysis.runs import headline_metric, higher_is_better, load_runs
 from gx_ray.data.demo.cohort import DemoConfig
 from gx_ray.data.demo.findings import SignalStrength
 from gx_ray.data.demo.phantom import PhantomConfig
 from gx_ray.data.prepare import PrepareConfig, prepare_data
 from gx_ray.runtime import init_ray
-from gx_ray.sweep.driver import SweepOptions, run_sweep
+from gx_ray.sweep.driver import SweepOptions, SweepResult, run_sweep
 
 DEMO_BUDGET_S = 600.0
 FULL, BASELINE = "image_table_bbox", "image_only"
@@ -238,3 +240,119 @@ def ct_bench_checks(report: Path) -> list[DemoCheck]:
             )
         )
     return checks
+
+
+CV_SIGNAL = SignalStrength(image=0.0, table=1.0, endoscopy=0.0, text=0.0)
+"""The stage shows only in the lab table: the CT, its boxes and the endoscopy show a decoy stage (null inputs)."""
+CV_SEEDS, CV_PATIENTS = (3, 5), (24, 48, 96)
+"""The designs the planner may recommend: seeds per arm (the ``three_seeds`` preset, or ``planted``'s five) and test
+patients (the confirming cohort keeps the pilot's 136 training and validation patients and adds that many)."""
+TABLE, NULL = "image_table", "image_table_bbox"
+
+
+def cross_validation(output: Path, cases: int = 160, seed: int = 0, address: str | None = None) -> list[DemoCheck]:
+    """The ``cv`` check: on a cohort whose stage shows only in the lab table, (1) 5-fold cross-validation finds image
+    + table better than image only, with a narrower interval than the single split's; (2) adding the boxes (a decoy,
+    a null input) to image + table is shown equivalent within the space's margin; (3) the planner, given the single
+    split as pilot and the cross-validated difference as the effect, recommends a design that, run on new patients,
+    detects the difference."""
+    init_ray(address)
+    output = Path(output)
+    data = _cv_cohort(output / "cohort", cases, seed, address)
+    presets = ("demo", "planted", "null_input")
+    sweeps = {}
+    for name, extra in (("single_split", ("three_seeds",)), ("cross_validated", ("three_seeds", "cv"))):
+        sweeps[name] = run_sweep(
+            SweepOptions(
+                "modality_ablation", output / "sweeps" / name, data.shard_dir, address=address, presets=presets + extra
+            )
+        )
+    single = _comparison(sweeps["single_split"].output / "report" / "significance.csv", TABLE, BASELINE)
+    oof = _comparison(sweeps["cross_validated"].output / "report" / "out_of_fold_significance.csv", TABLE, BASELINE)
+    checks = []
+    if single is None or oof is None:
+        missing = "single split" if single is None else "out-of-fold"
+        return [DemoCheck("cv finds the table's gain", False, f"no {TABLE} vs {BASELINE} comparison ({missing})")]
+    ratio = (oof["ci_high"] - oof["ci_low"]) / (single["ci_high"] - single["ci_low"])
+    found = bool(oof["significant"]) and oof["better"] == TABLE
+    checks.append(
+        DemoCheck(
+            "cv finds the table's gain",
+            found and ratio < 1,
+            f"{TABLE} - {BASELINE} AUC out-of-fold {_interval(oof)} ({int(oof['n_cases'])} patients) against the "
+            f"single split's {_interval(single)} ({int(single['n_cases'])}): width ratio {ratio:.2f}",
+        )
+    )
+    # the null input: the report compares with image only; "the boxes do not matter" is a comparison with image + table
+    with open_sweep(str(sweeps["cross_validated"].output)) as store:
+        runs = load_runs(store.uri, store.sweep_id)
+        margin = json.loads(store.parent.data.params["analysis.margin"])["stage_classification"]
+        _, comparisons = out_of_fold(runs[runs["status"] == "FINISHED"], store.uri, TABLE, margins=margin)
+    null = next((c for c in comparisons if c["schema_a"] == NULL), None)
+    checks.append(
+        DemoCheck(
+            "a null input is shown equivalent",
+            null is not None and str(null.get("equivalence", "")).startswith("equivalent"),
+            "no comparison" if null is None
+            else f"{NULL} - {TABLE} AUC out-of-fold {_interval(null)}: {null.get('equivalence')} (margin ±{margin:g})",
+        )
+    )  # fmt: skip
+    others = data.rows["train"] + data.rows["val"]
+    checks.append(_planned_design_detects(output, sweeps["single_split"], oof["diff"], others, seed, address))
+    return checks
+
+
+def _cv_cohort(folder: Path, cases: int, seed: int, address: str | None, test: int | None = None):
+    """The ``cv`` check's cohort; ``test`` patients beside ``cases - test`` others, where given (the confirmation)."""
+    fractions = PrepareConfig().fractions
+    if test is not None:
+        fractions = (fractions[0] * (cases - test) / cases, fractions[1] * (cases - test) / cases, test / cases)
+        fractions = (1.0 - fractions[1] - fractions[2], fractions[1], fractions[2])
+    config = DemoConfig(cases=cases, seed=seed, signal=CV_SIGNAL, phantom=KNOWN_ANSWER_PHANTOM)
+    data = prepare_data("demo", folder, PrepareConfig(fractions=fractions), config, address=address)
+    print(f"{folder.name}: {data.summary()}")
+    return data
+
+
+def _planned_design_detects(
+    output: Path, pilot: SweepResult, effect: float, others: int, seed: int, address: str | None
+) -> DemoCheck:
+    """Plan from the single split for ``effect`` (the cross-validated difference), run the smallest design that
+    reaches 80 % on a new cohort (another seed: other patients; ``others`` training and validation ones, as the
+    pilot's) and check that its report finds the gain."""
+    name = "the planned design detects it"
+    with open_sweep(str(pilot.output)) as store:
+        planned = plan_study(store.uri, store.sweep_id, effect, output / "plan", seeds=CV_SEEDS, patients=CV_PATIENTS)
+    mine = next((p for p in planned["comparisons"] if p["schema_a"] == TABLE), None)
+    if mine is None or mine["smallest"] is None:
+        return DemoCheck(name, False, f"no design of {CV_SEEDS} seeds x {CV_PATIENTS} patients reaches 80 % for "
+                         f"{effect:+.1f} AUC")  # fmt: skip
+    seeds, patients = mine["smallest"]["seeds"], mine["smallest"]["patients"]
+    data = _cv_cohort(output / "confirmation_cohort", others + patients, seed + 1, address, test=patients)
+    presets = ("demo", "planted", "null_input") + (("three_seeds",) if seeds == 3 else ())
+    result = run_sweep(
+        SweepOptions(
+            "modality_ablation", output / "sweeps" / "planned", data.shard_dir, address=address, presets=presets
+        )
+    )
+    row = _comparison(result.output / "report" / "significance.csv", TABLE, BASELINE)
+    detail = (
+        f"planned for {effect:+.1f} AUC: {seeds} seeds x {patients} test patients (power "
+        f"{100 * mine['smallest']['power']:.0f} %); run on {data.rows['test']} new test patients: "
+    )
+    if row is None:
+        return DemoCheck(name, False, detail + f"no {TABLE} vs {BASELINE} comparison")
+    detected = bool(row["significant"]) and row["better"] == TABLE
+    return DemoCheck(name, detected, detail + f"{_interval(row)}, Holm p = {row['p_holm']:.3g}")
+
+
+def _comparison(path: Path, schema_a: str, schema_b: str) -> dict | None:
+    if not path.is_file():
+        return None
+    table = pd.read_csv(path)
+    row = table[(table["schema_a"] == schema_a) & (table["schema_b"] == schema_b)]
+    return row.iloc[0].to_dict() if len(row) else None
+
+
+def _interval(row: dict) -> str:
+    return f"{row['diff']:+.1f} [{row['ci_low']:+.1f}, {row['ci_high']:+.1f}]"
