@@ -188,8 +188,13 @@ def _trained(sweep: Sweep) -> dict[str, dict[str, list[float]]]:
     }
 
 
-def test_a_trial_worker_killed_mid_epoch_is_retried_from_its_checkpoint(demo_prepared, tmp_path):
-    sweep = Sweep(tmp_path, demo_prepared.shard_dir)
+def test_a_killed_trial_worker_and_a_killed_mlflow_server_lose_nothing_and_change_no_number(demo_prepared, tmp_path):
+    """Two sweeps of the same cells: one has its trial worker killed mid-epoch (the trial is retried from its last
+    checkpoint), the other its MLflow server killed mid-sweep (restarted). Each finishes every cell once, and both
+    trained the same numbers: a retried epoch goes on as if nothing had happened, and a lost server loses no metric.
+    Should either go wrong, the two differ (they fail in different places)."""
+    (tmp_path / "worker").mkdir()
+    sweep = Sweep(tmp_path / "worker", demo_prepared.shard_dir)
     process = sweep.start()
     # past its second epoch's end, so that Tune holds the first epoch's checkpoint (~2.5 s an epoch here)
     sweep.wait_for(lambda runs: _training(runs, past_epoch=1), process, "a trial past its second epoch")
@@ -202,16 +207,23 @@ def test_a_trial_worker_killed_mid_epoch_is_retried_from_its_checkpoint(demo_pre
     client = sweep.client()
     resumed = [m for r in _trials(sweep.runs()) for m in client.get_metric_history(r.info.run_id, "resumed_from_epoch")]
     assert resumed, "no trial resumed from a checkpoint"  # (a retry from the start logs none)
-    # and it trained on as if nothing had happened: the same numbers as the same sweep left alone
-    (tmp_path / "alone").mkdir()
-    alone = Sweep(tmp_path / "alone", demo_prepared.shard_dir)
-    assert alone.run() == 0, alone.tail()
-    assert _trained(sweep) == _trained(alone)
     # said in one line (which trial, why, what now), not as Tune's twenty-line Ray traceback
     printed = sweep.whole()
     assert "ActorDiedError" in printed and "retried from its last checkpoint" in printed, printed[-4000:]
     assert "Traceback" not in printed, printed[-4000:]
     assert_provenance(sweep, Path(demo_prepared.shard_dir) / "manifest.json")
+
+    (tmp_path / "server").mkdir()
+    other = Sweep(tmp_path / "server", demo_prepared.shard_dir)
+    process = other.start()
+    other.wait_for(_training, process, "a trial training")
+    os.killpg(_server_record(other)["pid"], signal.SIGKILL)  # the server and its worker
+    assert process.wait(timeout=600) == 0, other.tail()
+    # the whole log: a trial whose request the kill cut mid-response fails once and is retried from its checkpoint,
+    # and its traceback can fill the tail (seen on a slow 2-core machine)
+    assert "starting it again" in other.whole()
+    assert_every_cell_finished_once(other)
+    assert _trained(sweep) == _trained(other)
 
 
 def test_a_server_first_waited_for_past_its_start_timeout_is_still_asked(tmp_path):
@@ -225,19 +237,6 @@ def test_a_server_first_waited_for_past_its_start_timeout_is_still_asked(tmp_pat
             assert response.status == 200
     finally:
         server.stop()
-
-
-def test_the_mlflow_server_killed_mid_sweep_is_restarted_and_every_cell_finishes(demo_prepared, tmp_path):
-    sweep = Sweep(tmp_path, demo_prepared.shard_dir)
-    process = sweep.start()
-    sweep.wait_for(_training, process, "a trial training")
-    server = _server_record(sweep)["pid"]
-    os.killpg(server, signal.SIGKILL)  # the server and its worker
-    assert process.wait(timeout=600) == 0, sweep.tail()
-    # the whole log: a trial whose request the kill cut mid-response fails once and is retried from its checkpoint,
-    # and its traceback can fill the tail (seen on a slow 2-core machine)
-    assert "starting it again" in sweep.log.read_text(errors="replace")
-    assert_every_cell_finished_once(sweep)
 
 
 def assert_provenance(sweep: Sweep, manifest: Path) -> None:

@@ -120,8 +120,8 @@ class RayNodes:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGTERM)
         for process in self.nodes.values():
-            try:
-                process.wait(timeout=10)
+            try:  # the test is over: a node that has not stopped in a few seconds is not waited for
+                process.wait(timeout=3)
             except subprocess.TimeoutExpired:  # its raylet and workers are in its process group
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait(timeout=30)

@@ -1,6 +1,6 @@
 """The sweep driver (:mod:`gx_ray.sweep.driver`) end to end: the smoke modality ablation into a real MLflow server, a
-failing trial, an interrupted sweep resumed, an Optuna search with ASHA, a TorchTrainer trial; and the driver's run
-names, summary, progress bar and report warm-up. Search-space validation: ``test_sweep_spaces.py``."""
+failing trial, an interrupted sweep resumed (and its report written again by the report command), an Optuna search
+with ASHA; and the driver's run names, summary, progress bar and report warm-up. Search-space validation: ``test_sweep_spaces.py``."""
 
 from __future__ import annotations
 
@@ -142,18 +142,6 @@ def test_the_runs_table_holds_every_trial_metric_and_the_searched_nothing(smoke_
     assert cell["value"].item() == pytest.approx(child.data.metrics["test_auc"], nan_ok=True)
 
 
-def test_the_report_command_writes_the_report_again(smoke_ablation, tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "analysis" / "report.py"), "--sweep", str(smoke_ablation.output)],
-        capture_output=True,
-        encoding="utf-8",
-        errors="replace",
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "summary.md" in result.stdout and (smoke_ablation.output / "report" / "summary.html").is_file()
-
-
 # --- failures and resume ----------------------------------------------------------------------------------
 
 
@@ -228,6 +216,15 @@ def test_interrupted_sweep_resumes_without_duplicates_or_gaps(demo_prepared, mlf
     trial_ids = [c.data.tags[TRIAL_TAG] for c in children]
     assert len(trial_ids) == len(set(trial_ids)) == 2, "a trial was repeated or lost"
     assert all(c.info.status == "FINISHED" for c in children)
+    # and the report command writes its report again from the sweep's folder (sweep.json names the MLflow server)
+    folder = tmp_path / "out" / sweep_id
+    (folder / "report" / "summary.html").unlink()
+    report = subprocess.run(
+        [sys.executable, str(ROOT / "analysis" / "report.py"), "--sweep", str(folder)],
+        capture_output=True, encoding="utf-8", errors="replace", timeout=600,
+    )  # fmt: skip
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert "summary.md" in report.stdout and (folder / "report" / "summary.html").is_file()
 
 
 @pytest.mark.slow

@@ -1,6 +1,8 @@
-"""Every task under every paper schema can learn: a few AdamW steps on four demo cases make its loss fall.
+"""Every task can learn from the fewest and from all of the paper's inputs: a few AdamW steps on four demo cases make
+its loss fall.
 
-24 combinations (6 tasks x 4 presets), each with the registry's encoder in a small configuration (a 3D ResNet of
+Each task under image only and under image + table + boxes (the two partial schemas build their inputs from the same
+parts: the last one runs every part of them), each with the registry's encoder in a small configuration (a 3D ResNet of
 MONAI's class with one block per stage and a stride-4 stem, a small random BERT, width 64) and the task's own
 head, trained on one fixed batch as the training loop would train it (``TaskModel``, ``param_groups``). A model
 that cannot overfit four cases has a broken gradient path somewhere between the inputs and the loss.
@@ -14,7 +16,7 @@ import torch
 
 from gx_ray.data.shards import read_manifest
 from gx_ray.data.stream import split_rows
-from gx_ray.modalities import PRESETS, resolve_schema
+from gx_ray.modalities import resolve_schema
 from gx_ray.models import ModelConfig, build_encoder, param_groups
 from gx_ray.schema import TASKS
 from gx_ray.tasks import TaskModel, build_task
@@ -100,7 +102,7 @@ def train(task_name: str, preset: str, batch: dict, train_rows: list[dict], mani
     return losses
 
 
-@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("preset", ["image_only", "image_table_bbox"])
 @pytest.mark.parametrize("task_name", TASKS)
 def test_loss_falls_on_a_tiny_set(task_name, preset, four_cases, train_rows, manifest):
     batch = four_cases
