@@ -381,6 +381,30 @@ def test_jackknife_pseudo_values_are_each_patients_share_of_the_metric():
     assert auc.mean() == pytest.approx(auc_scorer.score(np.arange(len(ids))), rel=0.02)
 
 
+def test_a_cross_validated_pilots_differences_are_each_folds_pseudo_values_side_by_side():
+    """A cross-validated seed's fold models each score their own fold: the planner's differences are the folds'
+    pseudo-values laid side by side, the same patients in the same columns for every seed, so their mean over a seed
+    weighs each fold's difference by its patients, as the report's out-of-fold score does."""
+    from gx_ray.analysis.cases import case_scorer
+    from gx_ray.analysis.plan import pilot_differences, pseudo_values
+
+    def fold_scorers(schema: str, seed: int) -> list:
+        records = _records(schema, seed, patients=50)
+        return [case_scorer("stage_classification", part, "accuracy") for part in (records[:20], records[20:])]
+
+    arm = [fold_scorers("image_table", seed) for seed in range(3)]
+    base = [fold_scorers("image_only", seed) for seed in range(3)]
+    differences = pilot_differences(arm, base)
+    assert differences.shape == (3, 50)
+    for seed in range(3):
+        for k, columns in ((0, slice(0, 20)), (1, slice(20, 50))):
+            ids = sorted(arm[seed][k].case_ids)
+            expected = pseudo_values(arm[seed][k], ids) - pseudo_values(base[seed][k], ids)
+            assert differences[seed, columns] == pytest.approx(expected)
+        folds = [arm[seed][k].score(np.arange(n)) - base[seed][k].score(np.arange(n)) for k, n in ((0, 20), (1, 30))]
+        assert differences[seed].mean() == pytest.approx((20 * folds[0] + 30 * folds[1]) / 50)
+
+
 def test_a_study_is_planned_from_the_pilots_predictions(planted_sweep, tmp_path, capsys):
     """``python jobs/plan.py --pilot``: every comparison of the pilot planned on its own per-patient differences;
     power grows with patients and seeds, a large effect finds a design and a tiny one none; the summary, the plan's

@@ -1,6 +1,6 @@
 """A cross-validated sweep end to end: every cell on every fold, the folds written and logged, every trial tagged
-with their hash and keeping its out-of-fold predictions, every training patient predicted once a seed, and the
-report's out-of-fold section."""
+with their hash and keeping its out-of-fold predictions, every training patient predicted once a seed, the report's
+out-of-fold section, and a study planned from it as from a pilot."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
+from gx_ray.analysis.plan import plan_study
 from gx_ray.data.folds import cohort_splits
 from gx_ray.data.stream import split_rows
 from gx_ray.sweep.driver import SweepOptions, run_sweep
@@ -59,3 +60,9 @@ def test_a_cross_validated_sweep_predicts_every_training_patient_once_a_seed(ray
         section = summary.split("## Cross-validation: out-of-fold")[1]
         assert "| stage_classification |" in section and f"| {len(training)} | 1 | {FOLDS} |" in section
         assert (result.output / "report" / "out_of_fold.csv").is_file()
+        # planned from as a pilot: on its out-of-fold predictions, every patient cross-validated one column
+        planned = plan_study(server.uri, result.sweep_id, 10.0, tmp_path, seeds=(3,), patients=(60,), studies=50)
+        (plan,) = planned["comparisons"]
+        assert (plan["schema_a"], plan["pilot_folds"], plan["pilot_seeds"]) == ("image_table", FOLDS, 1)
+        assert plan["pilot_patients"] == len(training)
+        assert f"{FOLDS} folds, kept as the pilot's" in (tmp_path / "plan" / "summary.md").read_text(encoding="utf-8")

@@ -1,6 +1,7 @@
 """The sweep driver (:mod:`gx_ray.sweep.driver`) end to end: the smoke modality ablation into a real MLflow server, a
 failing trial, an interrupted sweep resumed (and its report written again by the report command), an Optuna search
-with ASHA; and the driver's run names, summary, progress bar and report warm-up. Search-space validation: ``test_sweep_spaces.py``."""
+with ASHA; and the driver's run names, summary, progress bar and report warm-up. Search-space validation:
+``test_sweep_spaces.py``."""
 
 from __future__ import annotations
 

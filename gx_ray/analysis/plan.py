@@ -8,6 +8,12 @@ exactly each case's own value; for a corpus metric such as AUC, what the patient
 (:func:`gx_ray.analysis.study.plan_power`) resamples patients for any metric. The seed-to-seed spread comes from the
 pilot's seeds. What :func:`plan_study` writes: ``plan/summary.md`` (every design's power, the smallest design that
 reaches 80 %), ``plan/plan.json`` and a power curve per comparison (power against seeds and against patients).
+
+A cross-validated pilot is planned on its out-of-fold predictions: a seed's differences are its fold models'
+pseudo-values, each within its own fold (fold k holds the same patients in every seed), so their mean weighs the folds
+by their patients as the report's out-of-fold score does; "patients" are then the patients cross-validated. The number
+of folds is not a dimension the resampling can vary (it changes how much each fold model trains on): the plan keeps
+the pilot's.
 """
 
 from __future__ import annotations
@@ -36,12 +42,24 @@ def pseudo_values(scorer: CaseScorer, case_ids: list[str]) -> np.ndarray:
     return n * theta - (n - 1) * left_out
 
 
-def pilot_differences(arm: list[CaseScorer], base: list[CaseScorer]) -> np.ndarray:
-    """Per seed, per patient (both arms scored): arm's pseudo-value minus the baseline's, ``(seeds, patients)``."""
-    common = sorted(set.intersection(*(set(s.case_ids) for s in [*arm, *base])))
-    if len(common) < 3:
-        raise ValueError(f"the pilot's arms share {len(common)} test patients: too few to plan from")
-    return np.array([pseudo_values(a, common) - pseudo_values(b, common) for a, b in zip(arm, base, strict=True)])
+def pilot_differences(
+    arm: list[CaseScorer] | list[list[CaseScorer]], base: list[CaseScorer] | list[list[CaseScorer]]
+) -> np.ndarray:
+    """Per seed, per patient (both arms scored): arm's pseudo-value minus the baseline's, ``(seeds, patients)``. A
+    seed is one trial's scorer, or a cross-validated seed's fold models' scorers (pseudo-values within each fold)."""
+    arm = [s if isinstance(s, list) else [s] for s in arm]
+    base = [s if isinstance(s, list) else [s] for s in base]
+    folds = range(len(arm[0]))
+    common = [sorted(set.intersection(*(set(seed[k].case_ids) for seed in [*arm, *base]))) for k in folds]
+    common = [(k, ids) for k, ids in zip(folds, common, strict=True) if len(ids) >= 2]
+    if sum(len(ids) for _, ids in common) < 3:
+        raise ValueError(f"the pilot's arms share {sum(len(ids) for _, ids in common)} patients: too few to plan from")
+    return np.array(
+        [
+            np.concatenate([pseudo_values(a[k], ids) - pseudo_values(b[k], ids) for k, ids in common])
+            for a, b in zip(arm, base, strict=True)
+        ]
+    )
 
 
 def plan_study(
@@ -72,8 +90,9 @@ def plan_study(
     planned = []
     for cell, arm, base in pairs:
         scorers = [[_scorer(tracking_uri, r, cell["task"], cell["metric"]) for r in f["run_id"]] for f in (arm, base)]
-        if any(s is None for side in scorers for s in side):
+        if any(s is None or (isinstance(s, list) and None in s) for side in scorers for s in side):
             continue  # a trial without predictions: no patients to resample
+        folds = len(scorers[0][0]) if isinstance(scorers[0][0], list) else 0
         differences = pilot_differences(*scorers)
         options = {"comparisons": family, "studies": studies}
         if len(differences) < 2:
@@ -84,17 +103,22 @@ def plan_study(
         figures = plots.power_curve_plot(curve, folder / f"power_{name}")
         planned.append(
             {**cell, "effect": effect, "pilot_seeds": len(differences), "pilot_patients": differences.shape[1],
-             "observed": float(differences.mean()), **plan, "curve": curve, "figure": figures[0].name}
+             "pilot_folds": folds, "observed": float(differences.mean()), **plan, "curve": curve,
+             "figure": figures[0].name}
         )  # fmt: skip
     (folder / "plan.json").write_text(json.dumps(planned, indent=1, default=float) + "\n", encoding="utf-8")
     (folder / "summary.md").write_text(_summary(sweep_id, planned, family, effect), encoding="utf-8")
     return {"comparisons": planned, "folder": folder}
 
 
-def _scorer(tracking_uri: str, run_id: Any, task: str, metric: str) -> CaseScorer | None:
+def _scorer(tracking_uri: str, run_id: Any, task: str, metric: str) -> CaseScorer | list[CaseScorer | None] | None:
+    """A trial's test scorer; for a cross-validated seed (its fold models' runs), each fold's out-of-fold scorer."""
     if isinstance(run_id, list):
-        raise ValueError("planning from a cross-validated pilot is not built: plan from a sweep without cv")
-    records = test_records(tracking_uri, run_id)
+        return [_scorer_of(test_records(tracking_uri, r, split="val"), task, metric) for r in run_id]
+    return _scorer_of(test_records(tracking_uri, run_id), task, metric)
+
+
+def _scorer_of(records: list[dict] | None, task: str, metric: str) -> CaseScorer | None:
     return case_scorer(task, records, metric) if records else None
 
 
@@ -105,7 +129,12 @@ def _summary(sweep_id: str, planned: list[dict], family: int, effect: float) -> 
         f"How many seeds and test patients each comparison needs to detect a difference of **{effect:g}** (the "
         f"metric's units) with 80 % power, after Holm over a family of {family} comparisons. Method: "
         f"{planned[0]['method'] if planned else '—'}; per-patient differences are jackknife pseudo-values of the "
-        "pilot's test predictions.",
+        "pilot's test predictions"
+        + (
+            f" (cross-validated: its out-of-fold predictions, {planned[0]['pilot_folds']} folds, kept as the pilot's)."
+            if planned and planned[0]["pilot_folds"]
+            else "."
+        ),
         "",
         "| task | metric | schema vs baseline | pilot (seeds × patients) | pilot difference | seed SD | "
         "smallest design at 80 % |",
