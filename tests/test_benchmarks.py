@@ -194,7 +194,7 @@ def test_the_vlm_trials_benchmark_runs_the_bench_preset_on_the_model_it_built(ra
         assert row["eval_seconds"] > 0 and row["trial_seconds"] > row["eval_seconds"]
     step = {"gx_ray": {"samples_per_s": rows[0]["samples_per_s"][-1]}, "raw": {"samples_per_s": 1.0}}
     text = format_vlm_trials(rows, step)
-    assert "stage_classification   FINISHED" in text and "last / step 1.00" in text and "cases/s" in text
+    assert "stage_classification   FINISHED" in text and "last / step 1.00" in text
 
 
 def test_the_attention_benchmark_times_each_pass_under_the_backend_it_names():
