@@ -348,3 +348,16 @@ def test_bootstrap_jobs_spread_over_processes_equal_one_process():
     assert spread[0]["equivalence"] != "no difference" and spread[3 + 1]["equivalence"] == "equivalence not tested"
     assert spread[4]["diff"] > 0.5 and spread[4]["n_seeds"] == 2  # two seeds of two fold models each
     assert "diff" not in spread[5] and spread[5]["ci_low"] < 0.3 < spread[5]["ci_high"]
+
+
+def test_a_cross_validated_seeds_fold_models_are_listed_in_fold_order_whatever_order_the_runs_come_in():
+    """Fold k must be the k-th run of every seed's list, in every schema: the planner pairs folds by their place."""
+    rng = np.random.default_rng(0)
+    rows = [{"seed": seed, "fold": fold, "value": 10.0 * seed + fold, "run_id": f"s{seed}f{fold}"}
+            for seed in range(3) for fold in range(5)]  # fmt: skip
+    frame = pd.DataFrame(rows).iloc[rng.permutation(len(rows))]
+    seeds = stats.per_seed(frame)
+    assert list(seeds.index) == [0, 1, 2]
+    for seed, row in seeds.iterrows():
+        assert row["run_id"] == [f"s{seed}f{fold}" for fold in range(5)]
+        assert row["value"] == pytest.approx(10.0 * seed + 2.0)

@@ -119,15 +119,16 @@ def significance_table(comparisons: list[dict], alpha: float = 0.05) -> pd.DataF
 
 def per_seed(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per seed, indexed by seed: a trial's ``value`` and ``run_id``; under cross-validation (a ``fold``
-    column), the mean ``value`` of the seed's fold models and their run ids as a list (one unit of the seed level).
-    Empty where a seed has several trials that are not its folds (a search over other parameters)."""
+    column), the mean ``value`` of the seed's fold models and their run ids as a list in fold order (one unit of the
+    seed level; fold k is the k-th of every seed's and every schema's list). Empty where a seed has several trials that
+    are not its folds (a search over other parameters)."""
     folded = "fold" in frame and frame["fold"].notna().any()
     keys = ["seed", "fold"] if folded else ["seed"]
     if frame.duplicated(keys).any():
         return frame.iloc[0:0].set_index("seed")
     if not folded:
         return frame.set_index("seed")
-    grouped = frame.groupby("seed", sort=True)
+    grouped = frame.sort_values(keys).groupby("seed", sort=True)
     return pd.DataFrame({"value": grouped["value"].mean(), "run_id": grouped["run_id"].agg(list)})
 
 
