@@ -5,7 +5,7 @@ python jobs/validate.py planted-signal                # two 160-case cohorts, 2 
 python jobs/validate.py planted-signal --cases 240    # more test patients, more power
 python jobs/validate.py ct-bench                      # CT-Bench's findings on a 320-case cohort (about 20 min)
 python jobs/validate.py coverage                      # bootstrap coverage and planned power, on simulated studies
-python jobs/validate.py cv                            # 5-fold CV, a null input's equivalence, a planned design
+python jobs/validate.py cv                            # CV, a null input's equivalence, the planner (about 22 min)
 """
 
 from __future__ import annotations
