@@ -314,9 +314,9 @@ def cross_validation(output: Path, cases: int = 160, seed: int = 0, address: str
 def _cv_cohort(folder: Path, cases: int, seed: int, address: str | None, test: int | None = None):
     """The ``cv`` check's cohort; ``test`` patients beside ``cases - test`` others, where given (the confirmation)."""
     fractions = PrepareConfig().fractions
-    if test is not None:
-        fractions = (fractions[0] * (cases - test) / cases, fractions[1] * (cases - test) / cases, test / cases)
-        fractions = (1.0 - fractions[1] - fractions[2], fractions[1], fractions[2])
+    if test is not None:  # the default validation share of the others, then the test patients
+        val = fractions[1] * (cases - test) / cases
+        fractions = (1.0 - val - test / cases, val, test / cases)
     config = DemoConfig(cases=cases, seed=seed, signal=CV_SIGNAL, phantom=KNOWN_ANSWER_PHANTOM)
     data = prepare_data("demo", folder, PrepareConfig(fractions=fractions), config, address=address)
     print(f"{folder.name}: {data.summary()}")
