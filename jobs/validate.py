@@ -5,7 +5,7 @@ python jobs/validate.py planted-signal                # two 160-case cohorts, 2 
 python jobs/validate.py planted-signal --cases 240    # more test patients, more power
 python jobs/validate.py ct-bench                      # CT-Bench's findings on a 320-case cohort (about 20 min)
 python jobs/validate.py coverage                      # bootstrap coverage and planned power, on simulated studies
-python jobs/validate.py cv                            # CV, a null input's equivalence, the planner (about 22 min)
+python jobs/validate.py cv                            # CV, a null input's equivalence, the planner (about 31 min)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from gx_ray.analysis import study
 from gx_ray.runtime import tolerant_console
-from gx_ray.sweep.validate import CT_BENCH_CASES, cross_validation, ct_bench, demo, planted_signal
+from gx_ray.sweep.validate import CT_BENCH_CASES, CV_CASES, cross_validation, ct_bench, demo, planted_signal
 
 ADDRESS = "a Ray cluster to join (default: the one `ray start` runs here, else a local one; local: a new one)"
 
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     main_command.add_argument("--address", help=ADDRESS)
     crossed = checks.add_parser("cv", help="cross-validation narrows the interval; equivalence; the planner's design")
     crossed.add_argument("--output", type=Path, default=Path("outputs/validate/cv"))
-    crossed.add_argument("--cases", type=int, default=160, help="the cohort's cases (15 %% of them are test patients)")
+    crossed.add_argument("--cases", type=int, default=CV_CASES, help="the cohort's cases (15 %% are test patients)")
     crossed.add_argument("--seed", type=int, default=0, help="the demo cohort's seed (the confirming cohort: seed + 1)")
     crossed.add_argument("--address", help=ADDRESS)
     simulated = checks.add_parser(
