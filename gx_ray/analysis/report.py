@@ -74,7 +74,7 @@ def write_report(
     runs = load_runs(tracking_uri, sweep_id)
     finished = runs[runs["status"] == "FINISHED"]
     report = Report(folder)
-    margins = _margins(tracking_uri, parent_run_id)
+    margins = space_margins(tracking_uri, parent_run_id)
     if finished.empty:
         summary = f"# Sweep {sweep_id}\n\nNo finished trials yet: nothing to report.\n"
         report.files += _write_summary(folder, summary)
@@ -266,7 +266,7 @@ def _shards(tracking_uri: str, parent_run_id: str | None) -> str | None:
     return MlflowClient(tracking_uri).get_run(parent_run_id).data.params.get("data")
 
 
-def _margins(tracking_uri: str, parent_run_id: str | None) -> dict[str, float] | float | None:
+def space_margins(tracking_uri: str, parent_run_id: str | None) -> dict[str, float] | float | None:
     """The space's equivalence margin(s), as the sweep's parent run keeps them (``analysis.margin``)."""
     import json
 
@@ -638,4 +638,13 @@ def report_sweep(sweep: str, mlflow_uri: str | None = None, output: Path | None 
         return write_report(store.uri, store.sweep_id, store.folder, store.parent.info.run_id, store.cohort)
 
 
-__all__ = ["Report", "SweepStore", "cohort_of", "open_sweep", "report_sweep", "schema_comparisons", "write_report"]
+__all__ = [
+    "Report",
+    "SweepStore",
+    "cohort_of",
+    "open_sweep",
+    "report_sweep",
+    "schema_comparisons",
+    "space_margins",
+    "write_report",
+]

@@ -32,19 +32,18 @@ the cross-validated difference as the effect, must recommend a design that, run 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
 from gx_ray.analysis.plan import plan_study
-from gx_ray.analysis.report import CELLS_FILE, CHANCE, open_sweep, out_of_fold
+from gx_ray.analysis.report import CELLS_FILE, CHANCE, open_sweep, out_of_fold, space_margins
 from gx_ray.analysis.runs import headline_metric, higher_is_better, load_runs
 from gx_ray.data.demo.cohort import DemoConfig
 from gx_ray.data.demo.findings import SignalStrength
 from gx_ray.data.demo.phantom import PhantomConfig
-from gx_ray.data.prepare import PrepareConfig, prepare_data
+from gx_ray.data.prepare import PrepareConfig, PrepareResult, prepare_data
 from gx_ray.runtime import init_ray
 from gx_ray.sweep.driver import SweepOptions, SweepResult, run_sweep
 
@@ -300,8 +299,9 @@ def cross_validation(output: Path, cases: int = CV_CASES, seed: int = 0, address
     # the null input: the report compares with image only; "the boxes do not matter" is a comparison with image + table
     with open_sweep(str(sweeps["cross_validated"].output)) as store:
         runs = load_runs(store.uri, store.sweep_id)
-        margin = json.loads(store.parent.data.params["analysis.margin"])["stage_classification"]
-        _, comparisons = out_of_fold(runs[runs["status"] == "FINISHED"], store.uri, TABLE, margins=margin)
+        margins = space_margins(store.uri, store.parent.info.run_id)
+        _, comparisons = out_of_fold(runs[runs["status"] == "FINISHED"], store.uri, TABLE, margins=margins)
+    margin = margins["stage_classification"] if isinstance(margins, dict) else margins
     null = next((c for c in comparisons if c["schema_a"] == NULL), None)
     checks.append(
         DemoCheck(
@@ -316,7 +316,7 @@ def cross_validation(output: Path, cases: int = CV_CASES, seed: int = 0, address
     return checks
 
 
-def _cv_cohort(folder: Path, cases: int, seed: int, address: str | None, test: int | None = None):
+def _cv_cohort(folder: Path, cases: int, seed: int, address: str | None, test: int | None = None) -> PrepareResult:
     """The ``cv`` check's cohort; ``test`` patients beside ``cases - test`` others, where given (the confirmation)."""
     fractions = PrepareConfig().fractions
     if test is not None:  # the default validation share of the others, then the test patients
