@@ -2,6 +2,7 @@
 
 python jobs/prepare_data.py --source demo --cases 48 --out outputs/demo
 python jobs/prepare_data.py --source /data/gastric-x --out /data/gastric-x-shards --preset paper
+python jobs/prepare_data.py --source /data/my-cohort/cohort.csv --out /data/my-cohort-shards --preset paper
 python jobs/prepare_data.py --source /shared/gastric-x --out s3://team/gx/cohort --preset paper --address auto
 """
 
@@ -14,6 +15,7 @@ from pathlib import Path
 from gx_ray.data.demo.cohort import DemoConfig
 from gx_ray.data.demo.findings import SignalStrength
 from gx_ray.data.layouts import LAYOUTS
+from gx_ray.data.manifest import ManifestError
 from gx_ray.data.prepare import PrepareConfig, prepare_data
 from gx_ray.data.preprocess import PreprocessConfig
 from gx_ray.runtime import tolerant_console
@@ -40,7 +42,11 @@ def _signal(text: str) -> SignalStrength:
 def main(argv: list[str] | None = None) -> int:
     tolerant_console()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--source", default="demo", help="'demo' or a folder of raw cases (release or paper layout)")
+    parser.add_argument(
+        "--source",
+        default="demo",
+        help="'demo', a folder of raw cases (release or paper layout) or a manifest .csv (docs/how-to/prepare-data.md)",
+    )
     parser.add_argument(
         "--out", default="outputs/demo", help="output folder or s3://, gs:// URI (default: outputs/demo)"
     )
@@ -98,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         result = prepare_data(args.source, args.out, config, demo_config, args.layout, args.address)
-    except CaseError as err:
+    except (CaseError, ManifestError) as err:  # a bad case with --strict, or a manifest that cannot be read at all
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(result.summary())

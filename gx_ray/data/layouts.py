@@ -26,6 +26,9 @@ Box corners on disk are ``zyx_min`` / ``zyx_max`` voxel indices of the box's own
 document whether ``zyx_max`` is inclusive; :data:`BOX_MAX_INCLUSIVE` states the reading once, here, and
 both the reader and the writer use it. Unknown JSON keys are kept in ``Case.extra``; a missing required part
 or malformed annotation is a :class:`CaseError` naming the case, the file and the field.
+
+A third way in is a **manifest**, one CSV row per case naming its files (:mod:`gx_ray.data.manifest`);
+:func:`read_cohort` and :func:`detect_layout` take its ``.csv`` path as the layout ``manifest``.
 """
 
 from __future__ import annotations
@@ -63,6 +66,9 @@ from gx_ray.schema import (
 )
 
 LAYOUTS: tuple[str, ...] = ("release", "paper")
+"""The folder layouts, which the demo cohort can be written in."""
+MANIFEST_LAYOUT = "manifest"
+"""A CSV naming each case's files (:mod:`gx_ray.data.manifest`): read, never written by the demo."""
 BOX_MAX_INCLUSIVE = True
 """``zyx_max`` names the last voxel inside the box (so the end-exclusive ``z1`` is ``zyx_max + 1``).
 Annotation tools that export voxel corners (ITK-SNAP, 3D Slicer ROI → index) give inclusive ends, and the
@@ -513,24 +519,23 @@ READERS = {"release": (release_case_ids, read_release_case), "paper": (paper_cas
 
 
 def detect_layout(root: Path) -> str:
+    root = Path(root)
+    if root.suffix.lower() == ".csv":
+        return MANIFEST_LAYOUT
     if (root / "imaging").is_dir():
         return "release"
     if paper_case_ids(root):
         return "paper"
     raise FileNotFoundError(
-        f"{root} holds no Gastric-X cases: expected imaging/<ID>/ (release layout) or <ID>/ct/ (paper layout)"
+        f"{root} holds no Gastric-X cases: expected imaging/<ID>/ (release layout), <ID>/ct/ (paper layout) or a "
+        "manifest .csv"
     )
 
 
-def read_cohort(root: Path, layout: str | None = None, strict: bool = False) -> tuple[list[Case], list[CaseError]]:
-    """Every case under ``root``; bad cases come back as errors (or raise at the first when ``strict``).
-
-    One patient id in two case folders cannot be split at patient level, so both folders are excluded.
-    """
-    root = Path(root)
-    layout = layout or detect_layout(root)
+def _read_folders(root: Path, layout: str, strict: bool) -> tuple[list[Case], list[CaseError]]:
+    """The cases of a folder layout, each bad one an error (or raised when ``strict``)."""
     if layout not in READERS:
-        raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
+        raise ValueError(f"unknown layout {layout!r}; valid: {', '.join((*LAYOUTS, MANIFEST_LAYOUT))}")
     list_ids, read_case = READERS[layout]
     cases: list[Case] = []
     errors = case_folder_errors(root, layout)
@@ -549,6 +554,24 @@ def read_cohort(root: Path, layout: str | None = None, strict: bool = False) -> 
             if strict:
                 raise wrapped from err
             errors.append(wrapped)
+    return cases, errors
+
+
+def read_cohort(root: Path, layout: str | None = None, strict: bool = False) -> tuple[list[Case], list[CaseError]]:
+    """Every case under ``root`` (a folder, or a manifest ``.csv``); bad cases come back as errors (or raise at the
+    first when ``strict``).
+
+    One patient id in two case folders (or manifest rows) cannot be split at patient level, so both are excluded.
+    """
+    root = Path(root)
+    layout = layout or detect_layout(root)
+    if layout == MANIFEST_LAYOUT:
+        # imported here: the manifest reader builds on this module's helpers
+        from gx_ray.data.manifest import read_manifest_cohort
+
+        cases, errors = read_manifest_cohort(root, strict)
+    else:
+        cases, errors = _read_folders(root, layout, strict)
     by_patient: dict[str, list[Case]] = defaultdict(list)
     for case in cases:
         by_patient[case.patient_id].append(case)
