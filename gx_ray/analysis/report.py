@@ -80,7 +80,7 @@ def write_report(
         report.files += _write_summary(folder, summary)
     else:
         report.cells = cell_intervals(
-            stats.cell_statistics(finished, split="test"), finished, tracking_uri, n_resamples
+            _chance_directions(stats.cell_statistics(finished, split="test")), finished, tracking_uri, n_resamples
         )
         path = folder / CELLS_FILE  # every metric of every cell over seeds, chance levels among them: for scripts
         report.cells.to_csv(path, index=False)
@@ -142,6 +142,16 @@ def write_report(
         client.set_tag(parent_run_id, "mlflow.note.content", description)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _chance_directions(cells: pd.DataFrame) -> pd.DataFrame:
+    """A chance level is its task's primary metric (of a predictor that never looks at the patient): better in that
+    metric's direction, which a task of one's own may give as lower (an error in mL), not by its name."""
+    chance = cells["metric"] == CHANCE
+    cells.loc[chance, "higher_is_better"] = [
+        higher_is_better(headline_metric(t)) if isinstance(t, str) else True for t in cells.loc[chance, "task"]
+    ]
+    return cells
 
 
 def schema_comparisons(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -79,8 +80,15 @@ def _listed(value: Any) -> list:
 
 
 def higher_is_better(metric: str) -> bool:
-    """Whether a larger value of ``metric`` is better: every metric but the retrieval ranks (MedR, MnR)."""
-    return not metric.endswith(LOWER_IS_BETTER_SUFFIXES)
+    """Whether a larger value of ``metric`` is better: every metric but the retrieval ranks (MedR, MnR) and those a
+    plug-in task scores lower-is-better (its ``min`` primary metric, its ``lower_is_better``: an error in mL).
+
+    A plug-in's directions are known once this process has resolved the task, as :func:`load_runs` does for every
+    task it reads (the task tag is what the space said: the plug-in's reference or entry point)."""
+    if metric.endswith(LOWER_IS_BETTER_SUFFIXES):
+        return False
+    tasks = sys.modules.get("gx_ray.tasks")  # no plug-in was resolved where the tasks were never imported (no torch)
+    return tasks is None or metric not in tasks.lower_is_better_metrics()
 
 
 def headline_metric(task: str) -> str:
@@ -91,7 +99,8 @@ def headline_metric(task: str) -> str:
 
 
 def _task_label(task: str | None, params: dict[str, Any]) -> str | None:
-    """The run's task as its cells know it: with lesion QA's family and distractors (never pooled)."""
+    """The run's task as its cells know it: with lesion QA's family and distractors (never pooled); a plug-in's by
+    its ``name`` (its tag holds the reference it was run by, which this resolves and so registers)."""
     from gx_ray.tasks import task_label
 
     options = {k.removeprefix("task_options."): v for k, v in params.items() if k.startswith("task_options.")}

@@ -187,6 +187,13 @@ def _columns(table: TaskTable) -> list[tuple[str, str]]:
     return [(schema, metric) for schema in table.schemas for metric in table.metrics]
 
 
+def _header(table: TaskTable, metric: str) -> str:
+    """The metric's name with the direction its cells are ranked by (a chance level's is its task's primary's)."""
+    better_high = table.cells.loc[table.cells["metric"] == metric, "higher_is_better"]
+    high = bool(better_high.iloc[0]) if len(better_high) else higher_is_better(metric)
+    return f"{metric_label(metric, arrow=False)} {'↑' if high else '↓'}"
+
+
 def caption(table: TaskTable) -> str:
     return (
         f"{table.task}: mean ± sd over seeds (sd left out where n < 2). Best per metric over all models and "
@@ -198,7 +205,7 @@ def caption(table: TaskTable) -> str:
 def to_markdown(table: TaskTable) -> str:
     """A GitHub Markdown table; headers read ``Setting · Metric ↑``; ``**best**``, ``*second*`` (the paper
     underlines the second best; Markdown has no underline, and raw HTML shows as markup in most viewers)."""
-    header = ["Model"] + [f"{schema_label(s)} · {metric_label(m)}" for s, m in _columns(table)]
+    header = ["Model"] + [f"{schema_label(s)} · {_header(table, m)}" for s, m in _columns(table)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" + ":-:|" * (len(header) - 1)]
     for row in table.rows:
         texts = []
@@ -221,7 +228,7 @@ def to_latex(table: TaskTable) -> str:
         r"\toprule",
         rf" & {groups} \\",
         rules,
-        "Model & " + " & ".join(latex_escape(metric_label(m)) for _, m in columns) + r" \\",
+        "Model & " + " & ".join(latex_escape(_header(table, m)) for _, m in columns) + r" \\",
         r"\midrule",
     ]
     for row in table.rows:

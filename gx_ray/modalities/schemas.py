@@ -7,8 +7,9 @@ a task is refused before any trial starts, naming the rule.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Protocol
 
 from gx_ray.data.catalogue import load_catalogue
 from gx_ray.schema import BOX_LEVELS, PHASES, REPORT_KINDS, TASKS
@@ -177,11 +178,97 @@ BOX_ANSWERS: dict[str, str] = {
 REPORT_TARGETS = {"report_generation": "ct_report", "retrieval": "ct_report"}
 """The report each text task produces or matches (the CT report describes what the image shows)."""
 
+DECLARED_RULE = LeakageRule(
+    "declared_leaking_inputs",
+    "the inputs a task declares give its answer away (``Task.leaking_inputs``: how a task from outside gx-ray states "
+    "its leakage rule) are never its inputs",
+    (),
+)
+"""The rule of every task's own ``leaking_inputs`` (for the built-in tasks, :data:`LEAKAGE_RULES` state theirs)."""
 
-def check_leakage(schema: ModalitySchema, task: str, options: dict[str, Any] | None = None) -> None:
-    """Raise :class:`LeakageError` when ``schema`` breaks a rule for ``task`` with its ``options``."""
-    _check_choice("task", task, TASKS)
-    options = options or {}
+INPUT_NAMES: dict[str, tuple[str, ...] | None] = {
+    "phases": PHASES,
+    "boxes": BOX_LEVELS,
+    "reports": REPORT_KINDS,
+    "table": None,
+    "endoscopy": (),
+}
+"""What a task's ``leaking_inputs`` may name: a kind of input (``boxes``: any box cue; ``reports``: any report;
+``table``: the lab table in any form; ``endoscopy``: the endoscopy image) or one item of it (``boxes:tumour``,
+``reports:diagnosis_report``, ``table:cea``, ``phases:arterial``): kind → its items (None: the catalogue's
+variables; empty: the kind has no items). A CT phase is always named (every schema has one)."""
+
+
+class LeaksAnswers(Protocol):
+    """What :func:`check_leakage` reads of a task object or class (:class:`gx_ray.tasks.Task`)."""
+
+    name: str
+    leaking_inputs: Mapping[str, str]
+
+
+def input_name_problems(names: Iterable[str]) -> list[str]:
+    """Why each of ``names`` is not a valid input name (:data:`INPUT_NAMES`); empty when all are."""
+    problems = []
+    for name in names:
+        kind, _, item = str(name).partition(":")
+        items = INPUT_NAMES.get(kind, ())
+        if kind not in INPUT_NAMES:
+            problems.append(f"{name!r}: unknown input kind {kind!r} (valid: {', '.join(INPUT_NAMES)})")
+        elif not item and kind == "phases":
+            problems.append(f"{name!r}: every schema has a CT phase; name one (phases:arterial)")
+        elif item and items == ():
+            problems.append(f"{name!r}: {kind} has no items; name it alone")
+        elif item and item not in (load_catalogue().names if items is None else items):
+            valid = "the catalogue's variables" if items is None else ", ".join(items)
+            problems.append(f"{name!r}: unknown {kind} {item!r} (valid: {valid})")
+    return problems
+
+
+def given_inputs(schema: ModalitySchema, names: Iterable[str]) -> list[str]:
+    """Which of the input ``names`` (:data:`INPUT_NAMES`) ``schema`` gives its model."""
+    given = {
+        "phases": set(schema.phases),
+        "boxes": set(schema.box_levels) if schema.boxes != "off" else set(),
+        "reports": set(schema.reports),
+        "table": set(schema.variables()) if schema.table != "off" else set(),
+    }
+    found = []
+    for name in names:
+        kind, _, item = name.partition(":")
+        if kind == "endoscopy":
+            shown = schema.endoscopy
+        elif kind == "table" and not item:
+            shown = schema.table != "off"  # the table in any form, even with no variable chosen
+        else:
+            shown = item in given[kind] if item else bool(given[kind])
+        if shown:
+            found.append(name)
+    return found
+
+
+def check_leakage(schema: ModalitySchema, task: str | LeaksAnswers, options: dict[str, Any] | None = None) -> None:
+    """Raise :class:`LeakageError` when ``schema`` breaks a rule for ``task`` with its ``options``.
+
+    ``task``: a built-in task's name, or a task object or class (:class:`gx_ray.tasks.Task`): then its declared
+    ``leaking_inputs`` are checked too (:data:`DECLARED_RULE`): how a plug-in task, whose name this layer cannot
+    resolve, gets its rule. A built-in task's rules are those of :data:`LEAKAGE_RULES` either way."""
+    if isinstance(task, str):
+        _check_choice("task", task, TASKS)  # a plug-in's name alone is no task here: this layer cannot import it
+        declared: Mapping[str, str] = {}
+    else:
+        task, declared = task.name, dict(getattr(task, "leaking_inputs", None) or {})
+    _check_builtin_rules(schema, task, options or {})
+    if problems := input_name_problems(declared):
+        raise ValueError(f"task {task!r} declares leaking_inputs that name no input: {'; '.join(problems)}")
+    if given := given_inputs(schema, declared):
+        why = "; ".join(f"{name}: {declared[name]}" for name in given)
+        raise LeakageError(
+            DECLARED_RULE.name, f"schema {schema.name!r} gives {', '.join(given)}, which {task} declares leaks ({why})"
+        )
+
+
+def _check_builtin_rules(schema: ModalitySchema, task: str, options: dict[str, Any]) -> None:
+    """:data:`LEAKAGE_RULES`: the variables rule for every task, then the built-in tasks' own."""
     catalogue = load_catalogue()
     leaking = [v for v in schema.table_variables or () if not catalogue[v].is_model_input]
     if schema.table != "off" and leaking:

@@ -22,6 +22,7 @@ the valid choices, and is raised before Ray starts.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ import yaml
 from gx_ray.data.folds import STRATA_COLUMNS, read_custom_folds
 from gx_ray.models.vlm import check_weights
 from gx_ray.schema import AUTO, TASKS
+from gx_ray.tasks import task_class
 from gx_ray.train.config import TrialConfig, valid_keys
 
 SPACES_DIR = Path(__file__).resolve().parents[2] / "search_spaces"
@@ -231,7 +233,12 @@ def _parse(path: Path, doc: dict[str, Any], presets: tuple[str, ...]) -> SearchS
         # OptunaSearch cannot take Tune's grid_search; factorial axes belong to a grid space
         raise SpaceError(path, "grid", "searcher optuna takes no grid axes: put them in `sample` as categorical")
     if "task" not in fixed and "task" not in grid and "task" not in sample:
-        raise SpaceError(path, "task", f"every space sets the task (fixed, grid or sample); valid: {', '.join(TASKS)}")
+        raise SpaceError(
+            path,
+            "task",
+            f"every space sets the task (fixed, grid or sample); valid: {', '.join(TASKS)}, or a plug-in task "
+            "(module:Class, or an entry point of group gx_ray.tasks)",
+        )
     overrides = doc.get("overrides") or []
     if not isinstance(overrides, list):
         raise SpaceError(path, "overrides", "expected a list of {when: {...}, set: {...}}")
@@ -264,8 +271,9 @@ def _parse(path: Path, doc: dict[str, Any], presets: tuple[str, ...]) -> SearchS
         raise SpaceError(
             path, "analysis.margin", f"{margin!r}: a positive number in the metric's units, or one per task"
         )
-    if isinstance(margin, dict) and (unknown := sorted(set(margin) - set(TASKS))):
-        raise SpaceError(path, "analysis.margin", f"unknown task {unknown[0]!r}; valid: {', '.join(TASKS)}")
+    names = [*TASKS, *_plugin_names(fixed, grid, sample)]  # a plug-in's margin goes under its name, as its cells
+    if isinstance(margin, dict) and (unknown := sorted(set(margin) - set(names))):
+        raise SpaceError(path, "analysis.margin", f"unknown task {unknown[0]!r}; valid: {', '.join(names)}")
     return SearchSpace(
         name=path.stem,
         path=path,
@@ -286,6 +294,18 @@ def _parse(path: Path, doc: dict[str, Any], presets: tuple[str, ...]) -> SearchS
         cv=cv,
         analysis=analysis,
     )
+
+
+def _plugin_names(fixed: dict, grid: dict, sample: dict) -> list[str]:
+    """The names of the plug-in tasks a space runs (a reference that does not resolve is reported by the trial
+    configs' check, naming the cell)."""
+    values = [fixed.get("task"), *(grid.get("task") or []), *((sample.get("task") or {}).get("choices") or [])]
+    names = []
+    for value in values:
+        if isinstance(value, str) and value not in TASKS:
+            with contextlib.suppress(ValueError):
+                names.append(task_class(value).name)
+    return names
 
 
 def _cv(path: Path, cv: Any, searcher: str, fixed: dict, grid: dict, sample: dict) -> dict[str, Any]:

@@ -97,6 +97,16 @@ class Task:
     """What run names call the task (MLflow's table cuts names at ~20 characters); its name where empty."""
     report_imports: ClassVar[tuple[str, ...]] = ()
     """Modules the report imports to score this task's trials again, imported ahead while the trials run."""
+    leaking_inputs: ClassVar[Mapping[str, str]] = {}
+    """Modality-schema inputs that would give this task's answer away, each with why (``{"boxes:tumour": "the box's
+    extent is the volume"}``): a schema that gives any of them is refused for the task (leakage rule
+    ``declared_leaking_inputs``, :func:`gx_ray.modalities.check_leakage`). Input names:
+    :data:`gx_ray.modalities.INPUT_NAMES`. The built-in tasks' rules are :data:`gx_ray.modalities.LEAKAGE_RULES`; this
+    is how a task from outside gx-ray states its own."""
+    lower_is_better: ClassVar[tuple[str, ...]] = ()
+    """Metrics of this task for which a smaller value is better, besides ranks (an error in mL): the report's arrows,
+    best cells and one-sided tests read it (:func:`gx_ray.analysis.runs.higher_is_better`). :attr:`mode` already
+    says it for the primary metric."""
 
     @classmethod
     def sweep_inputs(cls, options: Mapping[str, Any], shards: str, root: str) -> dict[str, Any]:
@@ -154,6 +164,28 @@ class Task:
         task's own metric. A model must beat it to have learnt anything from the inputs. NaN where undefined."""
         return float("nan")
 
+    def combine(self, members: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+        """An ensemble's predictions: ``members[k][i]`` is member ``k``'s :meth:`predict` record of case ``i`` (every
+        member holds the same cases in the same order: :func:`member_records` checks it). Returns one record per
+        case with the combined ``prediction``, the ``target`` and an uncertainty field (``spread``: how far the
+        members disagree). How predictions combine is the task's to say (mean probabilities, mean volumes, ...)."""
+        raise NotImplementedError(
+            f"task {self.name!r} does not say how an ensemble's predictions combine: implement "
+            f"{type(self).__name__}.combine(members) (one record per case with 'prediction' and 'spread')"
+        )
+
+
+def member_records(members: Sequence[Sequence[Mapping[str, Any]]]) -> list[tuple[Mapping[str, Any], ...]]:
+    """An ensemble's records case by case (one tuple of every member's record per case), refusing members that do
+    not hold the same cases in the same order: combining two patients' predictions would pass unnoticed."""
+    if not members:
+        raise ValueError("an ensemble needs at least one member's predictions")
+    cases = [[r["case_id"] for r in member] for member in members]
+    for k, ids in enumerate(cases[1:], 1):
+        if ids != cases[0]:
+            raise ValueError(f"ensemble member {k} holds other cases (or another order) than member 0: {ids[:3]} ...")
+    return list(zip(*members, strict=True))
+
 
 def task_options(task: Task) -> dict[str, Any]:
     """The options a task was built with (its dataclass's init fields)."""
@@ -199,7 +231,7 @@ class TaskModel(nn.Module):
 
     def __init__(self, task: Task, encoder: nn.Module, schema: ModalitySchema):
         super().__init__()
-        check_leakage(schema, task.name, task_options(task))
+        check_leakage(schema, task, task_options(task))  # the task itself: a plug-in's declared rule too
         self.task = task
         self.schema = schema
         self.encoder = encoder
