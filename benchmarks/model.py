@@ -33,6 +33,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from gx_ray.modalities.inputs import ModelInputs
 from gx_ray.modalities.schemas import ModalitySchema
 from gx_ray.models.registry import ModelConfig, build_encoder, compile_in_place, param_groups
+from gx_ray.models.swin import WindowAttention
 from gx_ray.models.vision import VISION_ENCODERS, stack_slices
 from gx_ray.schema import BOX_LEVELS, PHASES
 
@@ -89,6 +90,10 @@ class ModelBenchmarkResult:
     """Training FLOPs of one sample (forward and backward) per side, counted by ``FlopCounterMode`` on an eager step."""
     matmul_peak_flops: float | None = None
     """A bf16 8192³ matrix product's rate on this GPU, measured in the same run: the ceiling the shares are of."""
+    differences: dict[str, float] = field(default_factory=dict)
+    """swin3d, eager: gx-ray's network against MONAI's with the same weights (:func:`swin_differences`)."""
+    kernels: dict[str, str] = field(default_factory=dict)
+    """On a GPU: the registry side's costliest kernels in one training step (:func:`kernel_profile`)."""
 
     @property
     def ratio(self) -> float:
@@ -141,6 +146,7 @@ def run_model_benchmark(config: ModelBenchmarkConfig, device: str | torch.device
     def registry_step(compile: bool = config.compile) -> Callable[[], torch.Tensor]:
         encoder = build_encoder(replace(model_config, compile=compile), schema)
         backbone.update(
+            encoder=encoder,
             cls=getattr(encoder.vision, "monai_class", type(encoder.vision.backbone)),  # swin3d: MONAI's, raw
             arguments=encoder.vision.backbone_arguments,
             width=encoder.vision.channels[-1],
@@ -167,6 +173,9 @@ def run_model_benchmark(config: ModelBenchmarkConfig, device: str | torch.device
     def flops(build: Callable[[bool], Callable[..., torch.Tensor]]) -> float:
         """One eager step's FLOPs over the batch (compiled kernels hide their operations from the counter)."""
         step = build(False)
+        for module in backbone["encoder"].modules() if build is registry_step else ():
+            if isinstance(module, WindowAttention):  # compiled FlexAttention runs under no dispatch mode: count SDPA's
+                module.backend = "sdpa"
         with FlopCounterMode(display=False) as counter:
             step(lambda logits: F.cross_entropy(logits, labels), amp())
         del step
@@ -180,9 +189,98 @@ def run_model_benchmark(config: ModelBenchmarkConfig, device: str | torch.device
         counted = {"registry": flops(registry_step), "raw": flops(raw_step)}
     finally:
         torch.backends.cudnn.benchmark = cudnn_benchmark
+    differences, kernels = {}, {}
+    if config.model == "swin3d" and not config.compile:  # the eager kernels are the ones compared and profiled
+        differences = swin_differences(backbone["arguments"], ct, amp(), config.seed)
+    if device.type == "cuda":
+        kernels = kernel_profile(registry_step(), lambda logits: F.cross_entropy(logits, labels), amp(), device)
     peak = matmul_peak(device) if device.type == "cuda" else None
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
-    return ModelBenchmarkResult(config, name, registry, raw, counted, peak)
+    return ModelBenchmarkResult(config, name, registry, raw, counted, peak, differences, kernels)
+
+
+def swin_differences(arguments: dict[str, Any], x: torch.Tensor, amp: Any, seed: int = 0) -> dict[str, float]:
+    """gx-ray's Swin against MONAI's with the same weights on ``x`` (the benchmark's batch): the largest difference
+    of the five stage outputs and of the parameter gradients (of a loss weighing every output), relative to the
+    largest magnitude of MONAI's fp32 tensor, for ours and MONAI's under ``amp`` against each other and against
+    MONAI's fp32: MONAI's own low-precision error is the yardstick. The position bias tables are perturbed (their
+    init, std 0.02, would hide a misplaced bias)."""
+    from monai.networks.nets.swin_unetr import SwinTransformer as MonaiSwin
+
+    from gx_ray.models.swin import SwinTransformer
+
+    torch.manual_seed(seed)
+    theirs = MonaiSwin(**arguments).to(x.device).train()
+    with torch.no_grad():
+        for name, parameter in theirs.named_parameters():
+            if name.endswith("relative_position_bias_table"):
+                parameter.add_(0.5 * torch.randn_like(parameter))
+    ours = SwinTransformer(**arguments).to(x.device).train()
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    weights: list[torch.Tensor] = []
+
+    def run(model: nn.Module, autocast: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        with autocast:
+            outputs = model(x)
+        if not weights:
+            weights.extend(torch.randn_like(o, dtype=torch.float32) for o in outputs)
+        sum((o.float() * w).sum() for o, w in zip(outputs, weights, strict=True)).backward()
+        grads = [p.grad.float() for p in model.parameters()]
+        return [o.detach().float() for o in outputs], grads
+
+    reference = run(theirs, torch.autocast(x.device.type, enabled=False))
+    monai_amp = run(theirs, amp)
+    ours_amp = run(ours, amp)
+
+    def largest(a: list[torch.Tensor], b: list[torch.Tensor], scale: list[torch.Tensor]) -> float:
+        return max(
+            ((u - v).abs().max() / s.abs().max().clamp_min(1e-30)).item() for u, v, s in zip(a, b, scale, strict=True)
+        )
+
+    figures = {}
+    for part, index in (("outputs", 0), ("gradients", 1)):
+        ref = reference[index]
+        figures[f"{part}.ours_vs_monai"] = largest(ours_amp[index], monai_amp[index], ref)
+        figures[f"{part}.monai_vs_fp32"] = largest(monai_amp[index], ref, ref)
+        figures[f"{part}.ours_vs_fp32"] = largest(ours_amp[index], ref, ref)
+    del theirs, ours, reference, monai_amp, ours_amp
+    gc.collect()
+    if x.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return figures
+
+
+def kernel_profile(
+    step: Callable[..., torch.Tensor], loss_of: Callable[[torch.Tensor], torch.Tensor], amp: Any, device: torch.device
+) -> dict[str, str]:
+    """The GPU kernels of one training step after two warm-up steps, costliest first (the top 12, then the rest):
+    ``{rank: "share % calls name"}``, with ``total`` the step's kernel time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        step(loss_of, amp)
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(loss_of, amp)
+        synchronize(device)
+    times: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = times.setdefault(event.name, [0.0, 0])
+            entry[0] += event.device_time
+            entry[1] += 1
+    del step
+    gc.collect()
+    torch.cuda.empty_cache()
+    total = sum(t for t, _ in times.values()) or 1.0
+    ranked = sorted(times.items(), key=lambda item: -item[1][0])
+    kernels = {"total": f"{total / 1e3:.1f} ms"}
+    for rank, (name, (time_us, calls)) in enumerate(ranked[:12], 1):
+        kernels[f"{rank:02d}"] = f"{100 * time_us / total:5.1f} % {calls:5d}x  {name[:110]}"
+    rest = sum(t for _, (t, _) in ranked[12:])
+    kernels["rest"] = f"{100 * rest / total:5.1f} % {sum(c for _, (_, c) in ranked[12:]):5d}x  other kernels"
+    return kernels
 
 
 def matmul_peak(device: torch.device, size: int = 8192, repeats: int = 10) -> float:
@@ -304,4 +402,15 @@ def format_model_result(result: ModelBenchmarkResult) -> str:
     rows.append(f"ratio registry/raw: {result.ratio:.3f}")
     if result.matmul_peak_flops:
         rows.append(f"bf16 8192³ matmul on this card, same run: {result.matmul_peak_flops / 1e12:.0f} TFLOP/s")
+    if result.differences:
+        d = result.differences
+        rows.append(
+            f"largest difference from MONAI ({c.amp}, relative to MONAI's fp32 maximum), stage outputs / parameter "
+            f"gradients: ours vs MONAI {d['outputs.ours_vs_monai']:.2e} / {d['gradients.ours_vs_monai']:.2e}; "
+            f"against MONAI fp32: ours {d['outputs.ours_vs_fp32']:.2e} / {d['gradients.ours_vs_fp32']:.2e}, "
+            f"MONAI's own {d['outputs.monai_vs_fp32']:.2e} / {d['gradients.monai_vs_fp32']:.2e}"
+        )
+    if result.kernels:
+        rows.append(f"registry side, one training step: {result.kernels['total']} of GPU kernels")
+        rows.extend(f"  {v}" for k, v in result.kernels.items() if k != "total")
     return "\n".join(rows)

@@ -137,6 +137,40 @@ def test_compiled_and_checkpointed_equal_monai():
     assert_same_training_step(monai, gx, x, "checkpointed")
 
 
+def test_split_and_flex_attention_equal_monai(monkeypatch):
+    """The two other attention paths: ``split`` (the bias a constant in the attention call, its gradient computed
+    apart), also compiled and checkpointed, and ``flex`` (the shift as a block mask, the bias as a score
+    modification) through FlexAttention's reference implementation, whose backward torch refuses on a CPU only
+    because its fused kernel is GPU-only (the check is lifted here; the arithmetic is device-independent)."""
+    from torch.nn.attention import flex_attention
+
+    config = {**random_config(np.random.default_rng(11)), "window_size": (4, 4, 4), "depths": (2, 2, 1, 1)}
+    config["use_v2"] = False
+    x = torch.randn(2, config["in_chans"], 20, 36, 28)  # padded stages, shifted windows
+    for backend in ("split", "flex"):
+        monai, gx = pair(config, 11, attention_backend=backend)
+        assert all(block.attn.path(x) == backend for block in gx.layers1[0].blocks)
+        if backend == "flex":
+            monkeypatch.setattr(flex_attention, "_validate_device", lambda *args: None)
+        assert_same_training_step(monai, gx, x, backend)
+    torch._dynamo.reset()
+    monai, gx = pair(config, 11, attention_backend="split", use_checkpoint=True)
+    assert_same_training_step(monai, torch.compile(gx, backend="eager", fullgraph=True), x, "split, compiled")
+
+
+def test_attention_backends():
+    """``auto`` is the one-call SDPA path everywhere (the fastest measured on an H200); attention dropout in
+    training falls back to it; an unknown backend is refused."""
+    config = {**random_config(np.random.default_rng(1)), "use_v2": False}
+    x = torch.randn(1, 8, 4, 4, 4)
+    attention = swin.SwinTransformer(**config).layers1[0].blocks[0].attn
+    assert attention.path(x) == "sdpa"
+    dropped = swin.SwinTransformer(**config, attn_drop_rate=0.1, attention_backend="flex").layers1[0].blocks[0].attn
+    assert dropped.train().path(x) == "sdpa" and dropped.eval().path(x) == "flex"
+    with pytest.raises(ValueError, match="valid: auto"):
+        swin.SwinTransformer(**config, attention_backend="xformers")
+
+
 def windows_cases(count: int) -> list[swin.Windows]:
     rng = np.random.default_rng(0)
     cases = []
