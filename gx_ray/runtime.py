@@ -131,21 +131,22 @@ def exit_quietly_on_sigterm() -> None:
 
 
 def nodes_without(folder: str | Path) -> list[str]:
-    """The addresses of the alive Ray nodes (with CPUs, where tasks run) on which the local ``folder`` does not exist:
-    empty on one node, on several nodes of one machine, or on a filesystem every node mounts at the same path."""
+    """The addresses of the alive Ray nodes (with CPUs, where tasks run) on which the local ``folder`` (or file: a
+    cohort's manifest CSV) does not exist: empty on one node, on several nodes of one machine, or on a filesystem every
+    node mounts at the same path."""
     nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
     if len(nodes) <= 1:
         return []
     checks = [
-        _is_dir.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(str(folder))
+        _exists.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(str(folder))
         for n in nodes
     ]
     return sorted({n["NodeManagerAddress"] for n, seen in zip(nodes, ray.get(checks), strict=True) if not seen})
 
 
 @ray.remote(num_cpus=0)
-def _is_dir(folder: str) -> bool:
-    return Path(folder).is_dir()
+def _exists(folder: str) -> bool:
+    return Path(folder).exists()
 
 
 def quiet_data_context() -> None:

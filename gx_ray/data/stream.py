@@ -51,6 +51,10 @@ class DataConfig:
     fold: int | None = None
     """The cross-validation fold this trial validates on (it trains on the others); None: the cohort's own
     train/val split. A sweep with ``cv`` makes it a grid axis."""
+    refit: bool = False
+    """Train on the training and validation patients together: the final model of a chosen configuration
+    (``jobs/finalize.py``). Validation still runs each epoch, but on patients the model trained on: its scores choose
+    nothing (``schedule.select: last``)."""
     effective_batch: int = 32
     """Samples per optimiser step, over all ranks and accumulation steps: the batch size a paper reports."""
     micro_batch: int | str = AUTO
@@ -258,9 +262,14 @@ def on_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return to_device(batch, device, keys=TENSOR_COLUMNS)
 
 
-def split_rows(shard_dir: str, split: str, folds_file: str = "", fold: int | None = None) -> list[dict]:
+def split_rows(
+    shard_dir: str, split: str, folds_file: str = "", fold: int | None = None, refit: bool = False
+) -> list[dict]:
     """A split's rows without the image columns (what a task may learn from, e.g. VQA answers); with a ``fold``, the
-    rows of that fold's ``train`` or ``val`` (their ``split`` says so)."""
+    rows of that fold's ``train`` or ``val`` (their ``split`` says so); with ``refit``, ``train`` is the training and
+    validation rows (all marked ``train``: they are what the final model learns from)."""
+    if refit and split == "train":
+        return [{**row, "split": "train"} for source in FOLDED_SPLITS for row in split_rows(shard_dir, source)]
     if fold is None or split == "test":
         files = split_files(shard_dir, split)
         columns = [c for c in open_shard(files[0]).schema_arrow.names if c not in TENSOR_COLUMNS]
@@ -273,6 +282,10 @@ def split_rows(shard_dir: str, split: str, folds_file: str = "", fold: int | Non
 def split_pieces(data: DataConfig, split: str) -> list[dict[str, Any]]:
     """The row groups ``split`` reads (:func:`~gx_ray.data.shards.row_groups`); under a cross-validation fold, the
     training and validation shards' row groups that hold the fold's rows, each with the rows it keeps (``keep``)."""
+    if data.refit and data.fold is not None:
+        raise ValueError("data.refit trains on every training and validation patient: it takes no data.fold")
+    if data.refit and split == "train":
+        return [piece for source in FOLDED_SPLITS for piece in row_groups(data.shards, source)]
     if data.fold is None or split == "test":
         return row_groups(data.shards, split)
     if not data.folds_file:

@@ -85,6 +85,24 @@ class StageClassification(Task):
     def metric(self) -> TaskMetric:
         return StageMetric()
 
+    def combine(self, members: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+        """An ensemble's records: the members' mean probabilities, the stage they make most likely, and the members'
+        standard deviation of each probability (``spread``: how much the models disagree)."""
+        combined = []
+        for records in zip(*members, strict=True):
+            if len({r["case_id"] for r in records}) != 1:
+                raise ValueError(f"ensemble members disagree on the case: {[r['case_id'] for r in records]}")
+            probabilities = np.array([r["probabilities"] for r in records], dtype=np.float64)
+            mean = probabilities.mean(0)
+            combined.append({
+                **records[0],
+                "prediction": STAGE_GROUPS[int(mean.argmax())],
+                "probabilities": [round(float(x), 4) for x in mean],
+                "spread": [round(float(x), 4) for x in probabilities.std(0)],
+                "members": len(records),
+            })  # fmt: skip
+        return combined
+
     def chance_level(self, train_rows: Sequence[dict], test_rows: Sequence[dict]) -> float:
         """Every test case given the training split's stage frequencies: an AUC of 50 whatever the frequencies."""
         train = np.array([r["stage_label"] for r in train_rows if r["stage_label"] >= 0], dtype=np.int64)

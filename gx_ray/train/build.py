@@ -31,7 +31,9 @@ def build_trial(
     layout = TensorLayout(tuple(manifest["ct_shape"]), tuple(manifest["endoscopy_shape"]), tuple(manifest["lab_names"]))
     task = build_task(config.task, **config.task_options)
     data = config.data
-    train_rows = split_rows(data.shards, "train", data.folds_file, data.fold) if train_rows is None else train_rows
+    train_rows = (
+        split_rows(data.shards, "train", data.folds_file, data.fold, data.refit) if train_rows is None else train_rows
+    )
     task.prepare(train_rows)  # training split only
     if type(task).attach_splits is not Task.attach_splits:  # only a task that asks reads the other splits
         splits = {"train": train_rows, **{s: split_rows(config.data.shards, s) for s in ("val", "test")}}

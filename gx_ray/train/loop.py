@@ -131,7 +131,7 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
     setup_started = time.perf_counter()
     seed_everything(config.seed)
     # the task's fit and, at the end, its chance level (under cross-validation: the fold's training patients)
-    train_rows = split_rows(config.data.shards, "train", config.data.folds_file, config.data.fold)
+    train_rows = split_rows(config.data.shards, "train", config.data.folds_file, config.data.fold, config.data.refit)
     task, model, layout = build_trial(config, ctx.device, train_rows)
     built = time.perf_counter() - setup_started
     micro = ctx.micro_batch or probe.micro_batch_for(config, model, task, layout, ctx.device, ctx.world_size)[0]

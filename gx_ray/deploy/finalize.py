@@ -1,0 +1,448 @@
+"""From a sweep's answer to a registered model: choose the configuration, make its final model, test it once on the
+held-out patients, and register it in MLflow's model registry as ``gx-ray-<task>@champion``.
+
+**The choice** uses validation scores only (the test split stays unseen until the chosen model is tested): the sweep's
+finished trials of the task are grouped into configurations (everything but the seed and the fold), each scored by
+its mean best validation score over seeds (a cross-validated sweep: over seeds of the mean over folds, i.e. every
+training patient validated once), the best taken; configurations within :data:`TIE` points of it are a tie, broken
+by the smaller mean trial time.
+
+**The final model** is, by default, nnU-Net's: a cross-validated sweep's fold models of the chosen configuration's
+first seed, kept as an ensemble (their tested weights, from the trials' last checkpoints); a single-split sweep's
+configuration trained again on the training and validation patients together (``data.refit``), for the number of
+epochs at which its seeds validated best (``select: best``) or for its full schedule (``select: last``).
+``refit=True`` trains one refitted model for a cross-validated sweep too.
+
+**The test**: the final model's predictions on the test split, scored with the task's metric and a percentile
+bootstrap over patients (:func:`score_records`); what ``predict`` reports for a new cohort is scored the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from mlflow.tracking import MlflowClient
+
+from gx_ray import storage
+from gx_ray.analysis.cases import case_scorer
+from gx_ray.analysis.report import open_sweep
+from gx_ray.analysis.runs import higher_is_better, load_runs, test_records
+from gx_ray.data.prepare import QC_JSON
+from gx_ray.data.shards import read_manifest
+from gx_ray.data.splits import SPLIT_FILE
+from gx_ray.data.stream import split_rows
+from gx_ray.deploy.bundle import Member, config_from_flat, fingerprint_ranges, learnt_state, save_bundle
+from gx_ray.tasks import build_task, task_of
+from gx_ray.tracking import TrialTracker
+from gx_ray.train.build import build_trial
+from gx_ray.train.config import TrialConfig
+from gx_ray.train.loop import CHECKPOINT_FILE, WorkerContext, run_loop
+
+TIE = 0.05
+"""Validation means closer than this (in the metric's points) are a tie, broken by cost."""
+NOT_A_SETTING = ("seed", "data.fold", "data.folds_file", "data.shards")
+"""Trial params that do not make another configuration: the seed and the fold are repeats of one."""
+FINALIZE_KIND = "finalize"
+
+
+@dataclass(frozen=True)
+class FinalizeOptions:
+    sweep: str
+    """The sweep's output folder (or its id, with ``mlflow_uri``)."""
+    task: str
+    schema: str | None = None
+    """Choose among this schema's configurations only (default: every schema the task ran with)."""
+    select: str = "best"
+    refit: bool | None = None
+    """Train one model on training + validation patients; None: a cross-validated sweep keeps its fold models."""
+    mlflow_uri: str | None = None
+    name: str | None = None
+    """The registered model's name; default ``gx-ray-<task>``."""
+    alias: str = "champion"
+    n_resamples: int = 1000
+
+
+@dataclass
+class FinalizeResult:
+    model_uri: str
+    """``models:/gx-ray-<task>@champion``."""
+    version: str
+    run_id: str
+    """The finalize run: it holds the model, its test predictions and its card."""
+    bundle: Path
+    """A copy of the model's files under the sweep's output folder (``finalized/<task>/model``)."""
+    choice: dict[str, Any]
+    test: dict[str, Any]
+    seconds: float
+
+    def summary(self) -> str:
+        test = self.test
+        interval = f" [{test['low']:.1f}, {test['high']:.1f}]" if test.get("low") is not None else ""
+        return (
+            f"{self.choice['label']}: {self.choice['description']}\n"
+            f"  chosen by validation {self.choice['metric']} {self.choice['score']:.1f} "
+            f"(n = {self.choice['repeats']}); "
+            f"test {test['metric']} {test['value']:.1f}{interval} on {test['cases']} patients\n"
+            f"  registered {self.model_uri} (version {self.version}) in {self.seconds:.0f} s; files: {self.bundle}"
+        )
+
+
+# --- the choice -------------------------------------------------------------------------------------------------
+
+
+def candidate_table(client: MlflowClient, uri: str, sweep_id: str, task: str, schema: str | None) -> pd.DataFrame:
+    """One row per finished trial of ``task``: its configuration key, seed, fold, validation score and trial time."""
+    runs = load_runs(uri, sweep_id)
+    chosen = runs[(runs["status"] == "FINISHED") & (runs["split"] == "val")]
+    chosen = chosen[chosen["task"].map(lambda label: label == task or (label and task_of(label) == task))]
+    if schema:
+        chosen = chosen[chosen["schema"] == schema]
+    if chosen.empty:
+        where = f" with schema {schema}" if schema else ""
+        tasks = sorted({t for t in runs["task"].dropna()})
+        raise ValueError(f"no finished {task} trials{where} in sweep {sweep_id}; its tasks: {', '.join(tasks)}")
+    labels = sorted(set(chosen["task"]))
+    if len(labels) > 1:
+        raise ValueError(f"{task} ran as several questions ({', '.join(labels)}): name one with --task")
+    rows = []
+    for row in chosen.itertuples():
+        run = client.get_run(row.run_id)
+        params = {k: v for k, v in run.data.params.items() if k not in NOT_A_SETTING}
+        fold = None if row.fold is None or (isinstance(row.fold, float) and math.isnan(row.fold)) else int(row.fold)
+        rows.append({
+            "run_id": row.run_id, "trial": run.data.tags.get("gx_ray.trial", row.trial), "label": row.task,
+            "schema": row.schema, "seed": row.seed, "fold": fold, "metric": row.metric, "val": row.value,
+            "seconds": run.data.metrics.get("trial_seconds", math.nan),
+            "best_epoch": run.data.metrics.get("best_epoch", math.nan),
+            "key": json.dumps({**params, "schema": row.schema}, sort_keys=True),
+        })  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def choose(candidates: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The configurations ranked (best first: mean validation score over seeds, ties by cost) and the chosen one's
+    trials. A seed's score under cross-validation is its folds' mean."""
+    metric = candidates["metric"].iloc[0]
+    sign = 1.0 if higher_is_better(metric) else -1.0
+    per_seed = candidates.groupby(["key", "seed"], dropna=False).agg(val=("val", "mean"), folds=("fold", "count"))
+    per_seed = per_seed.reset_index()
+    configs = per_seed.groupby("key").agg(score=("val", "mean"), sd=("val", "std"), repeats=("val", "count"))
+    configs["seconds"] = candidates.groupby("key")["seconds"].mean()
+    configs["folds"] = per_seed.groupby("key")["folds"].max()
+    configs = configs.dropna(subset=["score"]).reset_index()
+    if configs.empty:
+        raise ValueError(f"no configuration has a validation {metric}: every trial's score was undefined (NaN)")
+    best = configs["score"].max() if sign > 0 else configs["score"].min()
+    configs["tied"] = (configs["score"] - best).abs() <= TIE
+    configs = configs.sort_values(["tied", "score", "seconds"], ascending=[False, sign < 0, True])
+    chosen = candidates[candidates["key"] == configs["key"].iloc[0]]
+    return configs.reset_index(drop=True), chosen
+
+
+def describe(key: str, base: dict[str, Any] | None = None) -> str:
+    """A configuration in a line: the settings that differ among the candidates (or all of a few)."""
+    settings = json.loads(key)
+    shown = {k: v for k, v in settings.items() if base is None or base.get(k) != v}
+    return ", ".join(f"{k}={v}" for k, v in sorted(shown.items())) or "the only configuration"
+
+
+def _varying(configs: pd.DataFrame) -> dict[str, Any]:
+    """The settings every candidate shares (what a description need not repeat)."""
+    parsed = [json.loads(k) for k in configs["key"]]
+    return {k: v for k, v in parsed[0].items() if all(p.get(k) == v for p in parsed)} if len(parsed) > 1 else {}
+
+
+# --- the final model ---------------------------------------------------------------------------------------------
+
+
+def trial_config(client: MlflowClient, run_id: str) -> TrialConfig:
+    """The trial's whole config as it ran (its ``config.json`` artifact)."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = client.download_artifacts(run_id, "config.json", folder)
+        return config_from_flat(json.loads(Path(path).read_text(encoding="utf-8")))
+
+
+def tested_weights(state_root: str, sweep_id: str, trial: str) -> dict[str, torch.Tensor]:
+    """The weights trial ``trial`` (its counter, the run's ``gx_ray.trial`` tag) tested: its last checkpoint's model
+    (Tune keeps the latest checkpoint whatever its score)."""
+    folder = storage.join(state_root, sweep_id)
+    trials = [name for name in storage.listdir(folder) if name.split("-", 1)[0] == trial]
+    if len(trials) != 1:
+        raise FileNotFoundError(f"trial {trial}'s checkpoints are not under {folder} (found {trials})")
+    trial_folder = storage.join(folder, trials[0])
+    checkpoints = sorted(n for n in storage.listdir(trial_folder) if n.startswith("checkpoint_"))
+    for name in reversed(checkpoints):
+        metrics = json.loads(storage.read_text(storage.join(trial_folder, name, "metrics.json")))
+        if "test_primary" in metrics:  # the final epoch's: the model as tested
+            data = storage.read_bytes(storage.join(trial_folder, name, CHECKPOINT_FILE))
+            with tempfile.NamedTemporaryFile(suffix=".pt") as handle:
+                handle.write(data)
+                handle.flush()
+                return torch.load(handle.name, map_location="cpu", weights_only=True)["model"]
+    raise FileNotFoundError(f"trial {trial} has no final checkpoint under {trial_folder}: did it finish?")
+
+
+def member_of(config: TrialConfig, weights: dict[str, torch.Tensor], source: dict[str, Any]) -> Member:
+    """A member whose task learnt from its own training rows (its fold's, or training + validation for a refit)."""
+    task, model, _ = build_trial(config, torch.device("cpu"))
+    model.load_state_dict(weights)  # the weights fit the config they came with: strict
+    return Member(config, weights, learnt_state(task), source)
+
+
+def refit(config: TrialConfig, tracking_uri: str, run_id: str) -> tuple[Member, dict[str, float]]:
+    """Train ``config`` (a refit) in this process, logging to ``run_id``; the trained member and its final metrics."""
+    kept: dict[str, Any] = {}
+
+    def report(metrics: dict[str, Any], checkpoint: Any = None) -> None:
+        if checkpoint is not None and "test_primary" in metrics:
+            with checkpoint.as_directory() as folder:
+                kept["weights"] = torch.load(Path(folder) / CHECKPOINT_FILE, map_location="cpu", weights_only=True)[
+                    "model"
+                ]
+
+    device = torch.device("cuda" if config.resources.use_gpu and torch.cuda.is_available() else "cpu")
+    tracker = TrialTracker(tracking_uri, run_id)
+    metrics = run_loop(config, WorkerContext(rank=0, world_size=1, device=device, report=report,
+                                             latest_checkpoint=None, tracker=tracker))  # fmt: skip
+    return member_of(config, kept["weights"], {"run_id": run_id, "seed": config.seed, "fold": None}), metrics
+
+
+def refit_config(config: TrialConfig, select: str, best_epochs: list[float]) -> TrialConfig:
+    """The chosen config trained on training + validation patients: for as many epochs as its repeats validated best
+    at (median, ``select: best``) or its whole schedule (``last``); the last epoch's weights either way."""
+    epochs = config.schedule.epochs
+    if select == "best":
+        known = [e for e in best_epochs if math.isfinite(e)]
+        epochs = max(1, math.ceil(statistics.median(known) + 1)) if known else epochs
+    data = dataclasses.replace(config.data, refit=True, fold=None, folds_file="")
+    schedule = dataclasses.replace(config.schedule, epochs=epochs, select="last")
+    return dataclasses.replace(config, data=data, schedule=schedule)
+
+
+# --- the test -----------------------------------------------------------------------------------------------------
+
+
+def score_records(
+    task: str, records: list[dict[str, Any]], metric: str, n_resamples: int = 1000, seed: int = 0
+) -> dict[str, Any]:
+    """``metric`` on ``records`` with a 95 % percentile bootstrap interval over patients (the report's per-case
+    scorer); no interval where the task has no per-case scorer."""
+    scorer = case_scorer(task_of(task), records, metric)
+    if scorer is None:
+        return {"metric": metric, "value": math.nan, "low": None, "high": None, "cases": len(records)}
+    n = len(scorer.case_ids)
+    value = scorer.score(np.arange(n))
+    rng = np.random.default_rng(seed)
+    draws = np.array([scorer.score(rng.integers(0, n, n)) for _ in range(n_resamples)])
+    draws = draws[np.isfinite(draws)]
+    low, high = np.percentile(draws, [2.5, 97.5]) if len(draws) else (math.nan, math.nan)
+    return {"metric": metric, "value": float(value), "low": float(low), "high": float(high), "cases": n,
+            "resamples": int(len(draws))}  # fmt: skip
+
+
+# --- the whole route ------------------------------------------------------------------------------------------
+
+
+def training_inputs(shards: str, refitted: bool) -> dict[str, Any]:
+    """What a new cohort must be prepared like (from the shards' manifest), and the training patients' fingerprint
+    ranges (from the cohort's QC report beside the shards, where it is)."""
+    manifest = read_manifest(shards)
+    inputs = {
+        "preprocess": manifest["preprocess"],
+        "ct_shape": manifest["ct_shape"],
+        "endoscopy_shape": manifest["endoscopy_shape"],
+        "lab_names": manifest["lab_names"],
+        "cohort_sha256": manifest.get("sha256", ""),
+    }
+    ranges = None
+    qc_path = storage.join(shards.rstrip("/").rsplit("/", 1)[0], QC_JSON)  # prepare_data writes it beside shards/
+    if storage.exists(qc_path):
+        cases = json.loads(storage.read_text(qc_path)).get("cases", {})
+        split = json.loads(storage.read_text(storage.join(shards, SPLIT_FILE)))
+        trained = set(split.get("train", [])) | set(split.get("val", []))
+        by_patient = {r["case_id"]: r["patient_id"] for s in ("train", "val") for r in split_rows(shards, s)}
+        ranges = fingerprint_ranges(
+            {c: qc["fingerprint"] for c, qc in cases.items() if by_patient.get(c) in trained and "fingerprint" in qc}
+        )
+    return {"inputs": inputs, "training_fingerprint": ranges}
+
+
+def input_example(shards: str) -> pd.DataFrame | None:
+    """One test patient of the training cohort as a manifest row with absolute paths (the registered model's input
+    example: MLflow predicts on it as it logs the model); None where the raw cohort is no longer where it was."""
+    from gx_ray.data.manifest import read_manifest_frame, write_manifest_for
+
+    source = read_manifest(shards).get("source")
+    if not source or not Path(source).exists():
+        return None
+    test = set(json.loads(storage.read_text(storage.join(shards, SPLIT_FILE))).get("test", []))
+    with tempfile.TemporaryDirectory() as folder:
+        frame, _ = read_manifest_frame(write_manifest_for(source, Path(folder) / "manifest.csv"))
+        chosen = frame[frame["patient_id"].isin(test)].head(1) if "patient_id" in frame else frame.head(1)
+        return chosen.map(lambda cell: _absolute(cell, Path(folder))).reset_index(drop=True)
+
+
+def _absolute(cell: Any, folder: Path) -> Any:
+    """A manifest cell that names a file relative to ``folder`` as an absolute path; any other cell as it is."""
+    if not isinstance(cell, str) or not cell or "\n" in cell or len(cell) > 255:  # text, not a file name
+        return cell
+    try:
+        return str((folder / cell).resolve()) if (folder / cell).exists() else cell
+    except OSError:
+        return cell
+
+
+def finalize(options: FinalizeOptions) -> FinalizeResult:
+    """Choose, make, test and register the final model of ``options.task`` (module docstring)."""
+    import mlflow
+
+    from gx_ray.deploy.pyfunc import log_pyfunc
+
+    started = time.perf_counter()
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per small file is noise
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # the summary prints the model's URI
+    if options.select not in ("best", "last"):
+        raise ValueError(f"--select is best or last, got {options.select!r}")
+    with open_sweep(options.sweep, options.mlflow_uri) as store:
+        client = MlflowClient(store.uri)
+        candidates = candidate_table(client, store.uri, store.sweep_id, options.task, options.schema)
+        configs, trials = choose(candidates)
+        label, metric = trials["label"].iloc[0], trials["metric"].iloc[0]
+        first_seed = int(trials["seed"].min())
+        seed_trials = trials[trials["seed"] == first_seed].sort_values("fold", na_position="first")
+        config = trial_config(client, seed_trials["run_id"].iloc[0])
+        cross_validated = seed_trials["fold"].notna().any()
+        refitting = options.refit if options.refit is not None else not cross_validated
+        choice = _choice(configs, label, metric, cross_validated, refitting, options.select)
+        experiment = client.get_run(store.parent.info.run_id).info.experiment_id
+        run = client.create_run(experiment, run_name=f"finalize {label}", tags={
+            "gx_ray.kind": FINALIZE_KIND, "gx_ray.finalized_from": store.sweep_id, "task": config.task,
+            "schema": config.schema.name, "gx_ray.primary_metric": metric,
+        })  # fmt: skip
+        run_id = run.info.run_id
+        try:
+            if refitting:
+                final_config = refit_config(config, options.select, list(trials["best_epoch"]))
+                client.log_dict(run_id, final_config.to_flat(), "config.json")
+                member, _ = refit(final_config, store.uri, run_id)
+                members = [member]
+                records = test_records(store.uri, run_id) or []
+            else:
+                if options.select == "last" and config.schedule.select != "last":
+                    raise ValueError(
+                        "the fold models were kept at their best epochs (schedule.select: best): --select last needs "
+                        "--refit"
+                    )
+                state_root = _state_root(store.folder)
+                members = [
+                    member_of(trial_config(client, t.run_id), tested_weights(state_root, store.sweep_id, t.trial),
+                              {"run_id": t.run_id, "trial": t.trial, "seed": first_seed, "fold": int(t.fold)})
+                    for t in seed_trials.itertuples()
+                ]  # fmt: skip
+                fold_records = [_by_case(test_records(store.uri, t.run_id) or []) for t in seed_trials.itertuples()]
+                task = build_task(config.task, **config.task_options)
+                records = task.combine(fold_records)
+                client.log_dict(run_id, records, "predictions/test.json")
+            metrics = _test_metrics(client, seed_trials["run_id"].iloc[0], metric)
+            scores = {m: score_records(label, records, m, options.n_resamples) for m in metrics}
+            test = {**scores[metric], "metrics": scores}
+            info = {
+                "task": config.task, "label": label, "metric": metric, "sweep_id": store.sweep_id,
+                "choice": choice, "test": test, **training_inputs(config.data.shards, refitting),
+            }  # fmt: skip
+            bundle = save_bundle(store.folder / "finalized" / label / "model", members, info)
+            card = model_card(choice, test, info, members)
+            client.log_text(run_id, card, "model_card.md")
+            client.set_tag(run_id, "mlflow.note.content", card)
+            mlflow.set_tracking_uri(store.uri)
+            name = options.name or f"gx-ray-{label}"
+            example = input_example(config.data.shards)
+            version = log_pyfunc(client, run_id, bundle, name, card, options.alias, example)
+            client.set_terminated(run_id, "FINISHED")
+        except BaseException:
+            client.set_terminated(run_id, "FAILED")
+            raise
+    uri = f"models:/{name}@{options.alias}"
+    return FinalizeResult(uri, version, run_id, bundle, choice, test, time.perf_counter() - started)
+
+
+def _test_metrics(client: MlflowClient, run_id: str, primary: str) -> list[str]:
+    """The metrics the trials scored the test split with (primary first): what the final model is tested with."""
+    logged = client.get_run(run_id).data.metrics
+    names = [
+        k.removeprefix("test_") for k in logged if k.startswith("test_") and k not in ("test_primary", "test_chance")
+    ]
+    return [primary, *sorted(set(names) - {primary})]
+
+
+def _by_case(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Records in case order: the fold models' test predictions line up case by case."""
+    return sorted(records, key=lambda r: str(r["case_id"]))
+
+
+def _state_root(folder: Path) -> str:
+    """Where the sweep's Tune state is: ``sweep.json``'s storage, else the output folder's ``ray/``."""
+    document = json.loads((folder / "sweep.json").read_text(encoding="utf-8"))
+    return document.get("storage") or str(folder / "ray")
+
+
+def _choice(
+    configs: pd.DataFrame, label: str, metric: str, cross_validated: bool, refitting: bool, select: str
+) -> dict[str, Any]:
+    shared = _varying(configs)
+    ranked = [
+        {"description": describe(row.key, shared), "score": row.score, "sd": row.sd, "repeats": int(row.repeats),
+         "folds": int(row.folds), "seconds": row.seconds, "tied": bool(row.tied)}
+        for row in configs.itertuples()
+    ]  # fmt: skip
+    return {
+        "label": label, "metric": metric, "rule": "best mean validation score over seeds"
+        + (" (each the mean over its folds)" if cross_validated else "") + f"; ties within {TIE} by trial time",
+        "description": ranked[0]["description"], "score": ranked[0]["score"], "repeats": ranked[0]["repeats"],
+        "settings": json.loads(configs["key"].iloc[0]), "ranked": ranked,
+        "final_model": "refitted on training + validation patients" if refitting else "the fold models' ensemble",
+        "select": select,
+    }  # fmt: skip
+
+
+def model_card(choice: dict[str, Any], test: dict[str, Any], info: dict[str, Any], members: list[Member]) -> str:
+    """What the registered model is, what it was chosen against and how it tested, in Markdown."""
+    lines = [
+        f"# gx-ray {choice['label']}: {choice['description']}",
+        "",
+        f"From sweep `{info['sweep_id']}`. Chosen by {choice['rule']}: validation {choice['metric']} "
+        f"{choice['score']:.2f} over {choice['repeats']} seeds. Final model: {choice['final_model']} "
+        f"({len(members)} member{'s' if len(members) > 1 else ''}).",
+        "",
+        "| rank | configuration | validation mean | sd | seeds | mean trial s |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for i, row in enumerate(choice["ranked"][:10], 1):
+        sd = "" if row["sd"] is None or not math.isfinite(row["sd"]) else f"{row['sd']:.2f}"
+        tied = " (tie)" if row["tied"] and i > 1 else ""
+        lines.append(
+            f"| {i} | {row['description']}{tied} | {row['score']:.2f} | {sd} | {row['repeats']} "
+            f"| {row['seconds']:.0f} |"
+        )
+    interval = f" (95 % CI {test['low']:.2f} to {test['high']:.2f}, patient bootstrap)" if test.get("low") else ""
+    lines += [
+        "",
+        f"Held-out test split, scored once: {test['metric']} {test['value']:.2f}{interval}, {test['cases']} patients.",
+        "",
+        "Members: " + "; ".join(json.dumps(m.source) for m in members),
+        "",
+        f"Preprocessing: {json.dumps(info['inputs']['preprocess'])}",
+    ]
+    return "\n".join(lines) + "\n"

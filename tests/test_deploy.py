@@ -1,0 +1,285 @@
+"""From a sweep's answer to predictions on new patients (``gx_ray/deploy``): the choice by validation (never test),
+ties broken by cost, the refit on training + validation patients, bundles that load with ``weights_only``, fingerprint
+flags, the ensemble's combination; and end to end, a sweep finalized, registered, loaded by a fresh process, served,
+and predicting on a cohort prepared apart with its external evaluation and its bad cases skipped."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from gx_ray.data.stream import DataConfig, split_pieces, split_rows
+from gx_ray.deploy.bundle import fingerprint_ranges, learnt_state, outside_training
+from gx_ray.deploy.finalize import choose, refit_config, score_records
+from gx_ray.schema import STAGE_GROUPS
+from gx_ray.tasks import build_task
+from gx_ray.train.config import TrialConfig
+from tests.common import ROOT, small_stage_space
+
+# --- the choice -------------------------------------------------------------------------------------------------
+
+
+def _candidates(rows: list[tuple[str, int, int | None, float, float]]) -> pd.DataFrame:
+    """(configuration, seed, fold, validation score, trial seconds) rows as finalize's candidate table."""
+    return pd.DataFrame(
+        [
+            {"run_id": f"r{i}", "trial": str(i), "label": "stage_classification", "schema": "image_only", "seed": s,
+             "fold": f, "metric": "auc", "val": v, "seconds": t, "best_epoch": 1.0, "key": json.dumps({"lr": k})}
+            for i, (k, s, f, v, t) in enumerate(rows)
+        ]
+    )  # fmt: skip
+
+
+def test_the_choice_is_the_best_mean_validation_score_over_seeds_not_one_lucky_seed():
+    # "a" has the single best seed, "b" the better mean
+    table = _candidates(
+        [("a", 0, None, 90, 10), ("a", 1, None, 50, 10), ("b", 0, None, 75, 10), ("b", 1, None, 74, 10)]
+    )
+    configs, trials = choose(table)
+    assert json.loads(configs["key"].iloc[0]) == {"lr": "b"} and set(trials["run_id"]) == {"r2", "r3"}
+    assert configs["score"].iloc[0] == pytest.approx(74.5) and configs["repeats"].iloc[0] == 2
+
+
+def test_a_tie_goes_to_the_cheaper_configuration_and_a_cross_validated_seed_scores_its_folds_mean():
+    table = _candidates([("slow", 0, 0, 80.0, 100), ("slow", 0, 1, 70.0, 100),
+                         ("fast", 0, 0, 75.02, 10), ("fast", 0, 1, 74.99, 10)])  # fmt: skip
+    configs, trials = choose(table)
+    assert list(configs["score"]) == pytest.approx([75.005, 75.0])  # the folds' mean, one value per seed
+    assert json.loads(configs["key"].iloc[0]) == {"lr": "fast"} and bool(configs["tied"].iloc[1])
+    assert sorted(trials["fold"]) == [0, 1]
+
+
+def test_a_lower_is_better_metric_chooses_the_smallest_and_nan_scores_never_win():
+    table = _candidates([("a", 0, None, 5.0, 1), ("b", 0, None, 3.0, 1), ("c", 0, None, math.nan, 1)])
+    table["metric"] = "median_rank"
+    configs, _ = choose(table)
+    assert json.loads(configs["key"].iloc[0]) == {"lr": "b"} and "c" not in "".join(configs["key"])
+
+
+def test_a_refit_trains_on_training_and_validation_patients_for_the_epochs_its_seeds_validated_best_at():
+    config = TrialConfig.from_flat({"task": "stage_classification", "schedule.epochs": 10, "data.fold": 1,
+                                    "data.folds_file": "f.json"})  # fmt: skip
+    best = refit_config(config, "best", [2.0, 4.0, 3.0])
+    assert (best.schedule.epochs, best.schedule.select, best.data.refit, best.data.fold) == (4, "last", True, None)
+    assert refit_config(config, "last", [2.0]).schedule.epochs == 10
+
+
+def test_refit_rows_are_the_training_and_validation_patients_and_refuse_a_fold(demo_prepared):
+    shards = str(demo_prepared.shard_dir)
+    rows = split_rows(shards, "train", refit=True)
+    expected = {r["case_id"] for s in ("train", "val") for r in split_rows(shards, s)}
+    assert {r["case_id"] for r in rows} == expected and {r["split"] for r in rows} == {"train"}
+    pieces = split_pieces(DataConfig(shards=shards, refit=True), "train")
+    assert sum(p["rows"] for p in pieces) == len(expected)
+    assert not {r["case_id"] for r in split_rows(shards, "test")} & expected  # the test patients stay out
+    with pytest.raises(ValueError, match="takes no data.fold"):
+        split_pieces(DataConfig(shards=shards, refit=True, fold=0, folds_file="x"), "train")
+
+
+# --- bundles, flags, ensembles ------------------------------------------------------------------------------------
+
+
+def test_what_a_task_learnt_survives_a_weights_only_round_trip(tmp_path):
+    vqa = build_task("vqa")
+    vqa.prepare([{"split": "train", "vqa": [{"question": "q", "answer": a, "category": "c"}]} for a in "ba"])
+    detection = build_task("lesion_detection")
+    detection.anchor_shapes = ((4.0, 5.0, 6.0), (8.0, 9.0, 10.0))
+    for task in (vqa, detection):
+        state = learnt_state(task)
+        torch.save(state, tmp_path / "state.pt")
+        loaded = torch.load(tmp_path / "state.pt", weights_only=True)
+        assert loaded == state and state  # tuples stay tuples: the head is built from them
+    assert learnt_state(vqa)["answers"] == vqa.answers
+
+
+def test_a_case_outside_the_training_spacing_or_intensity_is_flagged_and_a_training_case_never_is():
+    rng = np.random.default_rng(0)
+    training = {
+        f"c{i}": {"source_spacing_zyx": [float(rng.uniform(2, 5)), 0.7, 0.7],
+                  "intensity_hu": {"venous": {"mean": float(rng.uniform(30, 80))}}}
+        for i in range(50)
+    }  # fmt: skip
+    ranges = fingerprint_ranges(training)
+    assert all(outside_training(fp, ranges) == [] for fp in training.values())
+    odd = {"source_spacing_zyx": [7.5, 0.7, 0.7], "intensity_hu": {"venous": {"mean": 250.0}}}
+    flags = outside_training(odd, ranges)
+    assert len(flags) == 2 and "spacing z 7.5 mm" in flags[0] and "venous mean 250 HU" in flags[1]
+
+
+def test_a_stage_ensemble_averages_its_members_and_reports_their_spread():
+    rng = np.random.default_rng(1)
+    members = []
+    for _ in range(3):
+        p = rng.dirichlet(np.ones(4), size=5)
+        members.append([{"case_id": f"c{i}", "prediction": "I", "target": "II", "probabilities": list(p[i])}
+                        for i in range(5)])  # fmt: skip
+    combined = build_task("stage_classification").combine(members)
+    stacked = np.array([[r["probabilities"] for r in m] for m in members])
+    for i, record in enumerate(combined):
+        assert record["probabilities"] == pytest.approx(stacked[:, i].mean(0), abs=1e-4)
+        assert record["spread"] == pytest.approx(stacked[:, i].std(0), abs=1e-4)
+        assert record["prediction"] == STAGE_GROUPS[int(stacked[:, i].mean(0).argmax())]
+    with pytest.raises(ValueError, match="disagree on the case"):
+        build_task("stage_classification").combine([members[0], members[1][::-1], members[2]])
+
+
+def test_the_external_interval_is_the_patient_bootstrap_of_the_reports_own_scorer():
+    rng = np.random.default_rng(2)
+    labels = rng.integers(0, 4, 120)
+    probabilities = rng.dirichlet(np.ones(4), size=120) + 0.3 * np.eye(4)[labels]
+    records = [{"case_id": f"c{i}", "target": STAGE_GROUPS[y], "probabilities": list(p / p.sum())}
+               for i, (p, y) in enumerate(zip(probabilities, labels, strict=True))]  # fmt: skip
+    from gx_ray.metrics.classification import classification_metrics
+
+    score = score_records("stage_classification", records, "auc", n_resamples=300)
+    expected = classification_metrics(np.array([r["probabilities"] for r in records]), labels)["auc"]
+    assert score["value"] == pytest.approx(expected) and score["low"] < expected < score["high"]
+    assert score["cases"] == 120 and score["high"] - score["low"] < 20
+
+
+# --- end to end --------------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    from gx_ray.tracking.server import free_port
+
+    return free_port()
+
+
+def _absolute(cell: object, folder: Path) -> object:
+    """A manifest cell naming a file relative to ``folder`` as an absolute path; text and numbers as they are."""
+    try:
+        return str((folder / cell).resolve()) if isinstance(cell, str) and cell and (folder / cell).exists() else cell
+    except OSError:  # report text, too long for a file name
+        return cell
+
+
+def _probabilities(records: list[dict]) -> dict[str, list[float]]:
+    return {str(r["case_id"]): r["probabilities"] for r in records}
+
+
+@pytest.mark.slow
+def test_a_finalized_sweep_is_registered_loaded_served_and_predicts_on_new_patients(
+    ray_cluster, demo_raw, demo_prepared, tmp_path
+):
+    import mlflow
+
+    from gx_ray.analysis.runs import test_records
+    from gx_ray.data.demo.cohort import generate_cohort
+    from gx_ray.data.manifest import read_manifest_frame, write_manifest_for
+    from gx_ray.deploy.finalize import FinalizeOptions, finalize
+    from gx_ray.sweep.driver import SweepOptions, run_sweep
+    from gx_ray.tracking.server import LocalMlflowServer
+    from tests.common import tiny_cohort
+
+    space = small_stage_space(tmp_path / "space.yaml", 2, [0], "finalize, end to end")
+    document = space.read_text(encoding="utf-8").replace("grid:\n", "grid:\n  schema: [image_only, image_table]\n")
+    space.write_text(document, encoding="utf-8")
+    shards = str(demo_prepared.shard_dir)
+    # the user's route: the sweep keeps its own MLflow store, which finalize and predict serve again for themselves
+    sweep = run_sweep(SweepOptions(space=str(space), output=tmp_path / "out", data=shards))
+    assert (sweep.finished, sweep.failed) == (2, 0)
+    result = finalize(FinalizeOptions(str(sweep.output), "stage_classification"))
+    test_cases = {r["case_id"] for r in split_rows(shards, "test")}
+
+    # a fresh process loads the registered model and predicts on the cohort
+    out = tmp_path / "predicted"
+    command = [sys.executable, str(ROOT / "jobs/predict.py"), "--model", result.model_uri,
+               "--sweep", str(sweep.output), "--data", str(Path(shards).parent), "--out", str(out)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr
+    predicted = json.loads((out / "predictions.json").read_text(encoding="utf-8"))
+    by_case = _probabilities([r for r in predicted if r["split"] == "test"])
+
+    with LocalMlflowServer(sweep.output / "mlflow") as server:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(server.uri)
+        # chosen by validation: the configuration whose trial validated best
+        trials = client.search_runs([client.get_run(sweep.parent_run_id).info.experiment_id],
+                                    f"tags.`mlflow.parentRunId` = '{sweep.parent_run_id}'")  # fmt: skip
+        best = max(trials, key=lambda r: r.data.metrics["best_val_primary"])
+        assert result.choice["settings"]["schema"] == best.data.tags["schema"]
+        version = client.get_model_version_by_alias("gx-ray-stage_classification", "champion")
+        assert version.version == result.version and "Chosen by best mean validation score" in version.description
+        own = _probabilities(test_records(server.uri, result.run_id))  # the refit's own test predictions
+        assert set(own) == test_cases == set(by_case)
+        for case_id, probabilities in own.items():  # the fresh process predicted what the model's own test did
+            assert probabilities == pytest.approx(by_case[case_id], abs=1e-4), case_id
+
+        # the pyfunc on manifest rows from the raw files: the same preprocessing, the same predictions; a bad row is
+        # skipped with its reason, never predicted
+        manifest = write_manifest_for(demo_raw, tmp_path / "manifest" / "cohort.csv")
+        frame, _ = read_manifest_frame(manifest)
+        frame = frame[frame["case_id"].isin(test_cases)].reset_index(drop=True)
+        frame = frame.map(lambda cell: _absolute(cell, manifest.parent))  # a request names files absolutely
+        broken = frame.iloc[[0]].assign(case_id="broken", patient_id="broken", venous="/nowhere/venous.nii.gz")
+        request = pd.concat([frame, broken], ignore_index=True)
+        mlflow.set_tracking_uri(server.uri)
+        answer = mlflow.pyfunc.load_model(result.model_uri).predict(request)
+        predicted_rows = answer[answer["status"] == "predicted"]
+        assert set(predicted_rows["case_id"]) == test_cases
+        for row in predicted_rows.itertuples():
+            assert json.loads(row.probabilities) == pytest.approx(own[row.case_id], abs=1e-4)
+        (skipped,) = answer[answer["status"] == "skipped"].itertuples()
+        assert skipped.case_id == "broken" and "venous" in skipped.reason
+
+        # served: a real request to `mlflow models serve`
+        port = _free_port()
+        env = {**os.environ, "MLFLOW_TRACKING_URI": server.uri}
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "models", "serve", "-m", result.model_uri, "--env-manager", "local",
+             "--host", "127.0.0.1", "--port", str(port)],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+        )  # fmt: skip
+        try:
+            body = json.dumps({"dataframe_split": frame.iloc[[0]].to_dict(orient="split")}).encode()
+            deadline, reply = time.monotonic() + 180, None
+            while reply is None and time.monotonic() < deadline and serve.poll() is None:
+                try:
+                    post = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", body,
+                                                  {"Content-Type": "application/json"})  # fmt: skip
+                    reply = json.loads(urllib.request.urlopen(post, timeout=60).read())
+                except OSError:
+                    time.sleep(1)
+            assert reply is not None, serve.stderr.read().decode() if serve.poll() is not None else "no answer"
+            (served,) = reply["predictions"]
+            assert served["case_id"] == frame["case_id"].iloc[0] and served["status"] == "predicted"
+            assert json.loads(served["probabilities"]) == pytest.approx(own[served["case_id"]], abs=1e-4)
+        finally:
+            os.killpg(serve.pid, 15)
+            serve.wait(30)
+
+        # a cohort prepared apart, with labels and one broken case: per-case outputs, the external evaluation
+        raw = tmp_path / "hospital_b"
+        generate_cohort(raw, dataclasses.replace(tiny_cohort(), cases=6, seed=99))
+        gone = sorted((raw / "imaging").iterdir())[0]
+        shutil.rmtree(gone / "venous.nii.gz") if (gone / "venous.nii.gz").is_dir() else (
+            gone / "venous.nii.gz"
+        ).unlink()
+        out = tmp_path / "hospital_b_predicted"
+        command = [sys.executable, str(ROOT / "jobs/predict.py"), "--model", result.model_uri, "--mlflow-uri",
+                   server.uri, "--data", str(raw), "--out", str(out)]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "external" in done.stdout
+    rows = pd.read_csv(out / "predictions.csv")
+    assert len(rows) == 5 and gone.name not in set(rows["case_id"])
+    skipped = pd.read_csv(out / "skipped.csv")
+    assert list(skipped["case_id"]) == [gone.name] and skipped["reason"].iloc[0]
+    evaluation = {e["metric"]: e for e in json.loads((out / "evaluation.json").read_text(encoding="utf-8"))}
+    assert evaluation["auc"]["external"]["cases"] == 5 and evaluation["auc"]["internal"]["cases"] == len(test_cases)
+    assert "| auc |" in (out / "evaluation.md").read_text(encoding="utf-8")
