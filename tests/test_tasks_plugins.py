@@ -20,6 +20,7 @@ from mlflow.tracking import MlflowClient
 import gx_ray.tasks
 from gx_ray.analysis.cases import case_scorer
 from gx_ray.analysis.runs import higher_is_better, load_runs
+from gx_ray.analysis.runs import test_records as logged_records
 from gx_ray.modalities import PRESETS, LeakageError, check_leakage, resolve_schema
 from gx_ray.schema import BOX_LEVELS, PHASES
 from gx_ray.sweep.spaces import SpaceError, load_space
@@ -33,6 +34,7 @@ from gx_ray.tasks import (
     task_of,
 )
 from gx_ray.tasks.stage_classification import StageClassification
+from gx_ray.tracking.server import LocalMlflowServer
 from gx_ray.train.config import TrialConfig
 from tests.common import ROOT, run_smoke_sweep
 from tests.plugins.tumour_volume import TumourVolume, volume_metrics
@@ -282,7 +284,9 @@ def test_the_analysis_reads_a_plug_in_by_its_name_and_direction(fresh_registry):
     task_class(REFERENCE)
     assert not higher_is_better("mae_ml") and higher_is_better("r2") and higher_is_better("auc")
     assert not higher_is_better("image_to_text_median_rank")
-    assert case_scorer("tumour_volume", records, "mae_ml") is None  # no per-case scorer: the seeds' fallback
+    scorer = case_scorer("tumour_volume", records, "mae_ml")  # the plug-in's own record_metrics, resampled
+    assert scorer.score(np.array([0, 1, 1])) == pytest.approx((2.0 + 1.0 + 1.0) / 3)
+    assert case_scorer("tumour_volume", records, "no_such_metric") is None
     with pytest.raises(ValueError, match="unknown task 'segmentation'"):
         case_scorer("segmentation", records, "mae_ml")
 
@@ -311,6 +315,8 @@ def test_a_plug_in_task_runs_through_a_sweep_and_its_report(ray_cluster, demo_pr
         children = {client.get_run(r).data.tags["task"] for r in runs["run_id"]}
         assert children == {REFERENCE}  # the tag keeps what the space said: any process can import it again
         assert set(runs["task"]) == {"tumour_volume"}
+        assert all(name.startswith("volume ") for name in runs["trial"])  # the run names use the class's short name
+        assert {client.get_run(r).data.tags["gx_ray.primary_unit"] for r in runs["run_id"]} == {"mL"}
         assert {"mae_ml", "r2", "chance"} <= set(runs["metric"])
         run_id = runs["run_id"].iloc[0]
         local = client.download_artifacts(run_id, "predictions/test.json", str(tmp_path))
@@ -335,4 +341,22 @@ def test_a_plug_in_task_runs_through_a_sweep_and_its_report(ray_cluster, demo_pr
     significance = pd.read_csv(report / "significance.csv")
     (row,) = significance.itertuples()
     assert (row.task, row.metric, row.schema_a) == ("tumour_volume", "mae_ml", "image_table")
-    assert row.method.startswith("Wilcoxon")  # no per-case scorer: the seeds' test, not a bootstrap of guesses
+    # (the smoke cohort's test split has too few labelled patients for the bootstrap over them: the seeds' test)
+
+    # finalized and predicting: the registered model gives its own test predictions; the external evaluation has
+    # the plug-in's metrics with intervals
+    from gx_ray.deploy.finalize import FinalizeOptions, finalize
+    from gx_ray.deploy.predict import PredictOptions, predict_cohort
+
+    with LocalMlflowServer(tmp_path / "mlflow") as server:
+        final = finalize(FinalizeOptions(str(result.output), "tumour_volume", mlflow_uri=server.uri))
+        own = {r["case_id"]: r["prediction"] for r in logged_records(server.uri, final.run_id)}
+        out = tmp_path / "predicted"
+        options = PredictOptions(final.model_uri, str(demo_prepared.shard_dir), out, mlflow_uri=server.uri)
+        predicted = predict_cohort(options)
+    records = json.loads((out / "predictions.json").read_text(encoding="utf-8"))
+    assert {r["case_id"]: r["prediction"] for r in records if r["split"] == "test"} == pytest.approx(own, rel=1e-5)
+    evaluation = {row["metric"]: row for row in predicted.evaluation}
+    assert set(evaluation) == {"mae_ml", "r2"}
+    assert evaluation["mae_ml"]["external"]["low"] <= evaluation["mae_ml"]["external"]["value"]
+    assert evaluation["mae_ml"]["internal"]["cases"] == len(own)

@@ -167,12 +167,12 @@ def _detection(records: Records, metric: str) -> CaseScorer | None:
 def case_scorer(task: str, records: Records, metric: str, language: str = "en") -> CaseScorer | None:
     """The trial's ``metric`` as a function of its test patients, or None where the records cannot give it.
 
-    ``records``: the trial's ``predictions/test.json``; ``language``: of the generated reports. A task without a
-    scorer here (the endoscopy tasks, a plug-in task) gives None: the report then shows Student's t over seeds and
-    compares with a Wilcoxon test over seeds, as for trials that logged no predictions, rather than guess how a
-    metric it does not know is computed.
+    ``records``: the trial's ``predictions/test.json``; ``language``: of the generated reports. A plug-in task is
+    scored by its own ``record_metrics``. A task without a scorer (the endoscopy tasks, a plug-in without
+    ``record_metrics``) gives None: the report then shows Student's t over seeds and compares with a Wilcoxon test over
+    seeds, as for trials that logged no predictions, rather than guess how a metric it does not know is computed.
     """
-    from gx_ray.tasks import task_class, task_of
+    from gx_ray.tasks import Task, task_class, task_of
 
     task = task_of(task)
     if task == "stage_classification":
@@ -185,8 +185,22 @@ def case_scorer(task: str, records: Records, metric: str, language: str = "en") 
         return _retrieval(records, metric)
     if task == "lesion_detection":
         return _detection(records, metric)
-    task_class(task)  # a name that is no task at all is an error (naming the valid ones), not a missing scorer
+    cls = task_class(task)  # a name that is no task at all is an error (naming the valid ones), not a missing scorer
+    if getattr(cls.record_metrics, "__func__", None) is not Task.record_metrics.__func__:
+        return _from_task(cls, records, metric)
     return None
+
+
+def _from_task(cls: Any, records: Records, metric: str) -> CaseScorer | None:
+    """A task's own :meth:`~gx_ray.tasks.base.Task.record_metrics` on resampled records (a plug-in task's)."""
+    known = [r for r in records if r.get("target") is not None]
+    if not known or metric not in cls.record_metrics(known):
+        return None
+
+    def score(indices: np.ndarray) -> float:
+        return _nan_on_error(lambda: cls.record_metrics([known[i] for i in indices])[metric])
+
+    return CaseScorer([r["case_id"] for r in known], score)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import numpy as np
 
 from gx_ray.sweep.spaces import SearchSpace
 from gx_ray.sweep.trial import SweepContext
-from gx_ray.tasks import TASK_CLASSES, primary_metric, task_class, task_label
+from gx_ray.tasks import primary_metric, task_class, task_label
 
 SWEEP_FILE = "sweep.json"
 SCHEMA_SHORT = {"image": "img", "table": "tab", "bbox": "box", "endoscopy": "endo", "only": ""}
@@ -22,7 +22,9 @@ def trial_dirname(trial: Any) -> str:
     """The trial's folder under Tune's storage: its counter first (unique), then what it trains."""
     index = trial.trial_id.rsplit("_", 1)[-1]
     config = trial.config
-    parts = [index, str(config.get("task", "")), str(config.get("schema", "")), f"s{config.get('seed', 0)}"]
+    task = str(config.get("task", ""))
+    task = task_class(task).name if ":" in task else task  # a plug-in's reference holds a colon: not in a folder name
+    parts = [index, task, str(config.get("schema", "")), f"s{config.get('seed', 0)}"]
     return "-".join(p for p in parts if p and p != "s")
 
 
@@ -35,8 +37,11 @@ def trial_name(fixed: dict[str, Any], trial: Any) -> str:
     schema = config.get("schema", "")
     inputs = "+".join(filter(None, (SCHEMA_SHORT.get(p, p) for p in str(schema).split("_")))) if schema else ""
     index = trial.trial_id.rsplit("_", 1)[-1].lstrip("0") or "0"
-    short = task_class(task).short_name if task in TASK_CLASSES else ""
-    parts = [short or task, inputs, f"s{config['seed']}" if "seed" in config else "", f"#{index}"]
+    short = task
+    if task:  # a built-in name or a plug-in's module:Class reference: the class names itself
+        cls = task_class(task)
+        short = cls.short_name or cls.name
+    parts = [short, inputs, f"s{config['seed']}" if "seed" in config else "", f"#{index}"]
     return " ".join(p for p in parts if p)
 
 

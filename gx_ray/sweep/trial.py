@@ -143,7 +143,7 @@ def run_trial(params: dict[str, Any], context: SweepContext) -> None:
         "gx_ray.primary_metric": task.primary_metric,
         "gx_ray.primary_direction": task.mode,
         # every metric is on the paper's 0-100 scale (accuracy, AUC, recall, ROUGE, AP ...), a median rank is a rank
-        "gx_ray.primary_unit": "rank" if "rank" in task.primary_metric else "%",
+        "gx_ray.primary_unit": task.primary_unit or ("rank" if "rank" in task.primary_metric else "%"),
     }
     run = child_run(client, context.parent_run_id, trial.get_trial_id(), trial.get_trial_name(), tags, _params(config))
     run_id = run.run_id

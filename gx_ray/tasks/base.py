@@ -86,6 +86,8 @@ class Task:
     primary_metric: ClassVar[str]
     mode: ClassVar[str]
     """``"max"`` or ``"min"``: the direction in which :attr:`primary_metric` improves."""
+    primary_unit: ClassVar[str] = ""
+    """The primary metric's unit where it is not the paper's 0-100 scale or a rank (a plug-in's ``mL``)."""
     shares_a_gpu: ClassVar[bool] = True
     """Whether ``gpus_per_worker: auto`` may pack this task's trials with others on one GPU. A step that waits on the
     GPU many times (per-image matching and sampling) loses far more than its share when CUDA time-slices the card
@@ -163,6 +165,14 @@ class Task:
         the training rows say of everyone (answer frequencies, a typical box, typical reports), scored by the
         task's own metric. A model must beat it to have learnt anything from the inputs. NaN where undefined."""
         return float("nan")
+
+    @classmethod
+    def record_metrics(cls, records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+        """The task's metrics from its :meth:`predict` records of labelled cases (one per case): what the report's
+        patient bootstrap and ``predict``'s external evaluation resample. The built-in tasks' are in
+        :mod:`gx_ray.analysis.cases`; a task without any is compared over seeds only, and its external evaluation
+        has no interval."""
+        raise NotImplementedError
 
     def combine(self, members: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         """An ensemble's predictions: ``members[k][i]`` is member ``k``'s :meth:`predict` record of case ``i`` (every

@@ -44,6 +44,7 @@ class TumourVolume(Task):
     name = "tumour_volume"
     short_name = "volume"
     primary_metric = "mae_ml"
+    primary_unit = "mL"
     mode = "min"
     leaking_inputs = {"boxes:tumour": "the tumour box's extent is the volume"}
 
@@ -110,6 +111,12 @@ class TumourVolume(Task):
             return float("nan")
         guess = math.exp(float(train.mean())) * self.ml_per_voxel
         return volume_metrics(np.full(len(test), guess), np.exp(test) * self.ml_per_voxel)[self.primary_metric]
+
+    @classmethod
+    def record_metrics(cls, records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+        """The metrics from prediction records (mL): what the report's patient bootstrap resamples."""
+        predicted = np.array([r["prediction"] for r in records], dtype=float)
+        return volume_metrics(predicted, np.array([r["target"] for r in records], dtype=float))
 
     def combine(self, members: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         """The members' mean volume, their standard deviation as ``spread`` (mL)."""
