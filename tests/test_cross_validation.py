@@ -1,6 +1,7 @@
 """A cross-validated sweep end to end: every cell on every fold, the folds written and logged, every trial tagged
 with their hash and keeping its out-of-fold predictions, every training patient predicted once a seed, the report's
-out-of-fold section, and a study planned from it as from a pilot."""
+out-of-fold section, a study planned from it as from a pilot, and its fold models finalized as one registered
+ensemble."""
 
 from __future__ import annotations
 
@@ -8,14 +9,20 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
 from gx_ray.analysis.plan import plan_study
+from gx_ray.analysis.runs import test_records as logged_records
 from gx_ray.data.folds import cohort_splits
+from gx_ray.data.shards import read_shard, split_files
 from gx_ray.data.stream import split_rows
+from gx_ray.deploy.bundle import Predictor
+from gx_ray.deploy.finalize import FinalizeOptions, finalize
 from gx_ray.sweep.driver import SweepOptions, run_sweep
+from gx_ray.tasks import build_task
 from gx_ray.tracking.server import LocalMlflowServer
 from tests.common import small_stage_space
 
@@ -66,3 +73,20 @@ def test_a_cross_validated_sweep_predicts_every_training_patient_once_a_seed(ray
         assert (plan["schema_a"], plan["pilot_folds"], plan["pilot_seeds"]) == ("image_table", FOLDS, 1)
         assert plan["pilot_patients"] == len(training)
         assert f"{FOLDS} folds, kept as the pilot's" in (tmp_path / "plan" / "summary.md").read_text(encoding="utf-8")
+
+        # finalized: the chosen schema's fold models as one registered ensemble, which predicts on the test patients
+        # what the fold trials' own test predictions combine to
+        final = finalize(FinalizeOptions(str(result.output), "stage_classification", mlflow_uri=server.uri))
+        assert final.choice["final_model"] == "the fold models' ensemble"
+        chosen = [c for c in children if c.data.tags["schema"] == final.choice["settings"]["schema"]]
+        members = [
+            sorted(logged_records(server.uri, c.info.run_id), key=lambda r: r["case_id"])
+            for c in sorted(chosen, key=lambda c: int(c.data.params["data.fold"]))
+        ]
+        expected = {r["case_id"]: r for r in build_task("stage_classification").combine(members)}
+        bundle = Predictor(final.bundle, "cpu")
+        assert len(bundle.members) == FOLDS
+        table = pa.concat_tables([read_shard(path) for path in split_files(shards, "test")])
+        for record in bundle.predict_table(table):
+            assert record["probabilities"] == pytest.approx(expected[record["case_id"]]["probabilities"], abs=1e-4)
+            assert record["spread"] == pytest.approx(expected[record["case_id"]]["spread"], abs=1e-4)
