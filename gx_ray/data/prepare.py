@@ -255,7 +255,7 @@ def prepare_shards(
     write_split_file(shard_dir / SPLIT_FILE, kept, excluded_patients, config.fractions, config.split_seed)
     manifest_extra = {
         "source": str(source),
-        "demo_cohort": (Path(source) / COHORT_FILE).exists(),  # synthetic: the analysis labels it so
+        "demo_cohort": (cohort_folder(source) / COHORT_FILE).exists(),  # synthetic: the analysis labels it so
         "preprocess": asdict(config.preprocess),
         "endoscopy_size": config.endoscopy_size,
         "split_file": SPLIT_FILE,
@@ -293,12 +293,17 @@ def prepare_shards(
     return PrepareResult(shard_dir, rows, excluded, qc_path, time.time() - start)
 
 
+def cohort_folder(source: Path) -> Path:
+    """The folder of a cohort's files beside its cases: the cohort's own, or a manifest CSV's."""
+    return source.parent if source.is_file() else source
+
+
 def _endoscopy_frames(
     source: Path, config: PrepareConfig, qc_cases: dict[str, dict[str, Any]]
 ) -> dict[str, endoscopy_annotations.FrameAnnotation]:
     """The included cases' valid frame annotations; a frame left out is a warning of its case (the case keeps every
     other modality), and an unusable file a warning on the console (the cohort is prepared without it)."""
-    path = Path(config.endoscopy_annotations or source / endoscopy_annotations.FILE)
+    path = Path(config.endoscopy_annotations or cohort_folder(source) / endoscopy_annotations.FILE)
     if not path.is_file():
         if config.endoscopy_annotations:
             raise FileNotFoundError(f"endoscopy annotations {path}: no such file")
