@@ -14,8 +14,7 @@ from gx_ray.deploy.finalize import FinalizeOptions, finalize
 from gx_ray.runtime import tolerant_console
 
 
-def main(argv: list[str] | None = None) -> int:
-    tolerant_console()
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sweep", help="a sweep's output folder (holding sweep.json), or its id with --mlflow-uri")
     parser.add_argument("--task", required=True, help="the task (or task label, e.g. lesion_qa.img2txt.matched)")
@@ -34,7 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--name", help="the registered model's name (default gx-ray-<task>)")
     parser.add_argument("--mlflow-uri", help="the MLflow server; default: the sweep's own")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    tolerant_console()
+    args = build_parser().parse_args(argv)
     options = FinalizeOptions(args.sweep, args.task, args.schema, args.select, True if args.refit else None,
                               args.mlflow_uri, args.name)  # fmt: skip
     try:

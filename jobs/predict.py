@@ -18,8 +18,7 @@ from gx_ray.runtime import tolerant_console
 from gx_ray.schema import CaseError
 
 
-def main(argv: list[str] | None = None) -> int:
-    tolerant_console()
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="models:/NAME@ALIAS, or a model folder finalize wrote")
     parser.add_argument("--data", required=True, help="raw cases (release or paper layout, or a manifest CSV), or a "
@@ -29,7 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", help="the sweep's output folder, whose own MLflow store holds the model")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--device", help="cuda, cuda:1, cpu; default: a GPU where there is one")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    tolerant_console()
+    args = build_parser().parse_args(argv)
     options = PredictOptions(args.model, args.data, args.out, args.mlflow_uri, args.sweep, args.batch_size, args.device)
     try:
         result = predict_cohort(options)

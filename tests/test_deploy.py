@@ -283,3 +283,14 @@ def test_a_finalized_sweep_is_registered_loaded_served_and_predicts_on_new_patie
     evaluation = {e["metric"]: e for e in json.loads((out / "evaluation.json").read_text(encoding="utf-8"))}
     assert evaluation["auc"]["external"]["cases"] == 5 and evaluation["auc"]["internal"]["cases"] == len(test_cases)
     assert "| auc |" in (out / "evaluation.md").read_text(encoding="utf-8")
+
+
+def test_what_cannot_predict_on_new_patients_is_refused_before_anything_is_trained():
+    from gx_ray.deploy.bundle import check_predictable
+
+    with pytest.raises(ValueError, match="lesion_qa builds its questions from each split's material"):
+        check_predictable(TrialConfig.from_flat({"task": "lesion_qa"}))
+    with pytest.raises(ValueError, match="vqa does not say how an ensemble's predictions combine.*--refit"):
+        check_predictable(TrialConfig.from_flat({"task": "vqa"}), ensemble=True)
+    check_predictable(TrialConfig.from_flat({"task": "vqa"}))  # one refitted model: fine
+    check_predictable(TrialConfig.from_flat({"task": "stage_classification"}), ensemble=True)

@@ -311,7 +311,7 @@ def test_documented_commands_parse(monkeypatch: pytest.MonkeyPatch):
                 missing = set(options.presets) - set(available_presets(options.space))
                 assert not missing, f"{at}: space {options.space!r} has no preset {sorted(missing)}"
             continue
-        assert script in ("benchmark", "validate", "plan"), f"{at}: an unknown script"
+        assert script in ("benchmark", "validate", "plan", "finalize", "predict"), f"{at}: an unknown script"
         try:
             load_script(script).build_parser().parse_args(list(argv))
         except SystemExit as err:

@@ -33,7 +33,7 @@ from gx_ray.data.shards import BatchCollate, TensorLayout, shard_schema
 from gx_ray.data.stream import on_device
 from gx_ray.models.registry import build_encoder
 from gx_ray.schema import PHASES
-from gx_ray.tasks import Task, TaskModel, build_task
+from gx_ray.tasks import Task, TaskModel, build_task, task_class
 from gx_ray.train.build import autocast
 from gx_ray.train.config import TrialConfig
 
@@ -86,16 +86,25 @@ def _plain(value: Any) -> bool:
     return False
 
 
-def build_member_model(config: TrialConfig, task_state: Mapping[str, Any]) -> TaskModel:
-    """The member's task model, its task given what it learnt (no training rows needed), weights not yet loaded."""
+def check_predictable(config: TrialConfig, ensemble: bool = False) -> None:
+    """Refuse, naming why, a trial whose model cannot predict on new patients (or, with ``ensemble``, cannot be one
+    of an ensemble's members)."""
     if config.model.family == "vlm":
         raise ValueError("vision-language models are not finalized yet: finalize an encoder trial")
-    task = build_task(config.task, **config.task_options)
-    if type(task).attach_splits is not Task.attach_splits:
+    cls = task_class(config.task)
+    if cls.attach_splits is not Task.attach_splits:
         raise ValueError(
-            f"{config.task} builds its questions from each split's material (attach_splits): it cannot predict on new "
+            f"{cls.name} builds its questions from each split's material (attach_splits): it cannot predict on new "
             "patients yet"
         )
+    if ensemble and cls.combine is Task.combine:
+        raise ValueError(f"{cls.name} does not say how an ensemble's predictions combine (Task.combine): use --refit")
+
+
+def build_member_model(config: TrialConfig, task_state: Mapping[str, Any]) -> TaskModel:
+    """The member's task model, its task given what it learnt (no training rows needed), weights not yet loaded."""
+    check_predictable(config)
+    task = build_task(config.task, **config.task_options)
     for key, value in task_state.items():
         setattr(task, key, value)
     return TaskModel(task, build_encoder(config.model, config.schema), config.schema)

@@ -43,7 +43,14 @@ from gx_ray.data.prepare import QC_JSON
 from gx_ray.data.shards import read_manifest
 from gx_ray.data.splits import SPLIT_FILE
 from gx_ray.data.stream import split_rows
-from gx_ray.deploy.bundle import Member, config_from_flat, fingerprint_ranges, learnt_state, save_bundle
+from gx_ray.deploy.bundle import (
+    Member,
+    check_predictable,
+    config_from_flat,
+    fingerprint_ranges,
+    learnt_state,
+    save_bundle,
+)
 from gx_ray.tasks import build_task, task_of
 from gx_ray.tracking import TrialTracker
 from gx_ray.train.build import build_trial
@@ -325,6 +332,7 @@ def finalize(options: FinalizeOptions) -> FinalizeResult:
         config = trial_config(client, seed_trials["run_id"].iloc[0])
         cross_validated = seed_trials["fold"].notna().any()
         refitting = options.refit if options.refit is not None else not cross_validated
+        check_predictable(config, ensemble=not refitting)
         choice = _choice(configs, label, metric, cross_validated, refitting, options.select)
         experiment = client.get_run(store.parent.info.run_id).info.experiment_id
         run = client.create_run(experiment, run_name=f"finalize {label}", tags={
