@@ -365,6 +365,8 @@ def finalize(options: FinalizeOptions) -> FinalizeResult:
                 client.log_dict(run_id, records, "predictions/test.json")
             metrics = _test_metrics(client, seed_trials["run_id"].iloc[0], metric)
             scores = {m: score_records(label, records, m, options.n_resamples) for m in metrics}
+            # a metric the records cannot give (VQA's yes/no AUC is scored in the loop only) is left out, not "n/a"
+            scores = {m: v for m, v in scores.items() if v["low"] is not None or m == metric}
             test = {**scores[metric], "metrics": scores}
             info = {
                 "task": config.task, "label": label, "metric": metric, "sweep_id": store.sweep_id,
