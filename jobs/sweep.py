@@ -50,6 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-concurrent", type=int, help="cap on trials running at once")
     parser.add_argument("--verify", action="store_true", help="check every shard's SHA-256 first (reads all data)")
     parser.add_argument(
+        "--study",
+        help="an Optuna search's study store every node reaches: postgresql://... or a journal file (default: a "
+        "journal in the sweep's state); optuna-dashboard opens it",
+    )
+    parser.add_argument("--study-name", help="the study's name (default: the sweep id); two drivers may share one")
+    parser.add_argument(
         "--demo-cases", type=int, default=SweepOptions.demo_cases, help="size of the demo cohort (without --data)"
     )
     args = parser.parse_args(argv)
@@ -65,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         max_concurrent=args.max_concurrent,
         demo_cases=args.demo_cases,
         verify=args.verify,
+        study=args.study,
+        study_name=args.study_name,
     )
     try:
         result = run_sweep(options)

@@ -40,6 +40,7 @@ from gx_ray.sweep.gpu_plan import concurrency, gpu_plan, gpu_usage
 from gx_ray.sweep.resume import check_resumable, record_inputs, sweep_inputs
 from gx_ray.sweep.signals import signals_stop_the_sweep
 from gx_ray.sweep.spaces import SearchSpace, available_presets, load_space
+from gx_ray.sweep.study import dashboard_command, driver_seed, optuna_storage, study_location
 from gx_ray.sweep.summary import format_summary, result_rows, summarise, trial_dirname, trial_name, write_sweep_file
 from gx_ray.sweep.trial import SweepContext, run_trial, task_key
 from gx_ray.tasks import task_class
@@ -83,6 +84,11 @@ class SweepOptions:
     (Ray, MLflow, the cohort, the GPU plan) counts, so that a sweep given a budget ends near it."""
     verify: bool = False
     """Check every shard's full SHA-256 against the manifest before the sweep starts (sizes and footers always)."""
+    study: str | None = None
+    """An Optuna search's study store: a database URL or a journal file path every node reaches (default: the journal
+    in the sweep's Tune state, :mod:`gx_ray.sweep.study`)."""
+    study_name: str | None = None
+    """The study's name (default: the sweep id); two drivers given the same store and name search one study."""
 
 
 @dataclass
@@ -326,7 +332,7 @@ def _tune(
     metric, mode = (space.metric, ["max"] * len(space.metric)) if space.multi_objective else (METRIC, "max")
     search_alg = None
     if space.searcher == "optuna":
-        search_alg = OptunaSearch(metric=metric, mode=mode, seed=0)
+        search_alg = optuna_search(options, context, output, metric, mode)
     scheduler = None
     if space.scheduler == "asha":  # stops on the primary metric, also when Optuna searches several objectives
         scheduler = tune.schedulers.ASHAScheduler(
@@ -406,6 +412,28 @@ def _tune(
             file=sys.stderr,
         )
     return result
+
+
+def optuna_search(
+    options: SweepOptions, context: SweepContext, output: Path, metric: str | list[str], mode: str | list[str]
+) -> OptunaSearch:
+    """Tune's Optuna searcher over the sweep's study (:mod:`gx_ray.sweep.study`), whose dashboard command it prints."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # "A new study created in Journal ...": said below
+    location = study_location(options.study, context.storage_path, context.sweep_id)
+    name = options.study_name or context.sweep_id
+    if location is None:
+        print(f"the Optuna study {name} is kept in memory: give --study a database URL to keep it", file=sys.stderr)
+    else:
+        print(f"Optuna study {name}:  {dashboard_command(location)}", file=sys.stderr)
+    return OptunaSearch(
+        metric=metric,
+        mode=mode,
+        seed=driver_seed(name, output),
+        study_name=name,
+        storage=optuna_storage(location) if location else None,
+    )
 
 
 def fold_file(cv: dict[str, Any], shards: str, root: str) -> str:
