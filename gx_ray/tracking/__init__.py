@@ -102,7 +102,9 @@ class TrialTracker:
         self.client.log_dict(self.run_id, sample, "predictions/test_sample.json")
         for name, figure in getattr(task, "figures", lambda r: {})(records).items():
             self.client.log_figure(self.run_id, figure, f"figures/{name}.png")
-            figure.clf()
+            import matplotlib.pyplot as plt
+
+            plt.close(figure)  # pyplot keeps every figure it made until closed: a process predicting many times
         for path, document in getattr(task, "documents", dict)().items():  # e.g. the questions a task asked
             self.client.log_dict(self.run_id, document, path)
 
