@@ -37,10 +37,21 @@ def pytest_configure(config: pytest.Config) -> None:
         config.issue_config_time_warning(pytest.PytestConfigWarning(f"tests run on the host's network: {err}"), 2)
 
 
+LONGEST_FILES = ("test_faults.py", "test_multinode.py", "test_sweep_driver.py", "test_deploy.py", "test_lesion_qa.py")
+"""The files that take longest (4-5 min each on CI's 2 cores, `--durations` of 2026-11-29), dealt out first: two of
+them left to the end ran side by side for 5 minutes while the quick files had long finished."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The slow end-to-end tests first: pytest-xdist's workers (``-n``) start on them and share the quick ones out at
-    the end, rather than one worker finishing a long test alone while the other idles."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """The slow end-to-end tests first, the longest files first among them: pytest-xdist's workers (``-n``) start on
+    them and share the quick ones out at the end, rather than one worker finishing a long test alone while the other
+    idles."""
+
+    def order(item: pytest.Item) -> tuple[bool, int]:
+        name = item.path.name
+        return item.get_closest_marker("slow") is None, LONGEST_FILES.index(name) if name in LONGEST_FILES else 99
+
+    items.sort(key=order)
 
 
 @pytest.fixture(scope="session")

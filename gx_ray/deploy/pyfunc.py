@@ -14,6 +14,7 @@ The files are a :mod:`~gx_ray.deploy.bundle` (artifact ``bundle``); gx-ray must 
 from __future__ import annotations
 
 import json
+import logging
 import warnings
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,9 @@ def log_pyfunc(
 ) -> str:
     """Log ``bundle`` as the run's pyfunc model, register it as ``name`` and point ``alias`` at the new version; the
     version's description is the model card."""
+    # MLflow announces each step at INFO ("Inferring model signature ...", "Waiting up to 300 seconds ..."): the
+    # summary says what was registered
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
     with mlflow.start_run(run_id=run_id), warnings.catch_warnings():
         # the example's integer cells: MLflow's hint about missing integers does not apply to a manifest's text
         warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer", category=UserWarning)
