@@ -262,7 +262,7 @@ def score_records(
 # --- the whole route ------------------------------------------------------------------------------------------
 
 
-def training_inputs(shards: str, refitted: bool) -> dict[str, Any]:
+def training_inputs(shards: str) -> dict[str, Any]:
     """What a new cohort must be prepared like (from the shards' manifest), and the training patients' fingerprint
     ranges (from the cohort's QC report beside the shards, where it is)."""
     manifest = read_manifest(shards)
@@ -370,7 +370,7 @@ def finalize(options: FinalizeOptions) -> FinalizeResult:
             test = {**scores[metric], "metrics": scores}
             info = {
                 "task": config.task, "label": label, "metric": metric, "sweep_id": store.sweep_id,
-                "choice": choice, "test": test, **training_inputs(config.data.shards, refitting),
+                "choice": choice, "test": test, **training_inputs(config.data.shards),
             }  # fmt: skip
             bundle = save_bundle(store.folder / "finalized" / label / "model", members, info)
             card = model_card(choice, test, info, members)
