@@ -129,3 +129,20 @@ def test_a_sweeps_study_persists_and_shows_in_optuna_dashboard(ray_cluster, demo
     finally:
         os.killpg(dashboard.pid, 15)
         dashboard.wait(30)
+
+
+def test_a_resume_naming_another_study_is_refused_naming_it(demo_prepared, tmp_path):
+    from gx_ray.sweep.resume import ResumeError, check_resumable, record_inputs, sweep_inputs
+    from gx_ray.sweep.spaces import load_space
+
+    path = small_stage_space(tmp_path / "search.yaml", 1, [0], "a named study")
+    space, shards = load_space(str(path)), str(demo_prepared.shard_dir)
+    started = {"store": "postgresql://gx@db/optuna", "name": "lr-team"}
+    (tmp_path / "out" / "sw").mkdir(parents=True)
+    record_inputs(tmp_path / "out" / "sw", sweep_inputs(space, shards, started))
+    check_resumable(tmp_path / "out", "sw", sweep_inputs(space, shards, started))  # the same study: resumes
+    with pytest.raises(ResumeError, match='study.name: "lr-team" → "other"'):
+        check_resumable(tmp_path / "out", "sw", sweep_inputs(space, shards, {**started, "name": "other"}))
+    # resumed with the sweep's own study instead of the named one
+    with pytest.raises(ResumeError, match='study: .*lr-team.* → "<absent>"'):
+        check_resumable(tmp_path / "out", "sw", sweep_inputs(space, shards))

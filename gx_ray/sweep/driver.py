@@ -216,7 +216,7 @@ def run_sweep(options: SweepOptions) -> SweepResult:
     output = Path(options.output).resolve() / sweep_id
     state = storage.normalize(options.storage or output / "ray")  # Tune's and Train's, on storage every node reaches
     if options.resume:  # a changed space or cohort is refused before anything starts
-        check_resumable(Path(options.output), sweep_id, sweep_inputs(space, shards))
+        check_resumable(Path(options.output), sweep_id, sweep_inputs(space, shards, _named_study(options)))
     elif storage.exists(storage.join(state, sweep_id)):
         where = f"--storage {options.storage}" if options.storage else output
         raise FileExistsError(f"{where} holds this sweep already: pass --resume to continue it, or another --output")
@@ -250,7 +250,7 @@ def run_sweep(options: SweepOptions) -> SweepResult:
             timings["data_seconds"] = time.perf_counter() - started - timings["ray_seconds"]
             _check_every_node_reaches({"--data": shards, "--storage": state})
             check_shards(shards, verify=options.verify)  # a truncated or altered shard is named before any trial
-            record_inputs(output, sweep_inputs(space, shards))
+            record_inputs(output, sweep_inputs(space, shards, _named_study(options)))
             tracking_uri = options.mlflow_uri or server.uri
 
             def mlflow_ready() -> str:  # launched before Ray, the data and the GPU plan: what is left of its start
@@ -412,6 +412,12 @@ def _tune(
             file=sys.stderr,
         )
     return result
+
+
+def _named_study(options: SweepOptions) -> dict[str, str]:
+    """The study the options name (none named: the sweep's own, which its id already names)."""
+    named = {"store": options.study, "name": options.study_name}
+    return {k: v for k, v in named.items() if v}
 
 
 def optuna_search(

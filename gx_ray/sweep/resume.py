@@ -24,10 +24,11 @@ class ResumeError(ValueError):
     """``--resume`` cannot continue: nothing to resume, or the space or cohort changed since the sweep started."""
 
 
-def sweep_inputs(space: SearchSpace, shards: str) -> dict[str, Any]:
+def sweep_inputs(space: SearchSpace, shards: str, study: dict[str, str] | None = None) -> dict[str, Any]:
     """The space as it decides trials (not its description or time budget: a resumed sweep gets a budget anew), the
     SHA-256 of the cohort's shard manifest (which itself holds every shard's SHA-256 and the fingerprint's) and the
-    cohort's fingerprint, so that a changed cohort is refused naming what changed in it."""
+    cohort's fingerprint, so that a changed cohort is refused naming what changed in it; and an Optuna search's study
+    where one was named (``--study``, ``--study-name``): resumed against another, it would ask another study."""
     manifest = storage.join(shards, MANIFEST_FILE)
     present = storage.is_file(manifest)
     return {
@@ -48,6 +49,7 @@ def sweep_inputs(space: SearchSpace, shards: str) -> dict[str, Any]:
         "data": storage.normalize(shards),
         "manifest_sha256": hashlib.sha256(storage.read_bytes(manifest)).hexdigest() if present else None,
         "fingerprint": read_fingerprint(shards, json.loads(storage.read_bytes(manifest))) if present else None,
+        **({"study": study} if study else {}),
     }
 
 
