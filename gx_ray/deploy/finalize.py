@@ -39,6 +39,7 @@ from gx_ray import storage
 from gx_ray.analysis.cases import case_scorer
 from gx_ray.analysis.report import open_sweep
 from gx_ray.analysis.runs import higher_is_better, load_runs, test_records
+from gx_ray.analysis.study import two_level_bootstrap
 from gx_ray.data.prepare import QC_JSON
 from gx_ray.data.shards import read_manifest
 from gx_ray.data.splits import SPLIT_FILE
@@ -244,19 +245,18 @@ def refit_config(config: TrialConfig, select: str, best_epochs: list[float]) -> 
 def score_records(
     task: str, records: list[dict[str, Any]], metric: str, n_resamples: int = 1000, seed: int = 0
 ) -> dict[str, Any]:
-    """``metric`` on ``records`` with a 95 % percentile bootstrap interval over patients (the report's per-case
-    scorer); no interval where the task has no per-case scorer."""
+    """``metric`` on ``records`` with the report's 95 % percentile bootstrap over patients (its per-case scorer and
+    :func:`~gx_ray.analysis.study.two_level_bootstrap` for one model); no interval where the task has no scorer."""
     scorer = case_scorer(task_of(task), records, metric)
     if scorer is None:
         return {"metric": metric, "value": math.nan, "low": None, "high": None, "cases": len(records)}
     n = len(scorer.case_ids)
     value = scorer.score(np.arange(n))
-    rng = np.random.default_rng(seed)
-    draws = np.array([scorer.score(rng.integers(0, n, n)) for _ in range(n_resamples)])
-    draws = draws[np.isfinite(draws)]
-    low, high = np.percentile(draws, [2.5, 97.5]) if len(draws) else (math.nan, math.nan)
-    return {"metric": metric, "value": float(value), "low": float(low), "high": float(high), "cases": n,
-            "resamples": int(len(draws))}  # fmt: skip
+    if n < 2 or not math.isfinite(value):  # nothing to resample: too few patients, or undefined (one class's AUC)
+        return {"metric": metric, "value": float(value), "low": math.nan, "high": math.nan, "cases": n, "resamples": 0}
+    boot = two_level_bootstrap([scorer.score], None, n, n_resamples=n_resamples, seed=seed, seed_level="none")
+    return {"metric": metric, "value": float(value), "low": float(boot["ci_low"]), "high": float(boot["ci_high"]),
+            "cases": n, "resamples": int(boot["n_resamples"])}  # fmt: skip
 
 
 # --- the whole route ------------------------------------------------------------------------------------------
