@@ -24,7 +24,7 @@ from typing import Any
 import pandas as pd
 from mlflow.tracking import MlflowClient
 
-from gx_ray.analysis import plots, reference, search_views, stats, tables
+from gx_ray.analysis import pareto, plots, reference, search_views, stats, tables
 from gx_ray.analysis.appendix import appendix_markdown
 from gx_ray.analysis.cases import BootstrapJob, CaseScorer, bootstrap_jobs, case_scorer
 from gx_ray.analysis.runs import headline_metric, higher_is_better, load_runs, test_records
@@ -129,8 +129,9 @@ def write_report(
             tracking_uri, sweep_id, runs, report.significance, _shards(tracking_uri, parent_run_id),
             _trial_scorers(tracking_uri),
         )  # fmt: skip
-        summary = _summary(sweep_id, runs, report, cohort, baseline, beside) + "\n" + appendix + "\n"
-        report.files += _write_summary(folder, summary)
+        front, files = pareto.pareto_section(tracking_uri, sweep_id, parent_run_id, folder / pareto.FOLDER)
+        summary = _summary(sweep_id, runs, report, cohort, baseline, beside) + "\n" + front + "\n" + appendix + "\n"
+        report.files += files + _write_summary(folder, summary)
     if parent_run_id:
         client = MlflowClient(tracking_uri)
         client.log_artifacts(parent_run_id, str(folder), REPORT_FOLDER)

@@ -37,6 +37,7 @@ from gx_ray.data.shards import FORMAT_VERSION, MANIFEST_FILE, check_shards, read
 from gx_ray.runtime import init_ray, mlflow_retries, nodes_without
 from gx_ray.sweep.callbacks import ReportWarmUp, TrialProgress, report_modules
 from gx_ray.sweep.gpu_plan import concurrency, gpu_plan, gpu_usage
+from gx_ray.sweep.objectives import objectives, search_metric
 from gx_ray.sweep.resume import check_resumable, record_inputs, sweep_inputs
 from gx_ray.sweep.signals import signals_stop_the_sweep
 from gx_ray.sweep.spaces import SearchSpace, available_presets, load_space
@@ -316,6 +317,9 @@ def _tune(
             **{f"grid.{k}": v for k, v in space.grid.items()},
             # the report's equivalence tests read the margin(s) here
             **({"analysis.margin": json.dumps(space.analysis["margin"])} if "margin" in space.analysis else {}),
+            # the report's Pareto front reads the objectives and their directions here
+            **({"objectives": json.dumps(objectives(space.metric, task=space.fixed.get("task")))}
+               if space.multi_objective else {}),  # fmt: skip
         },
         context.provenance,
     )
@@ -329,7 +333,7 @@ def _tune(
     experiment_id = client.get_run(parent).info.experiment_id
     view = share_trials_view(client, experiment_id, context.sweep_id)  # the runs table as the links below open it
     trainable = tune.with_resources(tune.with_parameters(run_trial, context=context), context.resources)
-    metric, mode = (space.metric, ["max"] * len(space.metric)) if space.multi_objective else (METRIC, "max")
+    metric, mode = search_metric(space.metric, space.fixed.get("task"))  # costs minimised (gx_ray.sweep.objectives)
     search_alg = None
     if space.searcher == "optuna":
         search_alg = optuna_search(options, context, output, metric, mode)

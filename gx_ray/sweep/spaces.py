@@ -34,6 +34,7 @@ import yaml
 from gx_ray.data.folds import STRATA_COLUMNS, read_custom_folds
 from gx_ray.models.vlm import check_weights
 from gx_ray.schema import AUTO, TASKS
+from gx_ray.sweep.objectives import objectives
 from gx_ray.tasks import task_class
 from gx_ray.train.config import TrialConfig, valid_keys
 
@@ -250,6 +251,10 @@ def _parse(path: Path, doc: dict[str, Any], presets: tuple[str, ...]) -> SearchS
             for key in rule[part]:
                 _check_config_key(path, f"overrides[{i}].{part}", key)
     metric = doc.get("metric", "primary")
+    try:  # every objective named and directed (gx_ray.sweep.objectives)
+        objectives(metric, searcher, fixed.get("task"))
+    except ValueError as err:
+        raise SpaceError(path, "metric", str(err)) from err
     budget = doc.get("budget") or {}
     _check_keys(path, "budget", budget, ("samples", "time_s"))
     resources = doc.get("resources") or {}

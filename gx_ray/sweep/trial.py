@@ -35,6 +35,7 @@ from gx_ray.sweep.spaces import SearchSpace
 from gx_ray.tasks import task_class
 from gx_ray.tracking import ChildRun, TrialTracker, child_run, log_series, set_tags
 from gx_ray.train.config import TrialConfig
+from gx_ray.train.ledger import COSTS, Ledger
 from gx_ray.train.loop import WorkerContext, run_loop, train_loop_per_worker
 from gx_ray.train.telemetry import GpuSampler, sample_metrics, visible_gpu_uuids
 
@@ -159,6 +160,11 @@ def run_trial(params: dict[str, Any], context: SweepContext) -> None:
         tracker.log_metrics({"gpu_share": share, **({"probe_peak_gib": plan["peak_bytes"] / 2**30} if plan else {})}, 0)
     sampler = GpuSampler(visible_gpu_uuids()).start() if config.resources.use_gpu else None
     ended = False
+    # its cost: what Ray reserves for it over its wall time, going on from its earlier attempts' (gx_ray.train.ledger)
+    workers = config.resources.workers if under_torch_trainer(config) else 1
+    spent = {k: v for k, v in run.metrics.items() if k in COSTS}
+    ledger = Ledger(workers * share, workers * config.resources.cpus_per_worker, spent,
+                    started=time.time() - (time.perf_counter() - trial_started))  # fmt: skip
 
     def end_run() -> None:
         """The run's end, written before the trial's last report (a scheduler may stop the trial at it)."""
@@ -179,7 +185,8 @@ def run_trial(params: dict[str, Any], context: SweepContext) -> None:
             if cold:
                 started["process_start_seconds"] = _process_started[0]
             worker = WorkerContext(
-                rank=0, world_size=1, device=device, report=tune.report, latest_checkpoint=tune.get_checkpoint(),
+                rank=0, world_size=1, device=device, report=ledger.reporting(tune.report, tracker),
+                latest_checkpoint=tune.get_checkpoint(),
                 tracker=tracker, micro_batch=plan.get("micro_batch"), timing=started, before_final_report=end_run,
             )  # fmt: skip
             try:
@@ -191,7 +198,7 @@ def run_trial(params: dict[str, Any], context: SweepContext) -> None:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         else:
-            _fit_torch_trainer(config, context, run, trial, plan.get("micro_batch"))
+            _fit_torch_trainer(config, context, run, trial, plan.get("micro_batch"), ledger)
         end_run()
     except Exception as err:
         if not ended:
@@ -231,7 +238,7 @@ def _device_tags(config: TrialConfig) -> dict[str, str]:
 
 
 def _fit_torch_trainer(
-    config: TrialConfig, context: SweepContext, run: ChildRun, trial: Any, micro_batch: int | None
+    config: TrialConfig, context: SweepContext, run: ChildRun, trial: Any, micro_batch: int | None, ledger: Ledger
 ) -> None:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -246,6 +253,7 @@ def _fit_torch_trainer(
             "run_id": run.run_id,
             "micro_batch": micro_batch,
             "resumed": run.status is not None,
+            "ledger": ledger,
         },  # fmt: skip
         scaling_config=ScalingConfig(
             num_workers=config.resources.workers,

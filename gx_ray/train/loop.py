@@ -134,6 +134,7 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
     train_rows = split_rows(config.data.shards, "train", config.data.folds_file, config.data.fold, config.data.refit)
     task, model, layout = build_trial(config, ctx.device, train_rows)
     built = time.perf_counter() - setup_started
+    parameters = sum(p.numel() for p in model.parameters())  # every report: a search may minimise it
     micro = ctx.micro_batch or probe.micro_batch_for(config, model, task, layout, ctx.device, ctx.world_size)[0]
     accumulation = config.data.accumulation(ctx.world_size, micro)
     if ctx.tracker:
@@ -234,6 +235,7 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
             **{f"val_{k}": v for k, v in val.items()},
             "val_primary": val[task.primary_metric],
             "best_val_primary": sign * best["score"] if math.isfinite(best["score"]) else math.nan,
+            "parameters": parameters,
         }
         if ctx.tracker:
             ctx.tracker.log_metrics(metrics, step=epoch)
@@ -341,11 +343,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         if rank == 0
         else None
     )
+    ledger = loop_config.get("ledger")  # rank 0's reports reach Tune: they carry the trial's costs
     worker = WorkerContext(
         rank=rank,
         world_size=context.get_world_size(),
         device=ray.train.torch.get_device(),
-        report=ray.train.report,
+        report=ledger.reporting(ray.train.report, tracker) if ledger and rank == 0 else ray.train.report,
         latest_checkpoint=ray.train.get_checkpoint(),
         tracker=tracker,
         micro_batch=loop_config.get("micro_batch"),
