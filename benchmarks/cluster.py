@@ -24,10 +24,12 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,18 @@ WIND_DOWN_S = 25.0
 """What a sweep takes after its time budget ends (trials save their state, the report, MLflow stops): kept free of
 each sweep's budget, so that the whole run ends inside ``budget_s`` (4 x H200: a slice given the rest of a 520 s
 budget, counted from Tune's start, left the DDP phase to run past a 600 s command)."""
+
+
+RELAUNCH_S = 75.0
+"""The relaunch phase: a one-trial sweep started as a user starts one, its GPU plan cached by the slice (Ray's start,
+the MLflow server's, the trial process's and its first step)."""
+TRIAL_OVERHEAD_S = 35.0
+"""A slice trial's time outside its training steps, for sizing the slice: its process and model build, evaluation of
+the capped splits, its checkpoints (1 x H200: start-up 8-25 s, evaluation 2-10 s an epoch)."""
+PLAN_S = 45.0
+"""The slice's GPU plan, measured cold (one step of each setting, one process per GPU), for sizing the slice."""
+MIN_STEPS = 8
+"""Fewer training steps an epoch than this measure the loop's warm-up, not its rate."""
 
 
 @dataclass(frozen=True)
@@ -127,20 +141,27 @@ def _run(
     result["seconds"]["cohort"] = prepared_at - started
     cluster = {"address": config.address, "mlflow_uri": mlflow_uri}
 
-    slice_space = _space(out / "slice.yaml", config, SLICE_SCHEMAS, workers=None)
     cells = [(task, schema) for task in config.tasks for schema in SLICE_SCHEMAS]
-    result["raw"] = _phase(result, "raw", lambda: _raw_rates(shards, slice_space, cells), {})
+    raw_space = _space(out / "raw.yaml", config, SLICE_SCHEMAS, workers=None)
+    result["raw"] = _phase(result, "raw", lambda: _raw_rates(shards, raw_space, cells), {})
     sizes = [n for n in config.ddp_sizes if n <= gpus]
     ddp_budget = DDP_BUDGET_S if len(sizes) > 1 else 0.0
+    left = config.budget_s - (time.perf_counter() - started) - ddp_budget - RELAUNCH_S - WIND_DOWN_S
+    result["sized"] = size_slice(config, result["raw"], gpus, left)
+    sized = replace(config, steps_per_epoch=result["sized"]["steps_per_epoch"])
+    slice_space = _space(out / "slice.yaml", sized, tuple(result["sized"]["schemas"]), workers=None)
 
     def slice_run() -> dict[str, Any]:
-        left = config.budget_s - (time.perf_counter() - started) - ddp_budget - WIND_DOWN_S
+        left = config.budget_s - (time.perf_counter() - started) - ddp_budget - RELAUNCH_S - WIND_DOWN_S
         options = SweepOptions(str(slice_space), out / "sweeps", shards, time_budget_s=left, **cluster)
         with HostCpuSampler() as host:
             figures = _slice_figures(run_sweep(options), result["raw"], config.eval_rows)
         return {**figures, "host_cpu": host.summary()}
 
     result["slice"] = _phase(result, "slice", slice_run, {"cells": {}})
+    if config.address is None:  # a fresh command on this node, the slice's GPU plan now cached
+        schema = result["sized"]["schemas"][0]
+        result["relaunch"] = _phase(result, "relaunch", lambda: _relaunch(out, sized, shards, schema), {})
     # last: a DDP trial that Tune's time budget stops leaves its TorchTrainer's GPU workers to Ray's placement-group
     # cleaner, and a sweep after it would wait for those GPUs
     if ddp_budget:
@@ -160,6 +181,55 @@ def _run(
     result["seconds"]["total"] = time.perf_counter() - started
     (out / "cluster_benchmark.json").write_text(json.dumps(result, indent=1, default=float) + "\n", encoding="utf-8")
     return result
+
+
+def size_slice(
+    config: ClusterBenchmarkConfig, raw: dict[str, dict[str, float]], gpus: int, seconds: float
+) -> dict[str, Any]:
+    """The slice that fits ``seconds`` on ``gpus`` GPUs: both schemas where they fit, else the heaviest alone (the
+    projection reads only each task's heaviest cell); then fewer steps an epoch (down to :data:`MIN_STEPS`), so that
+    every task is measured however few the GPUs. Each trial is costed at its raw step rate, a card to itself (packing
+    only shortens it), plus :data:`TRIAL_OVERHEAD_S`; the trials are spread over the GPUs after the GPU plan."""
+
+    def seconds_of(schemas: tuple[str, ...], steps: int) -> float:
+        total = 0.0
+        for task in config.tasks:
+            for schema in schemas:
+                rate = raw.get(f"{task}/{schema}", {}).get("samples_per_s", math.nan)
+                rate = rate if math.isfinite(rate) and rate > 0 else 1.0  # unmeasured: sized as very slow
+                total += TRIAL_OVERHEAD_S + config.epochs * steps * config.effective_batch / rate
+        return PLAN_S + total / gpus
+
+    for schemas in (SLICE_SCHEMAS, SLICE_SCHEMAS[-1:]):
+        steps = config.steps_per_epoch
+        while steps > MIN_STEPS and seconds_of(schemas, steps) > seconds:
+            steps = max(MIN_STEPS, int(steps * 0.8))
+        if seconds_of(schemas, steps) <= seconds or schemas == SLICE_SCHEMAS[-1:]:
+            break
+    return {
+        "schemas": list(schemas),
+        "steps_per_epoch": steps,
+        "estimated_seconds": seconds_of(schemas, steps),
+        "seconds": seconds,
+    }
+
+
+def _relaunch(out: Path, config: ClusterBenchmarkConfig, shards: Path, schema: str) -> dict[str, Any]:
+    """Launch → first training step of ``python jobs/sweep.py`` as a user runs it again: a new process, its own Ray
+    and MLflow server, one slice cell (stage classification) whose GPU plan the slice cached."""
+    one = replace(config, tasks=("stage_classification",), epochs=1, steps_per_epoch=2)
+    space = _space(out / "relaunch.yaml", one, (schema,), workers=None)
+    folder = out / "sweeps-relaunch"
+    shutil.rmtree(folder, ignore_errors=True)
+    command = [sys.executable, str(Path(__file__).resolve().parents[1] / "jobs" / "sweep.py"), "--space", str(space),
+               "--data", str(shards), "--output", str(folder), "--address", "local"]  # fmt: skip
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, encoding="utf-8", errors="replace", timeout=300)
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"the relaunch sweep failed ({done.returncode}): {done.stderr[-2000:]}")
+    sweep = json.loads(next(folder.glob("*/sweep.json")).read_text(encoding="utf-8"))
+    return {"wall_seconds": wall, **sweep["timings_seconds"]}
 
 
 class HostCpuSampler:
@@ -577,6 +647,20 @@ def format_cluster_result(result: dict[str, Any]) -> str:
             for n in sizes
         )
         lines.append(f"DDP weak scaling (micro-batch 8 per rank): {scaling}")
+    if "sized" in result:
+        z = result["sized"]
+        lines.insert(
+            1,
+            f"slice sized to {z['seconds']:.0f} s on {result['gpus']} GPU(s): {', '.join(z['schemas'])}, "
+            f"{z['steps_per_epoch']} steps an epoch (estimated {z['estimated_seconds']:.0f} s)",
+        )
+    if r := result.get("relaunch"):
+        lines.append(
+            f"relaunch, the GPU plan cached (a new `jobs/sweep.py`, one trial): launch → first step "
+            f"{r.get('first_step_seconds', math.nan):.1f} s (Ray {r.get('ray_seconds', math.nan):.1f} s, data "
+            f"{r.get('data_seconds', math.nan):.1f} s, GPU plan {r.get('gpu_plan_seconds', math.nan):.1f} s); "
+            f"the command {r['wall_seconds']:.0f} s"
+        )
     p = result["projection"]
     hours = (
         f"{p['hours']:.2f} h ({p['hours_at_slice_efficiency']:.2f} h at the slice's scheduling efficiency "

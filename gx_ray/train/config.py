@@ -40,6 +40,9 @@ class ScheduleConfig:
     warmup_fraction: float = 0.1
     max_steps_per_epoch: int | None = None
     """Caps an epoch (smoke runs); None reads the whole training split."""
+    checkpoint_every: int = 1
+    """Epochs between the trial's checkpoints (its last epoch always checkpoints): a PBT perturbation interval or a
+    BOHB rung between two checkpoints would restore an older state, and is refused before the sweep starts."""
     select: str = "best"
     """Which model scores the test split: ``best``, the epoch with the best validation score, or ``last``, the final
     epoch's (validation still runs and is logged every epoch). Picking the best of many epochs on a few validation
@@ -67,6 +70,10 @@ class ResourcesConfig:
     the trial's model at its micro-batch decides how many trials share a GPU."""
     torch_trainer: bool = False
     """Run even a one-worker trial under a Ray Train ``TorchTrainer`` (several workers always do)."""
+    gpu_alone: bool | None = None
+    """Under ``gpus_per_worker: auto``, whether the trial gets a card to itself: None takes its task's own choice
+    (lesion detection's step waits on the GPU many times, and at the paper's size packing costs it most of its rate);
+    False packs it as any other (the demo's small models)."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +147,7 @@ class TrialConfig:
                 s.max_steps_per_epoch,
                 s.max_steps_per_epoch is None or (_integer(s.max_steps_per_epoch) and s.max_steps_per_epoch >= 1),
             ),
+            ("schedule.checkpoint_every", s.checkpoint_every, _integer(s.checkpoint_every) and s.checkpoint_every >= 1),
             ("schedule.select", s.select, s.select in SELECTIONS),
             ("seed", self.seed, _integer(self.seed) and self.seed >= 0),
             ("data.effective_batch", d.effective_batch, _integer(d.effective_batch) and d.effective_batch >= 1),
@@ -238,6 +246,7 @@ VALUE_RULES = {
     "epochs": "a whole number >= 1",
     "warmup_fraction": "a fraction in [0, 1)",
     "max_steps_per_epoch": "a whole number >= 1, or unset",
+    "checkpoint_every": "a whole number of epochs >= 1",
     "select": "best or last",
     "seed": "a whole number >= 0",
     "effective_batch": "a whole number >= 1",
