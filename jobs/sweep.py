@@ -56,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--study-name", help="the study's name (default: the sweep id); two drivers may share one")
     parser.add_argument(
+        "--replay",
+        help="train a schedule a PBT sweep of this space found again, as one trial: the number of an exploited trial "
+        "(its gx_ray.trial tag) or a pbt_policy_*.txt file",
+    )
+    parser.add_argument(
         "--demo-cases", type=int, default=SweepOptions.demo_cases, help="size of the demo cohort (without --data)"
     )
     args = parser.parse_args(argv)
@@ -73,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         verify=args.verify,
         study=args.study,
         study_name=args.study_name,
+        replay=args.replay,
     )
     try:
         result = run_sweep(options)

@@ -39,6 +39,17 @@ from gx_ray.sweep.callbacks import ReportWarmUp, TrialProgress, report_modules
 from gx_ray.sweep.gpu_plan import concurrency, gpu_plan, gpu_usage
 from gx_ray.sweep.objectives import objectives, search_metric
 from gx_ray.sweep.resume import check_resumable, record_inputs, sweep_inputs
+from gx_ray.sweep.schedulers import (
+    PAUSING,
+    check_cluster,
+    check_schedule,
+    replay_scheduler,
+    replay_sweep,
+    scheduler_for,
+    searcher_for,
+    trained_to_the_end,
+    tune_domain,
+)
 from gx_ray.sweep.signals import signals_stop_the_sweep
 from gx_ray.sweep.spaces import SearchSpace, available_presets, load_space
 from gx_ray.sweep.study import dashboard_command, driver_seed, optuna_storage, study_location
@@ -90,6 +101,9 @@ class SweepOptions:
     in the sweep's Tune state, :mod:`gx_ray.sweep.study`)."""
     study_name: str | None = None
     """The study's name (default: the sweep id); two drivers given the same store and name search one study."""
+    replay: str | None = None
+    """A PBT schedule to train again as one trial: a ``pbt_policy_*.txt`` file, or the number of an exploited trial of
+    this space's sweep (:func:`~gx_ray.sweep.schedulers.replay_sweep`)."""
 
 
 @dataclass
@@ -189,15 +203,7 @@ def _budget_left(budget_s: float | None, launched_at: float) -> float | None:
 
 def _param_space(space: SearchSpace) -> dict[str, Any]:
     params: dict[str, Any] = {key: tune.grid_search(values) for key, values in space.grid.items()}
-    for key, spec in space.sample.items():
-        kind = spec["type"]
-        params[key] = {
-            "uniform": lambda s: tune.uniform(s["low"], s["high"]),
-            "loguniform": lambda s: tune.loguniform(float(s["low"]), float(s["high"])),
-            "int": lambda s: tune.randint(int(s["low"]), int(s["high"]) + 1),
-            "categorical": lambda s: tune.choice(s["choices"]),
-        }[kind](spec)
-    return params
+    return {**params, **{key: tune_domain(spec) for key, spec in space.sample.items()}}
 
 
 def run_sweep(options: SweepOptions) -> SweepResult:
@@ -212,8 +218,13 @@ def run_sweep(options: SweepOptions) -> SweepResult:
     if options.data is None and "demo" not in presets and "demo" in available_presets(options.space):
         presets = ("demo", *presets)
     space = load_space(options.space, presets)  # a malformed space fails here, before Ray starts
+    check_schedule(space)  # a PBT interval or BOHB rung between two checkpoints is refused here
     shards = _shard_path(options)
     sweep_id = _sweep_id(space, shards)
+    if options.replay:  # the schedule a PBT sweep found, trained again as a sweep of its own
+        found = storage.normalize(options.storage or Path(options.output).resolve() / sweep_id / "ray")
+        space, sweep_id, policy = replay_sweep(space, sweep_id, options.replay, storage.join(found, sweep_id))
+        options = replace(options, replay=str(policy))
     output = Path(options.output).resolve() / sweep_id
     state = storage.normalize(options.storage or output / "ray")  # Tune's and Train's, on storage every node reaches
     if options.resume:  # a changed space or cohort is refused before anything starts
@@ -334,16 +345,19 @@ def _tune(
     view = share_trials_view(client, experiment_id, context.sweep_id)  # the runs table as the links below open it
     trainable = tune.with_resources(tune.with_parameters(run_trial, context=context), context.resources)
     metric, mode = search_metric(space.metric, space.fixed.get("task"))  # costs minimised (gx_ray.sweep.objectives)
-    search_alg = None
+    seed = driver_seed(options.study_name or context.sweep_id, output)
     if space.searcher == "optuna":
         search_alg = optuna_search(options, context, output, metric, mode)
-    scheduler = None
-    if space.scheduler == "asha":  # stops on the primary metric, also when Optuna searches several objectives
-        scheduler = tune.schedulers.ASHAScheduler(
-            time_attr="epoch", metric=METRIC, mode="max", grace_period=1, reduction_factor=2
-        )
+    else:
+        search_alg = searcher_for(space, seed)  # gx_ray.sweep.schedulers: BOHB's, or none (grid, random)
+    scheduler = scheduler_for(space)
+    param_space = _param_space(space)
+    if options.replay:  # one trial, its config changed at the epochs the policy found
+        scheduler, param_space = replay_scheduler(Path(options.replay))[0], {}
     at_once = concurrency(context, options.max_concurrent)
     timings["concurrency"] = at_once
+    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+    check_cluster(space, at_once, nodes, context.resources(space.cells()[0]))  # a trial must fit; BOHB's brackets
     tune_config = tune.TuneConfig(
         # the searcher and the scheduler carry their own metric; Tune refuses it given twice
         metric=None if search_alg or scheduler else metric,
@@ -361,9 +375,13 @@ def _tune(
         name=context.sweep_id,
         storage_path=context.storage_path,
         failure_config=tune.FailureConfig(max_failures=1),  # a trial that fails twice is reported, not fatal
+        # PBT keeps every checkpoint: a donor's may be restored after the donor has trained on (a trial paused
+        # while others run), and Tune's own retention (the latest and the best) could have deleted it by then
         checkpoint_config=tune.CheckpointConfig(
-            num_to_keep=2, checkpoint_score_attribute=METRIC, checkpoint_score_order="max"
-        ),
+            num_to_keep=None if space.scheduler == "pbt" else 2, checkpoint_score_attribute=METRIC,
+            checkpoint_score_order="max",
+        ),  # fmt: skip
+        stop=trained_to_the_end if space.scheduler in PAUSING or options.replay else None,
         verbose=0,
         callbacks=[TrialProgress(space.trial_count()), ReportWarmUp(report_modules(space))],
     )
@@ -375,10 +393,10 @@ def _tune(
             resume_unfinished=True,
             resume_errored=False,
             restart_errored=True,
-            param_space=_param_space(space),
+            param_space=param_space,
         )
     else:
-        tuner = tune.Tuner(trainable, param_space=_param_space(space), tune_config=tune_config, run_config=run_config)
+        tuner = tune.Tuner(trainable, param_space=param_space, tune_config=tune_config, run_config=run_config)
     print(
         f"sweep {context.sweep_id}: {space.trial_count()} trials, {at_once} at a time\n"
         f"watch the runs:  {runs_table_url(tracking_uri, experiment_id, view)}",

@@ -44,6 +44,7 @@ def sweep_inputs(space: SearchSpace, shards: str, study: dict[str, str] | None =
             "metric": space.metric,
             "samples": space.samples,
             "resources": space.resource_keys(),
+            **({space.scheduler: space.scheduler_options} if space.scheduler_options else {}),
             **({"cv": space.cv} if space.cv else {}),
         },
         "data": storage.normalize(shards),

@@ -6,8 +6,10 @@ A space file is data::
     fixed:    {dotted.key: value}                  # every trial
     grid:     {dotted.key: [values]}               # Tune's grid: every combination (seeds are an axis)
     sample:   {dotted.key: {type: loguniform, low: 1e-5, high: 1e-3}}   # Optuna samples these
-    searcher: grid | optuna                        # optuna: TPE, multi-objective when `metric` lists several
-    scheduler: none | asha
+    searcher: grid | random | optuna | bohb        # optuna: TPE, multi-objective when `metric` lists several
+    scheduler: none | asha | pbt | bohb            # pbt: with searcher random; bohb: with searcher bohb
+    pbt:      {interval: 2, quantile: 0.25, resample_probability: 0.25}   # gx_ray.sweep.schedulers
+    bohb:     {reduction_factor: 3}
     metric:   primary | <metric name> | [names]    # per task: its primary metric unless named
     budget:   {samples: 1, time_s: null}           # samples per grid cell (grid) or in total (optuna)
     resources: {workers: 1, cpus_per_worker: 1, gpus_per_worker: 0}
@@ -52,6 +54,8 @@ TOP_LEVEL_KEYS = (
     "resources",
     "cv",
     "analysis",
+    "pbt",
+    "bohb",
     "presets",
 )
 CV_KEYS = ("folds", "stratify", "seed", "file")
@@ -61,8 +65,11 @@ gx-ray's or nnU-Net's ``splits_final.json``). It adds the grid axis ``data.fold`
 ANALYSIS_KEYS = ("margin",)
 """``analysis``: how the report reads the sweep; ``margin``: the equivalence margin in the primary metric's units,
 one number or one per task, against which "removing input X does not hurt" is tested."""
-SEARCHERS = ("grid", "optuna")
-SCHEDULERS = ("none", "asha")
+SEARCHERS = ("grid", "random", "optuna", "bohb")
+SCHEDULERS = ("none", "asha", "pbt", "bohb")
+SCHEDULER_OPTIONS = {"pbt": {"interval": 2, "quantile": 0.25, "resample_probability": 0.25},
+                     "bohb": {"reduction_factor": 3}}  # fmt: skip
+"""The ``pbt`` and ``bohb`` sections and their defaults (:mod:`gx_ray.sweep.schedulers` reads them)."""
 DISTRIBUTIONS = {
     "uniform": ("low", "high"),
     "loguniform": ("low", "high"),
@@ -100,6 +107,8 @@ class SearchSpace:
     """The ``cv`` section (empty: no cross-validation): folds, stratify, seed or file."""
     analysis: dict[str, Any] = field(default_factory=dict)
     """The ``analysis`` section: the equivalence margin(s)."""
+    scheduler_options: dict[str, Any] = field(default_factory=dict)
+    """The ``pbt`` or ``bohb`` section of the space's scheduler, its defaults filled in (empty for the others)."""
 
     def resolve(self, chosen: dict[str, Any]) -> dict[str, Any]:
         """A trial's flat config: what the ``resources`` section says, the fixed values (which may refine it), the
@@ -130,7 +139,7 @@ class SearchSpace:
         return [dict(zip(keys, values, strict=True)) for values in itertools.product(*self.grid.values())]
 
     def trial_count(self) -> int:
-        return len(self.cells()) * self.samples if self.searcher == "grid" else self.samples
+        return len(self.cells()) * self.samples if self.searcher in ("grid", "random") else self.samples
 
 
 def space_path(name_or_path: str) -> Path:
@@ -229,7 +238,10 @@ def _parse(path: Path, doc: dict[str, Any], presets: tuple[str, ...]) -> SearchS
     if scheduler not in SCHEDULERS:
         raise SpaceError(path, "scheduler", f"unknown scheduler {scheduler!r}; valid: {', '.join(SCHEDULERS)}")
     if searcher == "grid" and sample:
-        raise SpaceError(path, "sample", "sampled parameters need searcher: optuna")
+        raise SpaceError(path, "sample", "sampled parameters need searcher: random, optuna or bohb")
+    if searcher == "bohb" and grid:
+        raise SpaceError(path, "grid", "searcher bohb takes no grid axes: put them in `sample` as categorical")
+    scheduler_options = _scheduler_options(path, doc, searcher, scheduler, sample)
     if searcher == "optuna" and grid:
         # OptunaSearch cannot take Tune's grid_search; factorial axes belong to a grid space
         raise SpaceError(path, "grid", "searcher optuna takes no grid axes: put them in `sample` as categorical")
@@ -298,7 +310,52 @@ def _parse(path: Path, doc: dict[str, Any], presets: tuple[str, ...]) -> SearchS
         presets_applied=tuple(presets),
         cv=cv,
         analysis=analysis,
+        scheduler_options=scheduler_options,
     )
+
+
+def _scheduler_options(path: Path, doc: dict[str, Any], searcher: str, scheduler: str, sample: dict) -> dict:
+    """The ``pbt``/``bohb`` section of the space's scheduler, checked and completed; the pairs Tune can run."""
+    if (searcher == "bohb") != (scheduler == "bohb"):
+        raise SpaceError(
+            path, "scheduler" if searcher == "bohb" else "searcher",
+            "BOHB is a searcher and a scheduler together (TuneBOHB + HyperBandForBOHB): give searcher: bohb and "
+            "scheduler: bohb",
+        )  # fmt: skip
+    if scheduler == "pbt" and searcher != "random":
+        raise SpaceError(
+            path, "searcher", f"scheduler pbt draws its first population from `sample` at random and then searches by "
+            f"exploiting and mutating: give searcher: random (not {searcher})",
+        )  # fmt: skip
+    if scheduler in SCHEDULER_OPTIONS and not sample:
+        raise SpaceError(path, "sample", f"scheduler {scheduler} searches the `sample` distributions: give some")
+    for name in SCHEDULER_OPTIONS:
+        if doc.get(name) is not None and name != scheduler:
+            raise SpaceError(path, name, f"a {name} section needs scheduler: {name} (this space's: {scheduler})")
+    if scheduler not in SCHEDULER_OPTIONS:
+        return {}
+    section = doc.get(scheduler) or {}
+    _check_keys(path, scheduler, section, tuple(SCHEDULER_OPTIONS[scheduler]))
+    options = {**SCHEDULER_OPTIONS[scheduler], **section}
+    rules = {
+        "interval": (lambda v: _whole(v) and v >= 1, "a whole number of epochs >= 1"),
+        "quantile": (lambda v: _number(v) and 0 < v <= 0.5, "a fraction in (0, 0.5]"),
+        "resample_probability": (lambda v: _number(v) and 0 <= v <= 1, "a probability in [0, 1]"),
+        "reduction_factor": (lambda v: _whole(v) and v >= 2, "a whole number >= 2"),
+    }
+    for key, value in options.items():
+        valid, what = rules[key]
+        if not valid(value):
+            raise SpaceError(path, f"{scheduler}.{key}", f"{value!r}: {what}")
+    return options
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _plugin_names(fixed: dict, grid: dict, sample: dict) -> list[str]:

@@ -31,6 +31,7 @@ from ray import tune
 
 from gx_ray.runtime import quiet_data_context
 from gx_ray.schema import AUTO
+from gx_ray.sweep.schedulers import restore_record
 from gx_ray.sweep.spaces import SearchSpace
 from gx_ray.tasks import task_class
 from gx_ray.tracking import ChildRun, TrialTracker, child_run, log_series, set_tags
@@ -188,6 +189,7 @@ def run_trial(params: dict[str, Any], context: SweepContext) -> None:
                 rank=0, world_size=1, device=device, report=ledger.reporting(tune.report, tracker),
                 latest_checkpoint=tune.get_checkpoint(),
                 tracker=tracker, micro_batch=plan.get("micro_batch"), timing=started, before_final_report=end_run,
+                on_restore=lambda restored: record_restore(tracker, config, trial, restored),
             )  # fmt: skip
             try:
                 run_loop(config, worker)
@@ -207,6 +209,22 @@ def run_trial(params: dict[str, Any], context: SweepContext) -> None:
         client.log_text(run_id, traceback.format_exc(), "error.txt")
         client.set_terminated(run_id, "FAILED")
         raise
+
+
+def record_restore(tracker: TrialTracker, config: TrialConfig, trial: Any, restored: dict[str, Any]) -> None:
+    """A trial restored from another trial's checkpoint (a PBT exploit) or with a changed config (a mutation, a
+    replayed schedule) says so on its run, whose params keep the values it started with: the artifact
+    ``schedule/epoch-NNNN.json`` (donor, epochs, values changed, the restored weights' SHA-256), each changed number
+    as the metric ``schedule.<key>`` at the first epoch it trains, and the tag ``gx_ray.exploits`` counting them."""
+    record = restore_record(restored, config.to_flat(), trial.get_trial_id(), trial.get_trial_dir())
+    if record is None:  # a retried or resumed trial, going on from its own checkpoint
+        return
+    tracker.client.log_dict(tracker.run_id, record, f"schedule/epoch-{record['epoch']:04d}.json")
+    numbers = {f"schedule.{key}": new for key, (_, new) in record["changed"].items()
+               if isinstance(new, int | float) and not isinstance(new, bool)}  # fmt: skip
+    tracker.log_metrics(numbers, step=record["epoch"])
+    exploits = tracker.client.list_artifacts(tracker.run_id, "schedule")
+    tracker.set_tags({"gx_ray.exploits": str(len(exploits)), "gx_ray.donor": record["donor_trial"] or "itself"})
 
 
 def _params(config: TrialConfig) -> dict[str, Any]:

@@ -16,6 +16,7 @@ for unused parameters only when a measured step found some.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import random
@@ -42,6 +43,8 @@ from gx_ray.train.build import autocast, build_trial, loss_function
 from gx_ray.train.config import TrialConfig
 
 CHECKPOINT_FILE = "state.pt"
+CONFIG_FILE = "config.json"
+"""Beside a checkpoint's state: the flat config that trained it (a trial restored from it compares its own)."""
 
 
 @dataclass(kw_only=True)
@@ -65,6 +68,10 @@ class WorkerContext:
     """Called once the test split is scored, just before the last report: a scheduler that stops the trial at that
     report (ASHA stops every trial that reaches its last epoch) ends the trial there, so the run's own end (its
     status, GPU telemetry) must be written first."""
+    on_restore: Callable[[dict[str, Any]], None] | None = None
+    """Called once ``latest_checkpoint`` is restored, with what was restored: ``epoch`` (the checkpoint's),
+    ``weights_sha256`` (of the weights now in the model), ``config`` (the flat config that wrote it) and ``path``.
+    A trial restored from another trial's checkpoint (a PBT exploit) records it from here."""
 
 
 def seed_everything(seed: int) -> None:
@@ -163,14 +170,22 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
         with ctx.latest_checkpoint.as_directory() as folder:
             # tensors and plain data only: a checkpoint on shared storage is not a program anyone may plant
             state = torch.load(Path(folder) / CHECKPOINT_FILE, map_location="cpu", weights_only=True)
+            config_file = Path(folder) / CONFIG_FILE
+            written_by = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
         model.load_state_dict(state["model"])
         optimiser.load_state_dict(state["optimiser"])
         scheduler.load_state_dict(state["scheduler"])
+        # the optimiser's state holds the learning rates it was saved with: a config changed since (a PBT exploit's
+        # mutation, a replayed schedule) takes effect from here, the schedule's shape kept
+        apply_optimiser_settings(config, model, optimiser, scheduler)
         start_epoch, best = state["epoch"] + 1, state["best"]
         if "random" in state:
             restore_random_state(state["random"])
         if ctx.tracker:  # a retried trial (its node lost, say) goes on from here: the run tells where it resumed
             ctx.tracker.log_metrics({"resumed_from_epoch": start_epoch}, step=start_epoch)
+        if ctx.on_restore:
+            restored = {"epoch": state["epoch"], "weights_sha256": weights_sha256(model.state_dict())}
+            ctx.on_restore({**restored, "config": written_by, "path": str(ctx.latest_checkpoint.path)})
     train.prefetch(start_epoch)  # reads start while DDP is set up
     train_model, no_sync = model, None
     if ctx.world_size > 1:  # Ray Train has set up the process group
@@ -269,8 +284,41 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
                 ctx.before_final_report()
         else:
             timing["train_seconds"] += time.perf_counter() - started
-        _report(ctx, metrics, model, optimiser, scheduler, epoch, best)
+        last = epoch == config.schedule.epochs - 1
+        saved = last or (epoch + 1) % config.schedule.checkpoint_every == 0
+        _report(ctx, metrics, model, optimiser, scheduler, epoch, best, config if saved else None)
     return metrics
+
+
+def weights_sha256(state_dict: dict[str, torch.Tensor]) -> str:
+    """The SHA-256 of a model's weights: every tensor's name, dtype, shape and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(state_dict):
+        tensor = state_dict[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def apply_optimiser_settings(config: TrialConfig, model: TaskModel, optimiser, scheduler) -> None:
+    """Give a restored optimiser the config's learning rates and weight decay: each group's base rate becomes the
+    config's, its current rate scaled by the same factor (where warm-up or decay has brought it), so that the
+    schedule goes on in its shape. A config unchanged since the checkpoint leaves every number as it was."""
+    o = config.optimiser
+    wanted = param_groups(model, o.lr, o.weight_decay, o.text_lr_multiplier)
+    schedulers = [scheduler, *getattr(scheduler, "_schedulers", [])]
+    for i, (group, new) in enumerate(zip(optimiser.param_groups, wanted, strict=True)):
+        group["weight_decay"] = new["weight_decay"]
+        if new["lr"] == group["initial_lr"]:
+            continue
+        ratio = new["lr"] / group["initial_lr"]
+        group["lr"] *= ratio
+        group["initial_lr"] = new["lr"]
+        for each in schedulers:  # SequentialLR keeps no base rates of its own, its parts do
+            if hasattr(each, "base_lrs"):
+                each.base_lrs[i] = new["lr"]
+            if getattr(each, "_last_lr", None):  # (SequentialLR's list may be its part's: set, not scaled)
+                each._last_lr[i] = group["lr"]
 
 
 def optimiser_steps(rows: int, micro: int, accumulation: int, config: TrialConfig) -> int:
@@ -304,15 +352,18 @@ def _ddp(model: TaskModel, task: Any, config: TrialConfig, ctx: WorkerContext, b
     )
 
 
-def _report(ctx: WorkerContext, metrics: dict, model, optimiser, scheduler, epoch: int, best: dict) -> None:
-    """Report the epoch with a checkpoint holding the latest state and the best weights so far."""
+def _report(
+    ctx: WorkerContext, metrics: dict, model, optimiser, scheduler, epoch: int, best: dict, config: TrialConfig | None
+) -> None:
+    """Report the epoch with a checkpoint holding the latest state, the best weights so far and the config that
+    trained them; without ``config`` (between ``schedule.checkpoint_every`` epochs), the metrics alone."""
     # each reporter takes its own library's Checkpoint (Tune warns on Train's, every epoch of every trial)
     if ctx.report.__module__.startswith("ray.tune"):
         from ray.tune import Checkpoint
     else:
         from ray.train import Checkpoint
 
-    if ctx.rank != 0:
+    if ctx.rank != 0 or config is None:
         ctx.report(metrics, checkpoint=None)
         return
     with tempfile.TemporaryDirectory() as folder:
@@ -326,6 +377,7 @@ def _report(ctx: WorkerContext, metrics: dict, model, optimiser, scheduler, epoc
         }
         torch.save(state, Path(folder) / CHECKPOINT_FILE)
         (Path(folder) / "metrics.json").write_text(json.dumps(metrics, default=float), encoding="utf-8")
+        (Path(folder) / CONFIG_FILE).write_text(json.dumps(config.to_flat(), default=str), encoding="utf-8")
         ctx.report(metrics, checkpoint=Checkpoint.from_directory(folder))
 
 
