@@ -3,10 +3,11 @@ from there on another node.
 
 Two halves, joined by Ray's own drain state (the GCS's, which the autoscaler and ``ray drain-node`` set):
 
-- **the node's watcher** (``python -m gx_ray.preemption ray start --block ...``, what the cluster recipes start on
-  each worker node) runs the node; on SIGTERM it drains the node with reason *preemption* and a deadline
-  (``--grace``): Ray places no new work there, and a drained node's raylet exits by itself once its last task ends.
-  The watcher waits for that, or for the deadline, then stops the node.
+- **the node's watcher** (``python -m gx_ray.preemption ray start --block ...``) runs the node; on SIGTERM it drains
+  the node with reason *preemption* and a deadline (``--grace``): Ray places no new work there, and a drained node's
+  raylet exits by itself once its last task ends. The watcher waits for that, or for the deadline, then stops the
+  node. Where something else starts the node (KubeRay), ``python -m gx_ray.preemption --here`` drains the host's
+  node and waits the same way: the worker pods' ``preStop`` hook.
 - **the trial** (:class:`DrainWatch`, polled by the training loop between optimiser steps) sees its node draining,
   writes a checkpoint of where it is within the epoch, reports it and raises :class:`NodePreempted`. Tune treats
   that as a preempted actor (not one of the trial's ``max_failures``) and restarts the trial from that checkpoint
@@ -82,16 +83,40 @@ class DrainWatch:
                     return
 
 
-def _node_id(command: subprocess.Popen) -> tuple[str, str] | None:
-    """The node id and GCS address of the node ``command`` (``ray start --block``) started, read from its raylet's
-    command line (several nodes of one host are told apart by it); None until the raylet is up."""
-    with contextlib.suppress(psutil.Error):
-        for child in psutil.Process(command.pid).children(recursive=True):
-            if child.name() == "raylet":
-                flags = dict(a[2:].split("=", 1) for a in child.cmdline() if a.startswith("--") and "=" in a)
+def _raylets(processes: list[psutil.Process]) -> list[tuple[str, str, psutil.Process]]:
+    """The node id and GCS address of each raylet among ``processes``, read from its command line (several nodes of
+    one host are told apart by it)."""
+    found = []
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            if process.name() == "raylet":
+                flags = dict(a[2:].split("=", 1) for a in process.cmdline() if a.startswith("--") and "=" in a)
                 if "node_id" in flags and "gcs-address" in flags:
-                    return flags["node_id"], flags["gcs-address"]
+                    found.append((flags["node_id"], flags["gcs-address"], process))
+    return found
+
+
+def _node_id(command: subprocess.Popen) -> tuple[str, str] | None:
+    """The node id and GCS address of the node ``command`` (``ray start --block``) started; None until it is up."""
+    with contextlib.suppress(psutil.Error):
+        for node_id, gcs, _ in _raylets(psutil.Process(command.pid).children(recursive=True)):
+            return node_id, gcs
     return None
+
+
+def drain_here(grace_s: float) -> int:
+    """Drain the one Ray node of this host (a Kubernetes pod's ``preStop``) and wait, at most ``grace_s``, for its
+    raylet to exit: it does once its trials have checkpointed and left."""
+    raylets = _raylets(list(psutil.process_iter()))
+    if len(raylets) != 1:
+        print(f"gx-ray watcher: {len(raylets)} Ray nodes on this host, not one: nothing drained", file=sys.stderr)
+        return 1
+    node_id, gcs, raylet = raylets[0]
+    if not drain(node_id, gcs, grace_s, "the node is being preempted"):
+        return 1
+    with contextlib.suppress(psutil.TimeoutExpired):
+        raylet.wait(timeout=grace_s)
+    return 0
 
 
 def drain(node_id: str, gcs_address: str, grace_s: float, message: str) -> bool:
@@ -137,11 +162,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Run a Ray worker node (ray start --block ...); on SIGTERM drain it for preemption, so that its "
         "trials checkpoint and move, then stop it.",
-        usage="python -m gx_ray.preemption [--grace S] ray start --block --address=HEAD:6379 ...",
+        usage="python -m gx_ray.preemption [--grace S] ray start --block --address=HEAD:6379 ...\n"
+        "       python -m gx_ray.preemption --here [--grace S]",
     )
     parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, help="seconds the node may keep running")
+    parser.add_argument(
+        "--here", action="store_true", help="drain the Ray node running on this host now and wait (a preStop hook)"
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the node's command: ray start --block ...")
     args = parser.parse_args(argv)
+    if args.here:
+        return drain_here(args.grace)
     if args.command[:1] == ["--"]:
         args.command = args.command[1:]
     if not args.command or "--block" not in args.command:

@@ -340,7 +340,9 @@ def test_rayjob_runs_the_sweep_on_a_shared_volume(parse_sweep):
         for container in pod["containers"]:
             images.add(container["image"])
             assert "ray stop" in " ".join(container["lifecycle"]["preStop"]["exec"]["command"]), name
-            if name != "head":
+            if name != "head":  # a worker pod evicted (a spot node's notice) drains its node first, in its grace
+                assert "gx_ray.preemption --here" in " ".join(container["lifecycle"]["preStop"]["exec"]["command"])
+                assert pod["terminationGracePeriodSeconds"] > 100
                 gpus = container["resources"]["limits"]["nvidia.com/gpu"]
                 assert int(gpus) >= 1 and container["resources"]["requests"]["nvidia.com/gpu"] == gpus
         if name != "head":

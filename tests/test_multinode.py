@@ -63,11 +63,12 @@ class RayNodes:
     def folder(self, name: str) -> Path:
         return self.root / name
 
-    def start(self, name: str, cpus: int, head: bool = False, ip: str = "127.0.0.1") -> None:
+    def start(self, name: str, cpus: int, head: bool = False, ip: str = "127.0.0.1", under: tuple = ()) -> None:
+        """``under``: a command the node runs under (the preemption watcher, ``python -m gx_ray.preemption``)."""
         folder = self.folder(name)
         (folder / "home").mkdir(parents=True, exist_ok=True)
         command = [
-            "ray", "start", "--block", f"--num-cpus={cpus}", "--num-gpus=0", f"--temp-dir={folder / 'tmp'}",
+            *under, "ray", "start", "--block", f"--num-cpus={cpus}", "--num-gpus=0", f"--temp-dir={folder / 'tmp'}",
             "--disable-usage-stats", f"--resources={json.dumps({f'gx_node_{name}': 1})}", f"--node-ip-address={ip}",
         ]  # fmt: skip
         command += (

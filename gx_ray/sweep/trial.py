@@ -29,6 +29,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from ray import tune
 
+from gx_ray.preemption import DrainWatch, NodePreempted
 from gx_ray.runtime import quiet_data_context
 from gx_ray.schema import AUTO
 from gx_ray.sweep.schedulers import restore_record
@@ -190,11 +191,13 @@ def run_trial(params: dict[str, Any], context: SweepContext) -> None:
                 latest_checkpoint=tune.get_checkpoint(),
                 tracker=tracker, micro_batch=plan.get("micro_batch"), timing=started, before_final_report=end_run,
                 on_restore=lambda restored: record_restore(tracker, config, trial, restored),
+                drain=DrainWatch().start(),
             )  # fmt: skip
             try:
                 run_loop(config, worker)
             finally:  # Tune reuses this process for the next trial: give back what this one's CUDA cache holds, so that
                 # the next one's memory telemetry is its own (a VLM's VQA trial left 129 GiB to a 29 GiB trial after it)
+                worker.drain.stop()
                 del worker
                 gc.collect()
                 if device.type == "cuda":
@@ -202,6 +205,8 @@ def run_trial(params: dict[str, Any], context: SweepContext) -> None:
         else:
             _fit_torch_trainer(config, context, run, trial, plan.get("micro_batch"), ledger)
         end_run()
+    except NodePreempted:  # checkpointed where it was: Tune goes on from there on another node, in this same run
+        raise
     except Exception as err:
         if not ended:
             _log_gpu(tracker, sampler)

@@ -72,6 +72,9 @@ class WorkerContext:
     """Called once ``latest_checkpoint`` is restored, with what was restored: ``epoch`` (the checkpoint's),
     ``weights_sha256`` (of the weights now in the model), ``config`` (the flat config that wrote it) and ``path``.
     A trial restored from another trial's checkpoint (a PBT exploit) records it from here."""
+    drain: Any = None
+    """A :class:`~gx_ray.preemption.DrainWatch` of the trial's node, or None: seen draining between two optimiser
+    steps, the loop checkpoints where it is within the epoch and raises :class:`~gx_ray.preemption.NodePreempted`."""
 
 
 def seed_everything(seed: int) -> None:
@@ -166,6 +169,7 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
     total_steps = max(1, sum(steps.values()))
     scheduler = linear_warmup_decay(optimiser, math.ceil(config.schedule.warmup_fraction * total_steps), total_steps)
     start_epoch, best = 0, {"score": -math.inf, "epoch": -1, "state": None}
+    partial = None  # the steps of an epoch a preempted node interrupted (gx_ray.preemption)
     if ctx.latest_checkpoint is not None:
         with ctx.latest_checkpoint.as_directory() as folder:
             # tensors and plain data only: a checkpoint on shared storage is not a program anyone may plant
@@ -179,6 +183,8 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
         # mutation, a replayed schedule) takes effect from here, the schedule's shape kept
         apply_optimiser_settings(config, model, optimiser, scheduler)
         start_epoch, best = state["epoch"] + 1, state["best"]
+        if partial := state.get("partial"):
+            start_epoch = partial["epoch"]
         if "random" in state:
             restore_random_state(state["random"])
         if ctx.tracker:  # a retried trial (its node lost, say) goes on from here: the run tells where it resumed
@@ -210,7 +216,15 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
         loss_sum, micro_steps, samples = torch.zeros((), device=ctx.device), 0, 0
         group: list[dict] = []
         rates: list[float] = []  # the learning rate of each optimiser step (warm-up, then linear decay)
+        skip = 0
+        if partial and partial["epoch"] == epoch:  # resumed within the epoch: its steps so far are not taken again
+            loss_sum += partial["loss_sum"]
+            micro_steps, samples, rates = partial["micro_steps"], partial["samples"], partial["rates"]
+            skip = micro_steps
         for batch in train.batches(epoch):
+            if skip:  # the same seeded order: these batches are in the checkpoint's weights already
+                skip -= 1
+                continue
             group.append(batch)
             if len(group) < accumulation:
                 continue
@@ -221,6 +235,10 @@ def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
             rates.append(scheduler.get_last_lr()[0])
             _optimiser_step(model, optimiser, scheduler, config)
             timing.setdefault("first_step_at", time.time())  # wall clock: the sweep measures launch → first step
+            if ctx.drain is not None and ctx.drain.draining:  # the node is going: checkpoint here, go on elsewhere
+                at = {"epoch": epoch, "micro_steps": micro_steps, "samples": samples, "rates": rates,
+                      "loss_sum": float(loss_sum)}  # fmt: skip
+                _preempted(ctx, metrics, model, optimiser, scheduler, best, config, at)
             if micro_steps >= steps[epoch] * accumulation:
                 break
         if group and steps[epoch] == 0:  # fewer rows than one effective batch (tiny cohorts, one rank): step anyway
@@ -352,9 +370,21 @@ def _ddp(model: TaskModel, task: Any, config: TrialConfig, ctx: WorkerContext, b
     )
 
 
+def _preempted(ctx: WorkerContext, metrics: dict, model, optimiser, scheduler, best: dict, config, at: dict) -> None:
+    """Checkpoint the trial where it is within epoch ``at["epoch"]`` (reported with the last whole epoch's metrics,
+    marked ``preempted``) and end this attempt: Tune restarts the trial from here on a node that is not draining."""
+    from gx_ray.preemption import NodePreempted
+
+    reported = {**metrics, "val_primary": metrics.get("val_primary", math.nan), "preempted": 1.0}
+    _report(ctx, reported, model, optimiser, scheduler, at["epoch"] - 1, best, config, partial=at)
+    raise NodePreempted(f"node {ctx.drain.node_id} is draining: checkpointed at step {len(at['rates'])} of epoch "
+                        f"{at['epoch']}, to go on elsewhere")  # fmt: skip
+
+
 def _report(
-    ctx: WorkerContext, metrics: dict, model, optimiser, scheduler, epoch: int, best: dict, config: TrialConfig | None
-) -> None:
+    ctx: WorkerContext, metrics: dict, model, optimiser, scheduler, epoch: int, best: dict, config: TrialConfig | None,
+    partial: dict | None = None,
+) -> None:  # fmt: skip
     """Report the epoch with a checkpoint holding the latest state, the best weights so far and the config that
     trained them; without ``config`` (between ``schedule.checkpoint_every`` epochs), the metrics alone."""
     # each reporter takes its own library's Checkpoint (Tune warns on Train's, every epoch of every trial)
@@ -374,6 +404,7 @@ def _report(
             "epoch": epoch,
             "best": best,
             "random": random_state(),  # a retried trial goes on drawing where this one stopped
+            **({"partial": partial} if partial else {}),
         }
         torch.save(state, Path(folder) / CHECKPOINT_FILE)
         (Path(folder) / "metrics.json").write_text(json.dumps(metrics, default=float), encoding="utf-8")
