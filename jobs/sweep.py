@@ -20,6 +20,7 @@ from gx_ray.runtime import tolerant_console
 from gx_ray.storage import UnreachableStorageError
 from gx_ray.sweep.driver import SweepOptions, run_sweep
 from gx_ray.sweep.resume import ResumeError
+from gx_ray.sweep.share import SweepAlreadyRunning, sweep_name, weight
 from gx_ray.sweep.spaces import SpaceError
 from gx_ray.tracking import UnreachableTrackingError
 
@@ -56,6 +57,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--study-name", help="the study's name (default: the sweep id); two drivers may share one")
     parser.add_argument(
+        "--share",
+        type=weight,
+        nargs="?",
+        const=1.0,
+        metavar="W",
+        help="share the cluster's CPUs and GPUs with the other sweeps given --share, by weight W (default 1)",
+    )
+    parser.add_argument(
+        "--name", type=sweep_name, help="appended to the sweep id: another sweep of the same space and cohort"
+    )
+    parser.add_argument(
         "--replay",
         help="train a schedule a PBT sweep of this space found again, as one trial: the number of an exploited trial "
         "(its gx_ray.trial tag) or a pbt_policy_*.txt file",
@@ -78,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         verify=args.verify,
         study=args.study,
         study_name=args.study_name,
+        share=args.share,
+        name=args.name,
         replay=args.replay,
     )
     try:
@@ -89,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         UnreachableTrackingError,
         UnreachableStorageError,
         FileExistsError,
+        SweepAlreadyRunning,
         FileNotFoundError,
     ) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -50,6 +50,7 @@ from gx_ray.sweep.schedulers import (
     trained_to_the_end,
     tune_domain,
 )
+from gx_ray.sweep.share import named, refuse_a_live_twin, share_cluster, trial_footprint
 from gx_ray.sweep.signals import signals_stop_the_sweep
 from gx_ray.sweep.spaces import SearchSpace, available_presets, load_space
 from gx_ray.sweep.study import dashboard_command, driver_seed, optuna_storage, study_location
@@ -104,6 +105,11 @@ class SweepOptions:
     replay: str | None = None
     """A PBT schedule to train again as one trial: a ``pbt_policy_*.txt`` file, or the number of an exploited trial of
     this space's sweep (:func:`~gx_ray.sweep.schedulers.replay_sweep`)."""
+    share: float | None = None
+    """This sweep's weight in sharing the cluster's CPUs and GPUs with the other sweeps given one
+    (:mod:`~gx_ray.sweep.share`); None: the sweep takes what Ray gives it."""
+    name: str | None = None
+    """Appended to the sweep id: another sweep of the same space and cohort, with outputs and runs of its own."""
 
 
 @dataclass
@@ -220,7 +226,7 @@ def run_sweep(options: SweepOptions) -> SweepResult:
     space = load_space(options.space, presets)  # a malformed space fails here, before Ray starts
     check_schedule(space)  # a PBT interval or BOHB rung between two checkpoints is refused here
     shards = _shard_path(options)
-    sweep_id = _sweep_id(space, shards)
+    sweep_id = named(_sweep_id(space, shards), options.name)  # --name: one more sweep of this space and cohort
     if options.replay:  # the schedule a PBT sweep found, trained again as a sweep of its own
         found = storage.normalize(options.storage or Path(options.output).resolve() / sweep_id / "ray")
         space, sweep_id, policy = replay_sweep(space, sweep_id, options.replay, storage.join(found, sweep_id))
@@ -316,6 +322,8 @@ def _tune(
         timings["gpu_plan_seconds"] = time.perf_counter() - started
     tracking_uri = mlflow_ready()
     client = MlflowClient(tracking_uri)
+    if not options.resume:  # a live sweep of this id on this server would share its parent run
+        refuse_a_live_twin(client, EXPERIMENT, context.sweep_id, tracking_uri)
     parent = parent_run(
         client,
         EXPERIMENT,
@@ -371,6 +379,8 @@ def _tune(
         trial_dirname_creator=trial_dirname,
         reuse_actors=True,
     )
+    if options.share is not None:  # trials created only when the cluster's share registry grants their resources
+        tune_config = share_cluster(tune_config, context.sweep_id, options.share, trial_footprint(context))
     run_config = tune.RunConfig(
         name=context.sweep_id,
         storage_path=context.storage_path,
