@@ -18,6 +18,7 @@ from pathlib import Path
 from gx_ray.data.shards import ShardIntegrityError
 from gx_ray.runtime import tolerant_console
 from gx_ray.storage import UnreachableStorageError
+from gx_ray.sweep.budget import BudgetError
 from gx_ray.sweep.driver import SweepOptions, run_sweep
 from gx_ray.sweep.resume import ResumeError
 from gx_ray.sweep.share import SweepAlreadyRunning, sweep_name, weight
@@ -67,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--name", type=sweep_name, help="appended to the sweep id: another sweep of the same space and cohort"
     )
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument(
+        "--gpu-hours", type=float, help="a budget: its cost forecast first, a stop when spent (--resume continues it)"
+    )
+    budget.add_argument("--cpu-hours", type=float, help="the same budget in CPU-hours, for trials on CPUs")
     parser.add_argument(
         "--replay",
         help="train a schedule a PBT sweep of this space found again, as one trial: the number of an exploited trial "
@@ -92,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         study_name=args.study_name,
         share=args.share,
         name=args.name,
+        gpu_hours=args.gpu_hours,
+        cpu_hours=args.cpu_hours,
         replay=args.replay,
     )
     try:
@@ -105,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         FileExistsError,
         SweepAlreadyRunning,
         FileNotFoundError,
+        BudgetError,
     ) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

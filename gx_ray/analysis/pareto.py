@@ -60,7 +60,7 @@ def trial_objectives(tracking_uri: str, sweep_id: str, objectives: list[tuple[st
         return table
     params = pd.DataFrame(list(table.pop("params")))
     varying = [c for c in params if params[c].nunique(dropna=False) > 1 and c not in ("seed", "data.fold")]
-    table["chosen"] = [", ".join(f"{c}={row[c]}" for c in varying) for _, row in params.iterrows()]
+    table["chosen"] = [", ".join(f"{c}={_short(row[c])}" for c in varying) for _, row in params.iterrows()]
     return table
 
 
@@ -130,3 +130,11 @@ def _number(value: float) -> str:
     if not math.isfinite(value):
         return "—"
     return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+
+
+def _short(param: str) -> str:
+    """A param as MLflow keeps it (text), a number to 3 significant digits (a sampled learning rate)."""
+    try:
+        return f"{float(param):.3g}"
+    except (TypeError, ValueError):
+        return str(param)

@@ -35,6 +35,7 @@ from gx_ray.data.prepare import SHARD_DIR, PrepareConfig, prepare_data
 from gx_ray.data.preprocess import PreprocessConfig
 from gx_ray.data.shards import FORMAT_VERSION, MANIFEST_FILE, check_shards, read_manifest
 from gx_ray.runtime import init_ray, mlflow_retries, nodes_without
+from gx_ray.sweep.budget import budgeted, sweep_budget, write_ledger
 from gx_ray.sweep.callbacks import ReportWarmUp, TrialProgress, report_modules
 from gx_ray.sweep.gpu_plan import concurrency, gpu_plan, gpu_usage
 from gx_ray.sweep.objectives import objectives, search_metric
@@ -92,6 +93,11 @@ class SweepOptions:
     max_concurrent: int | None = None
     demo_cases: int = 200
     demo_dir: Path = Path("outputs/demo")
+    gpu_hours: float | None = None
+    """A budget of GPU-hours (reserved GPU share × wall time, over the trials): forecast before the trials, a hard stop
+    when spent, continued by ``--resume`` (:mod:`gx_ray.sweep.budget`)."""
+    cpu_hours: float | None = None
+    """The same budget in CPU-hours (reserved CPUs × wall time), for trials on CPUs."""
     time_budget_s: float | None = None
     """Stop the trials this many seconds after the sweep's launch (default: the space's ``budget.time_s``): its set-up
     (Ray, MLflow, the cohort, the GPU plan) counts, so that a sweep given a budget ends near it."""
@@ -136,6 +142,9 @@ class SweepResult:
     experiment_id: str = ""
     view: str | None = None
     """The key of the MLflow runs-table view of this sweep's trials (:func:`~gx_ray.tracking.share_trials_view`)."""
+    costs: dict[str, Any] = field(default_factory=dict)
+    """The trials' device-seconds in all (``gpu_seconds``, ``cpu_seconds``), the ledger's path and, with a budget, its
+    hours, what was spent, its forecast and whether it stopped the sweep (:mod:`gx_ray.sweep.budget`)."""
 
     @property
     def store_uri(self) -> str:
@@ -239,6 +248,7 @@ def run_sweep(options: SweepOptions) -> SweepResult:
         where = f"--storage {options.storage}" if options.storage else output
         raise FileExistsError(f"{where} holds this sweep already: pass --resume to continue it, or another --output")
     output.mkdir(parents=True, exist_ok=True)
+    sweep_budget(options, space, output)  # a bad budget fails before Ray starts; a given one is recorded for --resume
     mlflow_retries()  # an unreachable server fails a call after ~30 s, not ~4 minutes
     # Tune snapshots its state whenever a trial has checkpointed num_to_keep times, i.e. every 2 epochs of a short
     # trial, and warns about it each time: expected here, and not the user's to act on
@@ -364,6 +374,7 @@ def _tune(
         scheduler, param_space = replay_scheduler(Path(options.replay))[0], {}
     at_once = concurrency(context, options.max_concurrent)
     timings["concurrency"] = at_once
+    budget = budgeted(options, context, output, client, parent, at_once)  # forecast; stops the sweep when spent
     nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
     check_cluster(space, at_once, nodes, context.resources(space.cells()[0]))  # a trial must fit; BOHB's brackets
     tune_config = tune.TuneConfig(
@@ -393,7 +404,7 @@ def _tune(
         ),  # fmt: skip
         stop=trained_to_the_end if space.scheduler in PAUSING or options.replay else None,
         verbose=0,
-        callbacks=[TrialProgress(space.trial_count()), ReportWarmUp(report_modules(space))],
+        callbacks=[TrialProgress(space.trial_count()), ReportWarmUp(report_modules(space)), budget],
     )
     path = storage.join(context.storage_path, context.sweep_id)  # absolute: Tune reads a relative path as a URI
     if options.resume and tune.Tuner.can_restore(path):
@@ -436,6 +447,7 @@ def _tune(
     )  # fmt: skip
     try:
         _close_runs(client, parent, total, stopped, result, timings, host)
+        result.costs = write_ledger(client, parent, output, context.sweep_id)  # ledger.csv, totals on the parent
     except Exception as err:  # MLflow unreachable: the summary and sweep.json still tell what ran
         result.mlflow_error = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
         print(

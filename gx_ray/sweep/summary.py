@@ -152,6 +152,7 @@ def write_sweep_file(result: Any, space: SearchSpace) -> Path:
         "timings_seconds": {k: round(v, 1) for k, v in result.timings.items() if k != "launched_at"},
         "gpus": result.gpus,
         "interrupted": result.interrupted,
+        "costs": result.costs,
         "mlflow_error": result.mlflow_error,
     }
     path = result.output / SWEEP_FILE
