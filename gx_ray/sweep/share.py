@@ -28,11 +28,13 @@ import argparse
 import atexit
 import contextlib
 import dataclasses
+import json
 import os
 import re
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -44,6 +46,8 @@ NAMESPACE = "gx_ray"
 TTL_S = float(os.environ.get("GX_RAY_SHARE_TTL_S", 15))
 """A sweep whose driver has not been heard of for this long is dropped from the registry."""
 HEARTBEAT_S = 2.0
+GRANTS_FILE = "gx_share_grants.json"
+"""Beside Tune's search state: the trials granted and not yet complete, counted again by a resumed sweep."""
 RESOURCES = ("CPU", "GPU")
 
 
@@ -204,7 +208,10 @@ class SharedSearch(SearchAlgorithm):
         if self.held is None:
             self.held = self.inner.next_trial()
         if self.held is None:
-            self.waiting = False
+            if self.waiting:  # at once: another sweep's trial need not wait for this one's next heartbeat
+                self.waiting = False
+                with contextlib.suppress(Exception):
+                    self.beat()
             return None
         if time.monotonic() - self._asked < 0.5:  # Tune asks every loop step: the registry hears of it twice a second
             return None
@@ -257,9 +264,13 @@ class SharedSearch(SearchAlgorithm):
 
     def save_to_dir(self, dirpath: str, **kwargs) -> None:
         self.inner.save_to_dir(dirpath, **kwargs)
+        (Path(dirpath) / GRANTS_FILE).write_text(json.dumps(self.live), encoding="utf-8")
 
     def restore_from_dir(self, dirpath: str) -> None:
+        """``--resume``: the inner algorithm's state, and the grants of the trials Tune restarts without asking."""
         self.inner.restore_from_dir(dirpath)
+        if (grants := Path(dirpath) / GRANTS_FILE).is_file():
+            self.live = json.loads(grants.read_text(encoding="utf-8"))
 
 
 def _heartbeat(key: str) -> None:
@@ -279,6 +290,8 @@ def share_cluster(config: tune.TuneConfig, sweep_id: str, share: float, footprin
         inner = BasicVariantGenerator(max_concurrent=limit or 0)
     elif isinstance(inner, Searcher):
         inner = SearchGenerator(ConcurrencyLimiter(inner, limit) if limit else inner)
+    if isinstance(inner, BasicVariantGenerator):  # Tune keeps one trial pending for any other algorithm, this one
+        os.environ.setdefault("TUNE_MAX_PENDING_TRIALS_PG", "16")  # included once wrapped: granted trials start at once
     shared = SharedSearch(inner, sweep_id, share, footprint).start()
     return dataclasses.replace(config, search_alg=shared, max_concurrent_trials=None, reuse_actors=False)
 
