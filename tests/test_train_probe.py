@@ -23,7 +23,7 @@ GIB = 2**30
 
 @pytest.mark.parametrize(
     "need_gib, card_gib, trials",
-    [(35, 80, 2), (34, 141, 3), (10, 80, 7), (1, 80, 16), (79, 80, 1), (100, 80, 1), (24, 80, 3), (8, 80, 9), (4, 80, 16)],
+    [(35, 80, 2), (34, 141, 3), (10, 80, 7), (1, 80, 8), (79, 80, 1), (100, 80, 1), (24, 80, 3), (8, 80, 8)],
 )
 def test_gpu_share_packs_as_many_trials_as_fit_with_the_margin(need_gib, card_gib, trials):
     share = probe.gpu_share(need_gib * GIB, card_gib * GIB)
@@ -58,15 +58,6 @@ def test_auto_packs_every_task_but_the_one_that_waits_on_the_gpu_each_step():
     assert auto_share("vqa", measured, trials_per_card=100) == auto_share("vqa", measured)  # memory bounds it
     big = {"peak_bytes": 60 * GIB, "card_bytes": 141 * GIB}  # two fit: a sweep of 3 trials a card still gets two
     assert probe.trials_per_gpu(auto_share("vqa", big, trials_per_card=3)) == 2
-
-
-def test_auto_packs_the_task_that_waits_alone_only_where_its_trial_asks_for_a_card_of_its_own():
-    from gx_ray.sweep.gpu_plan import auto_share
-
-    small = {"peak_bytes": 1 * GIB, "card_bytes": 141 * GIB}
-    assert auto_share("lesion_detection", small) == 1.0  # the task's own choice
-    assert probe.trials_per_gpu(auto_share("lesion_detection", small, 16, alone=False)) == 16  # the demo's
-    assert auto_share("vqa", small, 16, alone=True) == 1.0
 
 
 def test_a_card_holds_no_more_trials_than_the_sweep_has_for_it_or_the_cpus_beside_it_run():

@@ -49,8 +49,7 @@ def gpu_plan(context: SweepContext, output: Path) -> dict[str, dict[str, Any]]:
     plan = {}
     for key, config in settings.items():
         m, gpus = measured[key], config.resources.gpus_per_worker
-        alone = config.resources.gpu_alone
-        share = float(gpus) if gpus != AUTO else auto_share(config.task, m, most, alone)
+        share = float(gpus) if gpus != AUTO else auto_share(config.task, m, most)
         plan[key] = {**m, "share": share, "trials_per_gpu": trials_per_gpu(share)}
     path.write_text(json.dumps(plan, indent=1) + "\n", encoding="utf-8")
     return plan
@@ -58,21 +57,19 @@ def gpu_plan(context: SweepContext, output: Path) -> dict[str, dict[str, Any]]:
 
 def trials_per_card(trials: int, cpus_per_trial: float, resources: dict[str, float]) -> int:
     """The most trials a card of the cluster (Ray's ``resources``) needs to hold: the sweep's trials over its cards,
-    and no more than the CPUs run beside each card (a trial holds its worker's CPUs: a 16-core node with one card runs
-    16 small trials at once, not 8 with 8 cores idle)."""
+    and no more than the CPUs run beside each card (a trial holds its worker's CPUs: trials packed beyond them would
+    wait for a core, not for the card)."""
     cards = max(1, int(resources.get("GPU", 1)))
     cpu_slots = int(resources.get("CPU", 1) // max(cpus_per_trial, 1e-6)) // cards
     return max(1, min(math.ceil(trials / cards), cpu_slots))
 
 
-def auto_share(
-    task: str, measured: dict[str, Any], trials_per_card: int = MAX_TRIALS_PER_GPU, alone: bool | None = None
-) -> float:
-    """``auto``'s GPU share: as many trials as the measured peak lets fit, where the task packs well at all (``alone``
-    None: as its task says), and no more than the sweep needs: ``trials_per_card`` is its trials over the cluster's
-    GPUs, rounded up, at most the node's CPU slots a card. Ray fills one card before the next, so four trials packed
-    two to a card on a 4-GPU node left a card idle (4 x H200)."""
-    if alone or (alone is None and not task_class(task).shares_a_gpu):
+def auto_share(task: str, measured: dict[str, Any], trials_per_card: int = MAX_TRIALS_PER_GPU) -> float:
+    """``auto``'s GPU share: as many trials as the measured peak lets fit, where the task packs well at all, and no
+    more than the sweep needs: ``trials_per_card`` is its trials over the cluster's GPUs, rounded up, at most the
+    node's CPU slots a card. Ray fills one card before the next, so four trials packed two to a card on a 4-GPU node
+    left a card idle (4 x H200)."""
+    if not task_class(task).shares_a_gpu:
         return 1.0
     most = max(1, min(MAX_TRIALS_PER_GPU, trials_per_card))
     return gpu_share(measured["peak_bytes"] + CONTEXT_BYTES, measured["card_bytes"], max_trials=most)

@@ -70,10 +70,6 @@ class ResourcesConfig:
     the trial's model at its micro-batch decides how many trials share a GPU."""
     torch_trainer: bool = False
     """Run even a one-worker trial under a Ray Train ``TorchTrainer`` (several workers always do)."""
-    gpu_alone: bool | None = None
-    """Under ``gpus_per_worker: auto``, whether the trial gets a card to itself: None takes its task's own choice
-    (lesion detection's step waits on the GPU many times, and at the paper's size packing costs it most of its rate);
-    False packs it as any other (the demo's small models)."""
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,10 @@ CONTEXT_BYTES = 768 * 2**20
 each packed trial's measured peak."""
 MARGIN = 0.1
 """Share of a card kept free when packing trials (allocator fragmentation, longer texts than the probe's)."""
-MAX_TRIALS_PER_GPU = 16
-"""Small models pack up to this many to a card, as the node's CPUs allow (the sweep's GPU plan): the demo's trials
-each keep a card a few per cent busy."""
+MAX_TRIALS_PER_GPU = 8
+"""Small models pack up to this many to a card, as the node's CPUs allow. More processes time-share a card without
+running side by side: the demo's 100 trials 16 to an H200 (16 cores) finished 20 in 4.2 min, where the CPUs alone
+finish 100 in 8 (docs/benchmarks.md)."""
 
 
 def adamw(params: Any, lr: float = 1e-3) -> torch.optim.AdamW:
