@@ -249,3 +249,28 @@ def test_the_projection_spreads_every_cell_over_the_gpus_with_the_measured_packi
     # a task the slice did not measure leaves the projection undefined, never silently smaller
     partial = {k: v for k, v in cells.items() if not k.startswith("vqa/")}
     assert np.isnan(project({"cells": partial}, gpus=8)["hours"])
+
+
+def test_the_slice_is_sized_so_that_every_task_is_measured_however_few_the_gpus():
+    from benchmarks.cluster import MIN_STEPS, SLICE_SCHEMAS, ClusterBenchmarkConfig, size_slice
+    from gx_ray.schema import PAPER_TASKS as TASKS
+
+    rng = np.random.default_rng(0)
+    config = ClusterBenchmarkConfig()
+    for _ in range(200):
+        raw = {f"{t}/{s}": {"samples_per_s": float(rng.uniform(5, 120))} for t in TASKS for s in SLICE_SCHEMAS}
+        if rng.random() < 0.2:  # a cell whose raw step failed
+            raw.pop(f"{TASKS[0]}/{SLICE_SCHEMAS[-1]}")
+        gpus, seconds = int(rng.choice([1, 2, 4, 8])), float(rng.uniform(60, 900))
+        sized = size_slice(config, raw, gpus, seconds)
+        assert sized["schemas"][-1] == SLICE_SCHEMAS[-1]  # the heaviest schema, which the projection reads, always
+        assert MIN_STEPS <= sized["steps_per_epoch"] <= config.steps_per_epoch
+        # it fits, or nothing smaller was left to try
+        fits = sized["estimated_seconds"] <= seconds
+        assert fits or (sized["schemas"] == list(SLICE_SCHEMAS[-1:]) and sized["steps_per_epoch"] == MIN_STEPS)
+        if sized["schemas"] == list(SLICE_SCHEMAS):  # both schemas only where they fit
+            assert fits
+        more = size_slice(config, raw, gpus * 2, seconds)  # more cards never measure less
+        assert len(more["schemas"]) >= len(sized["schemas"])
+        if more["schemas"] == sized["schemas"]:
+            assert more["steps_per_epoch"] >= sized["steps_per_epoch"]
