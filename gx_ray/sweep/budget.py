@@ -345,8 +345,8 @@ def write_ledger(client: MlflowClient, parent: str, output: Path, sweep_id: str)
     if state is not None and state.budget is not None:
         budget, spent = state.budget, totals[state.budget.metric]
         figures["budget"] = {**dataclasses.asdict(budget), "spent_hours": round(spent / 3600, 6),
-                             "stopped": state.stopped, "forecast_seconds": state.forecast}  # fmt: skip
-        if state.stopped:
+                             "stopped": state.signalled, "forecast_seconds": state.forecast}  # fmt: skip
+        if state.signalled:  # spent by the last trials' last reports, with nothing left to stop, it stopped nothing
             flag = "--gpu-hours" if budget.metric == "gpu_seconds" else "--cpu-hours"
             print(f"stopped by the budget: {budget.says(spent)} of {budget.hours:g} {UNITS[budget.metric]} spent; "
                   f"resume with a larger {flag} to go on")  # fmt: skip
