@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,15 @@ from ray import tune
 from gx_ray import storage
 from gx_ray.sweep.spaces import SearchSpace, SpaceError
 from gx_ray.train.config import TrialConfig
+
+# imported by every trial process (gx_ray.sweep.trial), before Tune restores a trial in it:
+# - PBT and BOHB pause trials and restart them in the process they ran in; Tune gives the paused trial's thread 2 s to
+#   end (it ends at its next report, freeing its model on the way) and fails the trial when it is slower, which a
+#   loaded machine is: it is given two minutes
+os.environ.setdefault("TUNE_FUNCTION_THREAD_TIMEOUT_S", "120")
+# - each restore is logged at INFO from the trial's process ("Restored on ... from checkpoint ..."), for every trial
+#   at every PBT interval; the trial's run records what was restored
+logging.getLogger("ray.tune.trainable.trainable").setLevel(logging.WARNING)
 
 METRIC = "val_primary"
 TIME_ATTR = "training_iteration"
@@ -80,6 +90,23 @@ class DonorCheckpointPBT(tune.schedulers.PopulationBasedTraining):
     def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
         self._donor_checkpoints.pop(trial, None)  # restored: it trains from the donor's weights
         return super().on_trial_result(tune_controller, trial, result)
+
+    def _log_config_on_step(self, trial_state: Any, new_state: Any, trial: Any, trial_to_clone: Any,
+                            new_config: dict) -> None:  # fmt: skip
+        """Tune's policy files (``pbt_global.txt``, ``pbt_policy_<trial>.txt``: a trial's schedule, the donor's
+        before its own), each exploit at the perturbation's epoch. Tune logs the trials' last counted results, one
+        epoch behind for the trial whose result PBT is handling, and a replay would change its config too early."""
+        from ray.tune.utils.util import SafeFallbackEncoder
+
+        at = new_state.last_train_time  # in synchronous PBT, every trial's at the perturbation
+        row = [trial_state.orig_tag, new_state.orig_tag, at, at, trial_to_clone.config, new_config]
+        line = json.dumps(row, cls=SafeFallbackEncoder) + "\n"
+        folder = Path(trial.local_experiment_path)
+        with open(folder / "pbt_global.txt", "a", encoding="utf-8") as log:
+            log.write(line)
+        donors = folder / f"pbt_policy_{trial_to_clone.trial_id}.txt"
+        history = donors.read_text(encoding="utf-8") if donors.is_file() else ""
+        (folder / f"pbt_policy_{trial.trial_id}.txt").write_text(history + line, encoding="utf-8")
 
 
 def scheduler_for(space: SearchSpace) -> Any:
