@@ -12,6 +12,8 @@ python jobs/benchmark.py attention                            # one GPU: what at
                                                                # text shape costs, cuDNN attention on vs off
 python jobs/benchmark.py cluster [--gpus N] [--budget 540]    # the ablation on every GPU of a node: busy fraction,
                                                                # start-up, DDP scaling, loop/raw, 8-GPU projection
+python jobs/benchmark.py search [--space lr_sweep] [--preset smoke]  # grid, ASHA + TPE and PBT: device-hours to
+                                                               # come within 1 % of the grid's best validation
 """
 
 from __future__ import annotations
@@ -90,6 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument(
         "--ddp-sizes", default="1,2,4", help="GPUs per DDP trial for weak scaling (default 1,2,4; 1 skips DDP)"
     )
+    search = commands.add_parser(
+        "search", parents=[common], help="grid, ASHA + TPE, PBT: device-hours to within 1 %% of the grid's best"
+    )
+    search.add_argument("--space", default="lr_sweep", help="a space with a sample section and a pbt preset")
+    search.add_argument("--preset", action="append", default=[], help="applied to all three (smoke, gpu)")
+    search.add_argument("--lrs", type=int, default=5, help="the grid's learning rates, log-spaced (default 5)")
+    search.add_argument("--methods", default=",".join(("grid", "asha_tpe", "pbt")), help="default: all three")
+    search.add_argument("--output", type=Path, default=Path("outputs/benchmark/search"))
     attention = commands.add_parser(
         "attention", parents=[common], help="one-off cost of new text shapes per SDPA backend choice"
     )
@@ -225,6 +235,20 @@ def main(argv: list[str] | None = None) -> int:
         result = run_sweep_benchmark(options)
         print(format_sweep_result(result))
         record("sweep", {"space": args.space, "presets": "+".join(args.preset) or None}, result)
+
+    if args.command == "search":
+        from benchmarks.search import SearchBenchmarkConfig, figures, format_search_result, run_search_benchmark
+
+        config = SearchBenchmarkConfig(
+            space=args.space,
+            lrs=args.lrs,
+            presets=tuple(args.preset),
+            methods=tuple(args.methods.split(",")),
+            cost="gpu_seconds" if "gpu" in args.preset else "cpu_seconds",
+        )
+        result = run_search_benchmark(args.output, config)
+        print(format_search_result(result))
+        record("search", {"space": args.space, "presets": "+".join(args.preset) or None}, figures(result))
 
     if args.command == "ingest":
         config = IngestBenchmarkConfig(
