@@ -66,8 +66,12 @@ def study_from_runs(runs: pd.DataFrame, task: str, metric: str | None = None, sp
             distribution, values = _infer(seen)
             params[name] = distribution, dict(zip(seen.index, values, strict=True))
     direction = "maximize" if higher_is_better(metric) else "minimize"
-    # Named so that optuna's "study created" log line says which one.
-    study = optuna.create_study(study_name=f"{task}/{metric}/{split}", direction=direction)
+    level = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # "A new study created in memory": the report's own, not news
+    try:
+        study = optuna.create_study(study_name=f"{task}/{metric}/{split}", direction=direction)
+    finally:
+        optuna.logging.set_verbosity(level)
     for key, value in {"task": task, "metric": metric, "split": split}.items():
         study.set_user_attr(key, value)
     study.add_trials(
