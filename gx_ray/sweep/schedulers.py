@@ -109,6 +109,23 @@ class DonorCheckpointPBT(tune.schedulers.PopulationBasedTraining):
         (folder / f"pbt_policy_{trial.trial_id}.txt").write_text(history + line, encoding="utf-8")
 
 
+class ScheduleReplay(tune.schedulers.PopulationBasedTrainingReplay):
+    """Tune's PBT replay (the policy read, the trial started from its first config), each change made the way
+    synchronous PBT pauses a trial: the config set and a PAUSE returned, so that Tune saves the trial's checkpoint,
+    stops it, and restarts it from that checkpoint with the new config. Tune's own replay saves and stops the trial in
+    one step; the save, finishing after the stop, fails the trial, and the retried trial is refused as a second one."""
+
+    def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
+        step = result.get(TIME_ATTR)
+        if step is None or not self._next_policy or step < self._next_policy[0]:
+            return tune.schedulers.TrialScheduler.CONTINUE
+        self.current_config = self._next_policy[1]
+        trial.set_config(self.current_config)
+        self._current_step, self._num_perturbations = step, self._num_perturbations + 1
+        self._next_policy = next(self._policy_iter, None)
+        return tune.schedulers.TrialScheduler.PAUSE
+
+
 def scheduler_for(space: SearchSpace) -> Any:
     """The space's Tune scheduler (None for ``none``); each stops or exploits on the primary validation metric."""
     options = space.scheduler_options
@@ -265,7 +282,7 @@ def replay_sweep(space: SearchSpace, sweep_id: str, replay: str, state: str) -> 
 
 def replay_scheduler(policy: Path) -> tuple[Any, dict[str, Any]]:
     """Tune's PopulationBasedTrainingReplay over ``policy`` and the config its trial starts from."""
-    scheduler = tune.schedulers.PopulationBasedTrainingReplay(str(policy))
+    scheduler = ScheduleReplay(str(policy))
     return scheduler, dict(scheduler.config)
 
 
