@@ -25,7 +25,7 @@ import ray
 from mlflow.tracking import MlflowClient
 
 from gx_ray.sweep.share import ShareRegistry, SweepAlreadyRunning, named
-from gx_ray.tracking import KIND_TAG, SWEEP_TAG
+from gx_ray.tracking import KIND_TAG, SWEEP_TAG, TRIAL_TAG
 from gx_ray.tracking.server import LocalMlflowServer
 from tests.common import small_stage_space
 from tests.netns import loopback_namespace
@@ -127,20 +127,27 @@ def _sweep(nodes: RayNodes, space: Path, shards: Path, mlflow_uri: str, cwd: Pat
         return subprocess.Popen(command, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _registry(nodes: RayNodes) -> dict:
+    """The cluster's share registry: its live sweeps and every grant it made (read by a driver of its own, as
+    :meth:`RayNodes.alive`: the test process keeps its Ray)."""
+    script = (
+        f"import json, ray; ray.init(address={nodes.address!r}, logging_level='ERROR'); "
+        "from gx_ray.sweep.share import REGISTRY, NAMESPACE; "
+        "print(json.dumps(ray.get(ray.get_actor(REGISTRY, namespace=NAMESPACE).snapshot.remote())))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    printed = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    return json.loads(printed[-1]) if done.returncode == 0 and printed else {"sweeps": {}, "history": []}
+
+
 def _runs(client: MlflowClient, kind: str) -> list:
     experiment = client.get_experiment_by_name("gx-ray")
     runs = client.search_runs([experiment.experiment_id]) if experiment else []
     return [r for r in runs if r.data.tags.get(KIND_TAG) == kind]
 
 
-def _running_at(intervals: list[tuple[int, int]], t: int) -> int:
-    return sum(1 for start, end in intervals if start <= t < end)
-
-
 @pytest.mark.slow
-def test_two_weighted_sweeps_share_one_cluster_and_nothing_of_one_lands_in_the_other(
-    cluster, demo_prepared, tmp_path
-):
+def test_two_weighted_sweeps_share_one_cluster_and_nothing_of_one_lands_in_the_other(cluster, demo_prepared, tmp_path):
     """Weights 2:1 on three CPUs: the first sweep alone takes all three (idle capacity is used), gives one back
     as its trials end once the second waits, then each holds its share until one runs out of trials. The second is
     the same space and cohort under ``--name``; a third, the first's twin, is refused while the first runs."""
@@ -150,25 +157,35 @@ def test_two_weighted_sweeps_share_one_cluster_and_nothing_of_one_lands_in_the_o
     with LocalMlflowServer(tmp_path / "mlflow") as server:
         client = MlflowClient(server.uri)
         first = _sweep(cluster, space, shards, server.uri, driver, tmp_path / "first.log", "--share", "2")
-        deadline = time.monotonic() + 300
-        while sum(r.info.status == "RUNNING" for r in _runs(client, "trial")) < 3:  # alone: all three CPUs
-            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-4000:]
-            time.sleep(0.5)
-        second = _sweep(cluster, space, shards, server.uri, driver, tmp_path / "second.log", "--share", "1",
-                        "--name", "b")  # fmt: skip
-        # the first's twin (another --storage and --output, the same MLflow): refused, the first named
-        twin = subprocess.run(
-            [sys.executable, str(ROOT / "jobs" / "sweep.py"), "--space", str(space), "--address", cluster.address,
-             "--data", str(shards), "--storage", str(tmp_path / "twin"), "--output", str(tmp_path / "twin"),
-             "--mlflow-uri", server.uri, "--share"],
-            cwd=driver, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert first.wait(timeout=600) == 0, (tmp_path / "first.log").read_text()[-4000:]
-        assert second.wait(timeout=600) == 0, (tmp_path / "second.log").read_text()[-4000:]
+        drivers = [first]
+        try:
+            deadline = time.monotonic() + 300
+            while sum(s["usage"].get("CPU", 0) for s in _registry(cluster)["sweeps"].values()) < 3:  # alone: all 3
+                assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()
+                time.sleep(1)
+            second = _sweep(cluster, space, shards, server.uri, driver, tmp_path / "second.log", "--share", "1",
+                            "--name", "b")  # fmt: skip
+            drivers.append(second)
+            # the first's twin (another --storage and --output, the same MLflow): refused, the first named
+            twin = subprocess.Popen(
+                [sys.executable, str(ROOT / "jobs" / "sweep.py"), "--space", str(space), "--address",
+                 cluster.address, "--data", str(shards), "--storage", str(tmp_path / "twin"), "--output",
+                 str(tmp_path / "twin"), "--mlflow-uri", server.uri, "--share"],
+                cwd=driver, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            )  # fmt: skip
+            drivers.append(twin)
+            twin_said = twin.communicate(timeout=900)[1]
+            assert first.wait(timeout=900) == 0, (tmp_path / "first.log").read_text()[-4000:]
+            assert second.wait(timeout=900) == 0, (tmp_path / "second.log").read_text()[-4000:]
+        finally:
+            for process in drivers:
+                if process.poll() is None:
+                    os.killpg(process.pid, signal.SIGKILL)
         parents = {r.data.tags[SWEEP_TAG]: r for r in _runs(client, "sweep")}
         trials = _runs(client, "trial")
+    grants = _registry(cluster)["history"]
 
-    assert twin.returncode == 2 and "running" in twin.stderr and "--name" in twin.stderr, twin.stderr[-3000:]
+    assert twin.returncode == 2 and "running" in twin_said and "--name" in twin_said, twin_said[-3000:]
     # two sweeps, two parent runs, two folders of Tune state and of outputs: nothing shared
     ids = sorted(parents)
     assert len(ids) == 2 and ids[1] == named(ids[0], "b"), ids
@@ -180,24 +197,35 @@ def test_two_weighted_sweeps_share_one_cluster_and_nothing_of_one_lands_in_the_o
         trial_dirs = {p.parent.parent.name for p in (driver / "state" / key).glob("*/checkpoint_*/state.pt")}
         assert len(trial_dirs) == 4, f"{key}: checkpoints of {sorted(trial_dirs)}"
         summary = json.loads((driver / "out" / key / "sweep.json").read_text())
-        assert summary["sweep_id"] == key and summary["finished"] == 4
-    assert not set(os.listdir(driver / "state" / ids[0])) & set(os.listdir(driver / "state" / ids[1])) - {
-        "driver"
-    }, "the two sweeps' Tune state shares a trial folder"
+        assert summary["sweep_id"] == key and summary["trials"]["finished"] == 4
+    # each sweep's Tune trial folders hold its own trials, the ones its MLflow runs name; none of the other's
+    tune_trials = {
+        key: {json.loads(p.open().readline())["trial_id"] for p in (driver / "state" / key).glob("*/result.json")}
+        for key in ids
+    }
+    for key in ids:
+        assert tune_trials[key] == {r.data.tags[TRIAL_TAG] for r in by_sweep[key]}, key
+    assert not tune_trials[ids[0]] & tune_trials[ids[1]]
 
-    # each sweep's trials as intervals of its runs' start and end (within what Ray held for them)
+    # the registry's grants, in order: the first sweep's first three while it was alone (beyond its share: the CPUs
+    # were idle); none took a sweep over its share while the other had a trial waiting
     first_id, second_id = ids
-    spans = {key: sorted((r.info.start_time, r.info.end_time) for r in by_sweep[key]) for key in ids}
-    second_first_start = spans[second_id][0][0]
-    before = [t for t, _ in spans[first_id] if t < second_first_start]
-    assert max(_running_at(spans[first_id], t) for t in before) == 3, "alone, the first sweep left CPUs idle"
-    # from the second's first trial to the last trial either started, both had trials waiting
-    window_end = min(spans[first_id][-1][0], spans[second_id][-1][0])
-    assert second_first_start < spans[first_id][-1][0], "the second sweep waited for the first to end: starved"
-    instants = [t for key in ids for s, e in spans[key] for t in (s, e) if second_first_start <= t <= window_end]
-    for t in instants:
-        assert _running_at(spans[first_id], t) <= 2, f"the first sweep over its 2 CPUs at {t} while the second waited"
-        assert _running_at(spans[second_id], t) <= 1, f"the second sweep over its 1 CPU at {t} while the first waited"
+    assert [g["sweep"] for g in grants[:3]] == [first_id] * 3 and len(grants) == 8, grants
+    assert sorted(g["sweep"] for g in grants) == [first_id] * 4 + [second_id] * 4
+    share = {first_id: 2.0, second_id: 1.0}
+    for grant in grants:
+        others_wait = any(s["waiting"] for key, s in grant["sweeps"].items() if key != grant["sweep"])
+        after = grant["sweeps"][grant["sweep"]]["usage"].get("CPU", 0.0) + grant["need"]["CPU"]
+        assert not others_wait or after <= share[grant["sweep"]], f"over its share while the other waited: {grant}"
+
+    # and each grant is a trial that ran: a sweep's n-th run started after its n-th grant
+    for key in ids:
+        granted_at = sorted(g["time"] for g in grants if g["sweep"] == key)
+        started_at = sorted(r.info.start_time / 1000 for r in by_sweep[key])
+        assert all(g <= s for g, s in zip(granted_at, started_at, strict=True)), (key, granted_at, started_at)
+    # neither starved: the second's first trial started before the first's last ended
+    first_ended = max(r.info.end_time for r in by_sweep[first_id])
+    assert min(r.info.start_time for r in by_sweep[second_id]) < first_ended, "the second waited for the first"
 
 
 @pytest.mark.slow
