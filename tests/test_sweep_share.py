@@ -80,6 +80,74 @@ def test_the_registry_shares_by_weight_refuses_a_twin_and_forgets_a_silent_drive
     ray.kill(registry)
 
 
+# --- a preempted trial's loop ---------------------------------------------------------------------------------
+
+
+class _DrainsAt:
+    """A node seen draining at the loop's ``at``-th look (between two optimiser steps): what a
+    :class:`~gx_ray.preemption.DrainWatch` says once the node's drain reaches the GCS."""
+
+    node_id = "spot"
+
+    def __init__(self, at: int):
+        self.looks, self.at = 0, at
+
+    @property
+    def draining(self) -> bool:
+        self.looks += 1
+        return self.looks >= self.at
+
+
+def test_a_trial_preempted_mid_epoch_goes_on_from_that_step_as_the_uninterrupted_one(
+    ray_cluster, demo_prepared, tmp_path
+):
+    """The loop told its node drains within an epoch checkpoints there and ends its attempt; resumed from that
+    checkpoint it skips the batches already trained on and ends as the uninterrupted trial, bit for bit on the CPU:
+    no optimiser step lost or taken twice."""
+    import random
+
+    import numpy as np
+    import torch
+    from ray.train import Checkpoint
+
+    from gx_ray.preemption import NodePreempted
+    from gx_ray.train import loop
+    from gx_ray.train.config import TrialConfig
+
+    config = TrialConfig.from_flat(
+        {"task": "stage_classification", "data.shards": str(demo_prepared.shard_dir), "schedule.epochs": 3,
+         "schedule.max_steps_per_epoch": 2, "data.effective_batch": 2, "model.vision": "resnet10_3d",
+         "model.vision_kwargs": {"block_inplanes": [8, 16, 32, 64]}, "model.text": "bert_tiny",
+         "model.fusion": "concat", "model.hidden": 32, "seed": 3, "data.in_memory": True, "data.shuffle_buffer": 2}
+    )  # fmt: skip
+
+    def run(latest, drain) -> list[dict]:
+        reports: list[dict] = []
+
+        def report(metrics: dict, checkpoint=None) -> None:
+            reports.append(dict(metrics))
+            if checkpoint is not None and metrics.get("preempted"):
+                checkpoint.to_directory(str(tmp_path / "preempted"))
+
+        context = loop.WorkerContext(
+            rank=0, world_size=1, device=torch.device("cpu"), report=report, latest_checkpoint=latest, drain=drain
+        )
+        loop.run_loop(config, context)
+        return reports
+
+    whole = run(None, None)
+    with pytest.raises(NodePreempted):
+        run(None, _DrainsAt(3))  # the first step of epoch 1: one of its steps taken
+    torch.manual_seed(12345)  # the process that goes on has drawn other numbers before
+    random.seed(12345)
+    np.random.seed(12345)
+    resumed = run(Checkpoint.from_directory(str(tmp_path / "preempted")), None)
+    assert [r["epoch"] for r in resumed] == [1, 2]
+    compared = ("train_loss", "val_primary", "test_primary")
+    for before, after in zip(whole[1:], resumed, strict=True):
+        assert {k: before.get(k) for k in compared} == {k: after.get(k) for k in compared}
+
+
 # --- two sweeps and a preempted node on a real cluster ------------------------------------------------------------
 
 
