@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ class SearchBenchmarkConfig:
 
 def run_search_benchmark(out: Path, config: SearchBenchmarkConfig = SearchBenchmarkConfig()) -> dict[str, Any]:
     out = Path(out)
+    shutil.rmtree(out / "sweeps", ignore_errors=True)  # an earlier run's: scratch, and its ids would be refused
     out.mkdir(parents=True, exist_ok=True)
     spaces = {"grid": (grid_space(out, config), ()), "asha_tpe": (config.space, ()), "pbt": (config.space, ("pbt",))}
     result: dict[str, Any] = {"config": asdict(config), "methods": {}}
