@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 from mlflow.tracking import MlflowClient
 
 from gx_ray.sweep.driver import EXPERIMENT
@@ -47,11 +48,11 @@ def _space(tmp_path: Path) -> Path:
 class Sweep:
     """``jobs/sweep.py`` in a process group of its own (as a terminal runs it), one trial at a time."""
 
-    def __init__(self, tmp_path: Path, data: Path):
+    def __init__(self, tmp_path: Path, data: Path, space: Path | None = None, at_once: int = 1):
         self.cwd, self.output = tmp_path, tmp_path / "out"
         self.command = [  # a relative --output, as users type it (Tune's restore once refused one)
-            sys.executable, str(ROOT / "jobs" / "sweep.py"), "--space", str(_space(tmp_path)),
-            "--output", "out", "--data", str(data), "--max-concurrent", "1",
+            sys.executable, str(ROOT / "jobs" / "sweep.py"), "--space", str(space or _space(tmp_path)),
+            "--output", "out", "--data", str(data), "--max-concurrent", str(at_once),
         ]  # fmt: skip
         self.log = tmp_path / "sweep.log"
 
@@ -250,3 +251,52 @@ def assert_provenance(sweep: Sweep, manifest: Path) -> None:
     for run in _trials(sweep.runs()):
         assert run.data.tags["gx_ray.device"].startswith("cpu")
         assert run.data.tags["gx_ray.effective_batch"] == "2" and run.data.tags["gx_ray.micro_batch"] == "2"
+
+
+# --- every searcher x scheduler pair that pauses and restores trials -------------------------------------------
+
+PAIRS = {
+    # a population of two, exploited after each of the first two epochs
+    "random+pbt": ({"searcher": "random", "scheduler": "pbt", "pbt": {"interval": 1}}, 2),
+    # brackets of 3 and 2 trials: the first halved at epoch 1 (two stopped, one resumed from its checkpoint)
+    "bohb+bohb": ({"searcher": "bohb", "scheduler": "bohb", "bohb": {"reduction_factor": 3}}, 3),
+}
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+def test_pausing_schedulers_survive_a_killed_worker_and_driver_with_every_trial_once(demo_prepared, tmp_path, pair):
+    """PBT and BOHB pause trials and restore them from checkpoints (another trial's, for PBT). A trial worker killed
+    mid-epoch is retried from its checkpoint; the driver killed outright is resumed with ``--resume`` (the searcher's
+    and scheduler's state from Tune's experiment state). Every trial ends once: FINISHED, or stopped early by the
+    scheduler (KILLED, tagged), each epoch it trained logged once, no run left RUNNING, one parent."""
+    document, samples = PAIRS[pair]
+    space = yaml.safe_load(_space(tmp_path).read_text(encoding="utf-8"))
+    space["fixed"]["seed"] = space.pop("grid")["seed"][0]
+    space["fixed"].pop("optimiser.lr")
+    space.update(document, budget={"samples": samples},
+                 sample={"optimiser.lr": {"type": "loguniform", "low": 1.0e-4, "high": 1.0e-3}})  # fmt: skip
+    (tmp_path / "pair.yaml").write_text(yaml.safe_dump(space), encoding="utf-8")
+    sweep = Sweep(tmp_path, demo_prepared.shard_dir, tmp_path / "pair.yaml", at_once=2)
+    process = sweep.start()
+    sweep.wait_for(lambda runs: _training(runs, past_epoch=1), process, "a trial past its second epoch")
+    for worker in _trial_workers(process.pid):
+        worker.kill()
+    def going_on(runs: list) -> bool:  # every trial started, and one restored from a checkpoint since
+        return len(_trials(runs)) == samples and any("resumed_from_epoch" in r.data.metrics for r in _trials(runs))
+
+    sweep.wait_for(going_on, process, "every trial started and one restored")
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=60)
+    assert sweep.run("--resume") == 0, sweep.tail()
+    client, runs = sweep.client(), sweep.runs()
+    parents, trials = [r for r in runs if r.data.tags.get(KIND_TAG) == "sweep"], _trials(runs)
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert len(trials) == samples and len({r.data.tags[TRIAL_TAG] for r in trials}) == samples
+    for run in trials:
+        stopped = run.data.tags.get("gx_ray.stopped_early") == "true"
+        assert run.info.status == ("KILLED" if stopped else "FINISHED"), (run.info.status, run.data.tags)
+        steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "val_primary"))
+        assert steps == list(range(len(steps))) and (stopped or len(steps) == EPOCHS), steps
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "test_primary")] == ([] if stopped else
+                                                                                                 [EPOCHS - 1])
+    assert any(r.info.status == "FINISHED" for r in trials)

@@ -83,6 +83,13 @@ class DonorCheckpointPBT(tune.schedulers.PopulationBasedTraining):
 
     def choose_trial_to_run(self, tune_controller: Any) -> Any:
         trial = super().choose_trial_to_run(tune_controller)
+        trials = tune_controller.get_trials()
+        waiting = [self._trial_state[t].last_train_time for t in trials if t.status in ("PENDING", "PAUSED")]
+        if trial is None and waiting and not any(t.status == "RUNNING" for t in trials):
+            # every trial paused past the next synchronisation point: a resumed sweep's scheduler is built anew, its
+            # first point at the first interval, and Tune moves it to the epoch reached rather than past it
+            self._next_perturbation_sync = min(waiting) + self._perturbation_interval
+            trial = super().choose_trial_to_run(tune_controller)
         if trial in self._donor_checkpoints:
             trial.run_metadata.checkpoint_manager._latest_checkpoint_result = self._donor_checkpoints[trial]
         return trial
