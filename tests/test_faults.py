@@ -253,13 +253,11 @@ def assert_provenance(sweep: Sweep, manifest: Path) -> None:
         assert run.data.tags["gx_ray.effective_batch"] == "2" and run.data.tags["gx_ray.micro_batch"] == "2"
 
 
-# --- every searcher x scheduler pair that pauses and restores trials -------------------------------------------
+# --- a searcher x scheduler pair that pauses trials and restores them from other trials' checkpoints ------------
 
 PAIRS = {
     # a population of two, exploited after each of the first two epochs
     "random+pbt": ({"searcher": "random", "scheduler": "pbt", "pbt": {"interval": 1}}, 2),
-    # brackets of 3 and 2 trials: the first halved at epoch 1 (two stopped, one resumed from its checkpoint)
-    "bohb+bohb": ({"searcher": "bohb", "scheduler": "bohb", "bohb": {"reduction_factor": 3}}, 3),
 }
 
 

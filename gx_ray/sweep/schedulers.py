@@ -162,7 +162,21 @@ def searcher_for(space: SearchSpace, seed: int) -> Any:
         return None
     from ray.tune.search.bohb import TuneBOHB
 
-    return TuneBOHB(metric=METRIC, mode="max", seed=seed)
+    class ResumableBOHB(TuneBOHB):
+        """TuneBOHB that survives ``--resume``: its saved state may predate trials it suggested (ray#39900), whose
+        results then fail it; such a trial is known again from the config its results carry."""
+
+        def on_trial_result(self, trial_id: str, result: dict) -> None:
+            if trial_id not in self.trial_to_params:
+                given = {k.removeprefix("config/"): v for k, v in result.items() if k.startswith("config/")}
+                self.trial_to_params[trial_id] = {k: v for k, v in given.items() if k in self._space}
+            super().on_trial_result(trial_id, result)
+
+        def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+            self.trial_to_params.setdefault(trial_id, {})
+            super().on_trial_complete(trial_id, result, error)
+
+    return ResumableBOHB(metric=METRIC, mode="max", seed=seed)
 
 
 def mutations(space: SearchSpace) -> dict[str, Any]:
