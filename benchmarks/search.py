@@ -70,6 +70,7 @@ def run_search_benchmark(out: Path, config: SearchBenchmarkConfig = SearchBenchm
         target = grid["best_val"] - config.within * abs(grid["best_val"])
         for figures in result["methods"].values():
             figures["hours_to_target"] = hours_to(figures["timeline"], target)
+            figures["epochs_to_target"] = epochs_to(figures["timeline"], target)
         result["target_val"] = target
     (out / "search_benchmark.json").write_text(json.dumps(result, indent=1, default=float) + "\n", encoding="utf-8")
     return result
@@ -116,6 +117,7 @@ def method_figures(client: MlflowClient, parent: str, cost: str) -> dict[str, An
     line = timeline(reports)
     return {
         "trials": len(runs),
+        "epochs": len(reports),
         "hours": spent / 3600,
         "best_val": max((r["val"] for r in reports), default=math.nan),
         "test_of_best_tested": best.data.metrics["test_primary"] if best else math.nan,
@@ -123,21 +125,26 @@ def method_figures(client: MlflowClient, parent: str, cost: str) -> dict[str, An
     }
 
 
-def timeline(reports: list[dict[str, Any]]) -> list[tuple[float, float]]:
-    """``(hours spent so far, best validation so far)`` at each report in wall-clock order: every trial's latest
-    reported cost, summed."""
+def timeline(reports: list[dict[str, Any]]) -> list[tuple[float, float, int]]:
+    """``(hours spent so far, best validation so far, epochs trained so far)`` at each report in wall-clock order:
+    every trial's latest reported cost, summed. Epochs do not depend on how loaded the machine was; hours do."""
     latest: dict[str, float] = {}
     best, line = -math.inf, []
-    for report in sorted(reports, key=lambda r: r["at"]):
+    for epochs, report in enumerate(sorted(reports, key=lambda r: r["at"]), start=1):
         latest[report["trial"]] = max(latest.get(report["trial"], 0.0), report["cost"])
         best = max(best, report["val"])
-        line.append((sum(latest.values()) / 3600, best))
+        line.append((sum(latest.values()) / 3600, best, epochs))
     return line
 
 
-def hours_to(line: list[tuple[float, float]], target: float) -> float:
+def hours_to(line: list[tuple[float, float, int]], target: float) -> float:
     """The hours spent at the first report whose best so far reaches ``target``; NaN where none does."""
-    return next((hours for hours, best in line if best >= target), math.nan)
+    return next((hours for hours, best, _ in line if best >= target), math.nan)
+
+
+def epochs_to(line: list[tuple[float, float, int]], target: float) -> float:
+    """The epochs trained (every trial's) at the first report whose best so far reaches ``target``; NaN where none."""
+    return next((float(epochs) for _, best, epochs in line if best >= target), math.nan)
 
 
 def figures(result: dict[str, Any]) -> dict[str, Any]:
@@ -153,12 +160,13 @@ def format_search_result(result: dict[str, Any]) -> str:
         f"search benchmark on {config['space']}{' +' + '+'.join(config['presets']) if config['presets'] else ''}: "
         f"device-hours to come within {config['within']:.0%} of the grid's best validation "
         f"({result.get('target_val', math.nan):.2f} or better)",
-        f"{'search':<10}{'trials':>7}{unit + ' in all':>12}{unit + ' to target':>15}{'best val':>10}"
-        f"{'its test':>10}{'wall s':>8}",
+        f"{'search':<10}{'trials':>7}{'epochs':>7}{unit + ' in all':>12}{'to target: ' + unit:>18}{'epochs':>7}"
+        f"{'best val':>10}{'its test':>10}{'wall s':>8}",
     ]
     for method, f in methods.items():
         lines.append(
-            f"{method:<10}{f['trials']:>7}{f['hours']:>12.3f}{f.get('hours_to_target', math.nan):>15.3f}"
+            f"{method:<10}{f['trials']:>7}{f['epochs']:>7}{f['hours']:>12.3f}"
+            f"{f.get('hours_to_target', math.nan):>18.3f}{f.get('epochs_to_target', math.nan):>7.0f}"
             f"{f['best_val']:>10.2f}{f['test_of_best_tested']:>10.2f}{f['wall_seconds']:>8.0f}"
         )
     return "\n".join(lines)

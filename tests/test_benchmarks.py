@@ -277,7 +277,7 @@ def test_the_slice_is_sized_so_that_every_task_is_measured_however_few_the_gpus(
 
 
 def test_a_searchs_hours_to_the_target_are_every_trials_latest_cost_at_the_first_report_that_reaches_it():
-    from benchmarks.search import hours_to, timeline
+    from benchmarks.search import epochs_to, hours_to, timeline
 
     rng = np.random.default_rng(1)
     for _ in range(300):
@@ -291,12 +291,14 @@ def test_a_searchs_hours_to_the_target_are_every_trials_latest_cost_at_the_first
             ]
         target = float(rng.uniform(40, 95))
         order = sorted(reports, key=lambda r: r["at"])
-        expected = math.nan
+        expected, epochs = math.nan, math.nan
         for i in range(len(order)):  # brute force: what everything reported up to the i-th report says
             seen = order[: i + 1]
             if max(r["val"] for r in seen) >= target:
                 latest = {r["trial"]: r["cost"] for r in seen}  # in time order: each trial's last
-                expected = sum(latest.values()) / 3600
+                expected, epochs = sum(latest.values()) / 3600, float(len(seen))
                 break
         got = hours_to(timeline(reports), target)
         assert (math.isnan(got) and math.isnan(expected)) or got == pytest.approx(expected)
+        got = epochs_to(timeline(reports), target)
+        assert (math.isnan(got) and math.isnan(epochs)) or got == epochs
