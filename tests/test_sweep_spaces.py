@@ -33,7 +33,7 @@ def ablation_space_with(tmp_path: Path, **changes) -> Path:
 @pytest.mark.parametrize(
     "changes, key, hint",
     [
-        ({"searcher": "random"}, "searcher", "valid: grid, optuna"),
+        ({"searcher": "hyperopt"}, "searcher", "valid: grid, random, optuna, bohb"),
         ({"fixed__model_DOT_vision": "vit"}, "vision model 'vit'", "valid: swin3d"),
         ({"grid__schema": ["image_only", "image_and_everything"]}, "schema=image_and_everything", "valid presets"),
         ({"fixed__optimiser_DOT_learning_rate": 0.1}, "fixed.optimiser.learning_rate", "not a trial config key"),
@@ -50,7 +50,7 @@ def test_malformed_space_names_file_key_and_choices(tmp_path, changes, key, hint
 
 
 def test_malformed_space_fails_before_ray_starts(tmp_path):
-    path = ablation_space_with(tmp_path, searcher="random")
+    path = ablation_space_with(tmp_path, searcher="hyperopt")
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, str(ROOT / "jobs" / "sweep.py"), "--space", str(path), "--output", str(tmp_path)],
@@ -59,7 +59,7 @@ def test_malformed_space_fails_before_ray_starts(tmp_path):
         errors="replace",
         timeout=120,
     )
-    assert result.returncode == 2 and "searcher" in result.stderr and "valid: grid, optuna" in result.stderr
+    assert result.returncode == 2 and "searcher" in result.stderr and "valid: grid, random, optuna, bohb" in result.stderr
     assert "Ray" not in result.stderr and not (tmp_path / "ray").exists()
     assert time.monotonic() - started < 60
 
