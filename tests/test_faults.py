@@ -279,6 +279,7 @@ def test_pausing_schedulers_survive_a_killed_worker_and_driver_with_every_trial_
     sweep.wait_for(lambda runs: _training(runs, past_epoch=1), process, "a trial past its second epoch")
     for worker in _trial_workers(process.pid):
         worker.kill()
+
     def going_on(runs: list) -> bool:  # every trial started, and one restored from a checkpoint since
         return len(_trials(runs)) == samples and any("resumed_from_epoch" in r.data.metrics for r in _trials(runs))
 
@@ -295,6 +296,7 @@ def test_pausing_schedulers_survive_a_killed_worker_and_driver_with_every_trial_
         assert run.info.status == ("KILLED" if stopped else "FINISHED"), (run.info.status, run.data.tags)
         steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "val_primary"))
         assert steps == list(range(len(steps))) and (stopped or len(steps) == EPOCHS), steps
-        assert [m.step for m in client.get_metric_history(run.info.run_id, "test_primary")] == ([] if stopped else
-                                                                                                 [EPOCHS - 1])
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "test_primary")] == (
+            [] if stopped else [EPOCHS - 1]
+        )
     assert any(r.info.status == "FINISHED" for r in trials)

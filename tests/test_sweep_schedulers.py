@@ -120,8 +120,9 @@ def _weights_hash(state_dict: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def test_a_restored_optimiser_takes_a_mutated_learning_rate_and_keeps_its_schedule(ray_cluster, demo_prepared,
-                                                                                   tmp_path):
+def test_a_restored_optimiser_takes_a_mutated_learning_rate_and_keeps_its_schedule(
+    ray_cluster, demo_prepared, tmp_path
+):
     """A trial restored with another learning rate (a PBT mutation) trains at it: every later step's rate is the
     uninterrupted run's times the ratio (warm-up and decay go on), and the restore reports the weights it loaded."""
     from mlflow.tracking import MlflowClient

@@ -59,7 +59,9 @@ def test_malformed_space_fails_before_ray_starts(tmp_path):
         errors="replace",
         timeout=120,
     )
-    assert result.returncode == 2 and "searcher" in result.stderr and "valid: grid, random, optuna, bohb" in result.stderr
+    assert (
+        result.returncode == 2 and "searcher" in result.stderr and "valid: grid, random, optuna, bohb" in result.stderr
+    )
     assert "Ray" not in result.stderr and not (tmp_path / "ray").exists()
     assert time.monotonic() - started < 60
 

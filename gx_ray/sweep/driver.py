@@ -347,8 +347,11 @@ def _tune(
             # the report's equivalence tests read the margin(s) here
             **({"analysis.margin": json.dumps(space.analysis["margin"])} if "margin" in space.analysis else {}),
             # the report's Pareto front reads the objectives and their directions here
-            **({"objectives": json.dumps(objectives(space.metric, task=space.fixed.get("task")))}
-               if space.multi_objective else {}),  # fmt: skip
+            **(
+                {"objectives": json.dumps(objectives(space.metric, task=space.fixed.get("task")))}
+                if space.multi_objective
+                else {}
+            ),  # fmt: skip
         },
         context.provenance,
     )
@@ -399,7 +402,8 @@ def _tune(
         # PBT keeps every checkpoint: a donor's may be restored after the donor has trained on (a trial paused
         # while others run), and Tune's own retention (the latest and the best) could have deleted it by then
         checkpoint_config=tune.CheckpointConfig(
-            num_to_keep=None if space.scheduler == "pbt" else 2, checkpoint_score_attribute=METRIC,
+            num_to_keep=None if space.scheduler == "pbt" else 2,
+            checkpoint_score_attribute=METRIC,
             checkpoint_score_order="max",
         ),  # fmt: skip
         stop=trained_to_the_end if space.scheduler in PAUSING or options.replay else None,

@@ -221,8 +221,12 @@ def check_schedule(space: SearchSpace) -> None:
     path, name, options = space.path, space.scheduler, space.scheduler_options
     configs = _configs(space)
     if any(c.resources.workers > 1 or c.resources.torch_trainer for c in configs):
-        raise SpaceError(path, "resources.workers", f"scheduler {name} restores trials from Tune's checkpoints, which "
-                         "a trial under a TorchTrainer (several workers) does not read: one worker per trial")
+        raise SpaceError(
+            path,
+            "resources.workers",
+            f"scheduler {name} restores trials from Tune's checkpoints, which "
+            "a trial under a TorchTrainer (several workers) does not read: one worker per trial",
+        )
     if name == "pbt":
         if not mutations(space):
             raise SpaceError(path, "sample", f"PBT mutates only {', '.join(MUTABLE)} while a trial trains; sample at "
@@ -249,8 +253,12 @@ def check_schedule(space: SearchSpace) -> None:
         every = config.schedule.checkpoint_every
         rungs = sorted({r for _, bracket in bohb_brackets(epochs, eta) for r in bracket})
         if off := [r for r in rungs if r % every and r != epochs]:
-            raise SpaceError(path, "schedule.checkpoint_every", f"{every} epochs: BOHB pauses trials at epochs "
-                             f"{rungs}, and {off} fall between checkpoints (a resumed trial would train them again)")
+            raise SpaceError(
+                path,
+                "schedule.checkpoint_every",
+                f"{every} epochs: BOHB pauses trials at epochs "
+                f"{rungs}, and {off} fall between checkpoints (a resumed trial would train them again)",
+            )
 
 
 def check_cluster(space: SearchSpace, at_once: int, nodes: list[dict[str, float]], trial: dict[str, float]) -> None:
@@ -261,8 +269,12 @@ def check_cluster(space: SearchSpace, at_once: int, nodes: list[dict[str, float]
     wanted = {"CPU": trial.get("cpu", 0.0), "GPU": trial.get("gpu", 0.0)}
     if not any(all(node.get(k, 0.0) >= v for k, v in wanted.items()) for node in nodes):
         largest = {k: max((node.get(k, 0.0) for node in nodes), default=0.0) for k in wanted}
-        raise SpaceError(space.path, "resources", f"a trial asks for {wanted['CPU']:g} CPU and {wanted['GPU']:g} GPU; "
-                         f"the largest node has {largest['CPU']:g} and {largest['GPU']:g}: no trial could start")
+        raise SpaceError(
+            space.path,
+            "resources",
+            f"a trial asks for {wanted['CPU']:g} CPU and {wanted['GPU']:g} GPU; "
+            f"the largest node has {largest['CPU']:g} and {largest['GPU']:g}: no trial could start",
+        )
     if space.scheduler != "bohb":
         return
     eta = space.scheduler_options["reduction_factor"]
