@@ -160,12 +160,12 @@ def format_search_result(result: dict[str, Any]) -> str:
         f"search benchmark on {config['space']}{' +' + '+'.join(config['presets']) if config['presets'] else ''}: "
         f"device-hours to come within {config['within']:.0%} of the grid's best validation "
         f"({result.get('target_val', math.nan):.2f} or better)",
-        f"{'search':<10}{'trials':>7}{'epochs':>7}{unit + ' in all':>12}{'to target: ' + unit:>18}{'epochs':>7}"
+        f"{'search':<10}{'trials':>7}{'epochs':>7}{unit + ' in all':>13}{'to target: ' + unit:>18}{'epochs':>7}"
         f"{'best val':>10}{'its test':>10}{'wall s':>8}",
     ]
     for method, f in methods.items():
         lines.append(
-            f"{method:<10}{f['trials']:>7}{f['epochs']:>7}{f['hours']:>12.3f}"
+            f"{method:<10}{f['trials']:>7}{f['epochs']:>7}{f['hours']:>13.3f}"
             f"{f.get('hours_to_target', math.nan):>18.3f}{f.get('epochs_to_target', math.nan):>7.0f}"
             f"{f['best_val']:>10.2f}{f['test_of_best_tested']:>10.2f}{f['wall_seconds']:>8.0f}"
         )
