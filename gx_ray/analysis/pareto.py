@@ -22,9 +22,9 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from gx_ray.analysis.runs import child_runs
+from gx_ray.train.ledger import SEARCH_COSTS as COSTS
 
 FOLDER = "pareto"
-COSTS = ("gpu_seconds", "cpu_seconds", "parameters")
 """Objectives that measure what a trial costs rather than how good it is: the figures' x axes."""
 LABELS = {"val_primary": "validation primary metric", "gpu_seconds": "GPU-seconds", "cpu_seconds": "CPU-seconds",
           "parameters": "parameters"}  # fmt: skip

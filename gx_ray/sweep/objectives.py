@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 from gx_ray.tasks import task_class
+from gx_ray.train.ledger import SEARCH_COSTS as COSTS
 
 PRIMARY = "primary"
 PRIMARY_KEY = "val_primary"
 """What every trial reports as its task's primary metric on the validation split, each epoch."""
-COSTS = ("gpu_seconds", "cpu_seconds", "parameters")
 """Reported by every trial, lower is better: device-seconds so far (reserved GPUs or CPUs × wall seconds) and the
 model's parameter count."""
 VALID = f"{PRIMARY}, val_<metric> (a validation metric of the task, e.g. val_auc), {', '.join(COSTS)}"

@@ -17,6 +17,9 @@ from typing import Any
 COSTS = ("gpu_seconds", "cpu_seconds")
 """What every report carries: reserved GPUs × wall seconds, reserved CPUs × wall seconds (so that a CPU-only machine
 exercises the same accounting)."""
+SEARCH_COSTS = (*COSTS, "parameters")
+"""What a multi-objective search may minimise beside its metric: the ledger's costs and the model's parameter count
+(every report carries all three)."""
 
 
 @dataclass(frozen=True)
