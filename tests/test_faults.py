@@ -5,6 +5,7 @@ per cell and no other run of it in any status, one parent, no run left RUNNING, 
 from __future__ import annotations
 
 import contextlib
+import csv
 import hashlib
 import json
 import os
@@ -19,10 +20,11 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
+from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
 from gx_ray.sweep.driver import EXPERIMENT
-from gx_ray.tracking import KIND_TAG, SWEEP_TAG, TRIAL_TAG
+from gx_ray.tracking import ABANDONED_TAG, KIND_TAG, SWEEP_TAG, TRIAL_TAG
 from gx_ray.tracking.server import PID_FILE, LocalMlflowServer
 from tests.common import ROOT, process_alive, small_stage_space
 
@@ -253,20 +255,32 @@ def assert_provenance(sweep: Sweep, manifest: Path) -> None:
         assert run.data.tags["gx_ray.effective_batch"] == "2" and run.data.tags["gx_ray.micro_batch"] == "2"
 
 
-# --- a searcher x scheduler pair that pauses trials and restores them from other trials' checkpoints ------------
+# --- the other searchers and schedulers -------------------------------------------------------------------------
 
 PAIRS = {
     # a population of two, exploited after each of the first two epochs
     "random+pbt": ({"searcher": "random", "scheduler": "pbt", "pbt": {"interval": 1}}, 2),
+    # brackets of 3 trials halved after the first epoch, and of 2 that train all three
+    "bohb+bohb": ({"searcher": "bohb", "scheduler": "bohb", "bohb": {"reduction_factor": 3}}, 3),
+    # Optuna's study restored from Tune's searcher checkpoint; ASHA's rungs at epochs 1 and 2 built anew
+    "optuna+asha": ({"searcher": "optuna", "scheduler": "asha"}, 3),
 }
+"""Every searcher and every scheduler, each through a resume, beside the grid without a scheduler above. The pairs not
+run here restore nothing of their own: grid and random are Tune's variant generator (its state, the configs
+drawn, is Tune's experiment state), and a scheduler's state after a resume is built anew from the trials it is given,
+whatever searcher gave them."""
 
 
 @pytest.mark.parametrize("pair", PAIRS)
-def test_pausing_schedulers_survive_a_killed_worker_and_driver_with_every_trial_once(demo_prepared, tmp_path, pair):
-    """PBT and BOHB pause trials and restore them from checkpoints (another trial's, for PBT). A trial worker killed
-    mid-epoch is retried from its checkpoint; the driver killed outright is resumed with ``--resume`` (the searcher's
-    and scheduler's state from Tune's experiment state). Every trial ends once: FINISHED, or stopped early by the
-    scheduler (KILLED, tagged), each epoch it trained logged once, no run left RUNNING, one parent."""
+def test_searchers_and_schedulers_survive_a_killed_worker_and_driver_with_every_trial_once(
+    demo_prepared, tmp_path, pair
+):
+    """A trial worker killed mid-epoch is retried from its checkpoint; the driver killed outright is resumed with
+    ``--resume`` (the searcher's state from Tune's searcher checkpoint, the trials from its experiment state). PBT
+    and BOHB pause trials and restore them from checkpoints (another trial's, for PBT); ASHA and BOHB stop trials
+    (BOHB's first bracket, before the kill). Every trial ends once: FINISHED, or stopped early by the scheduler
+    (KILLED, tagged, counted as such: the parent is FINISHED); each epoch it trained logged once, no run left
+    RUNNING, one parent."""
     document, samples = PAIRS[pair]
     space = yaml.safe_load(_space(tmp_path).read_text(encoding="utf-8"))
     space["fixed"]["seed"] = space.pop("grid")["seed"][0]
@@ -300,3 +314,15 @@ def test_pausing_schedulers_survive_a_killed_worker_and_driver_with_every_trial_
             [] if stopped else [EPOCHS - 1]
         )
     assert any(r.info.status == "FINISHED" for r in trials)
+    # a run whose trial the killed driver started after Tune last saved is deleted, saying why; its cost is kept
+    experiment = client.get_experiment_by_name(EXPERIMENT).experiment_id
+    deleted = client.search_runs([experiment], run_view_type=ViewType.DELETED_ONLY)
+    assert all(ABANDONED_TAG in r.data.tags for r in deleted)
+    with open(sweep.folder / "ledger.csv", encoding="utf-8") as file:
+        ledger = list(csv.DictReader(file))
+    assert sorted(r["trial_id"] for r in ledger if r["status"] != "ABANDONED") == sorted(
+        r.data.tags[TRIAL_TAG] for r in trials
+    )
+    assert sorted(r["trial_id"] for r in ledger if r["status"] == "ABANDONED") == sorted(
+        r.data.tags[TRIAL_TAG] for r in deleted
+    )

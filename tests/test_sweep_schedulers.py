@@ -19,7 +19,7 @@ from gx_ray.sweep.spaces import SpaceError, load_space
 from gx_ray.train.config import TrialConfig
 from tests.common import small_stage_space
 
-LR = {"optimiser.lr": {"type": "loguniform", "low": 1.0e-4, "high": 1.0e-3}}  # none diverges: a NaN is never ranked
+LR = {"optimiser.lr": {"type": "loguniform", "low": 1.0e-4, "high": 1.0e-3}}  # none diverges
 
 
 def _space(tmp_path: Path, epochs: int = 3, samples: int = 2, name: str = "sched", **document) -> Path:
@@ -162,6 +162,43 @@ def test_a_restored_optimiser_takes_a_mutated_learning_rate_and_keeps_its_schedu
     state = torch.load(tmp_path / "epoch0" / loop.CHECKPOINT_FILE, map_location="cpu", weights_only=True)
     assert restored[0]["weights_sha256"] == _weights_hash(state["model"]) and restored[0]["epoch"] == 0
     assert restored[0]["config"]["optimiser.lr"] == 1e-3  # the config that wrote the checkpoint
+
+
+def test_pbt_ranks_a_diverged_trial_last_and_replaces_it_from_the_top():
+    """Tune's PBT ranks finite scores only: a trial whose validation became NaN would train on, never exploited.
+    On 300 random populations (2–8 trials, some diverged, both quantile fractions): every diverged trial is in the
+    bottom set, the top set is the best finite scores (the one finite trial when only one is left), none is in both,
+    and a population with no NaN gets exactly Tune's quantiles."""
+    import math
+    import random
+
+    from ray.tune.experiment import Trial
+    from ray.tune.schedulers import PopulationBasedTraining
+    from ray.tune.schedulers.pbt import _PBTTrialState
+
+    from gx_ray.sweep.schedulers import METRIC, TIME_ATTR, DonorCheckpointPBT
+
+    rng, mutations = random.Random(0), {"optimiser.lr": [1e-4, 1e-3]}
+    for case in range(300):
+        options = dict(time_attr=TIME_ATTR, metric=METRIC, mode="max", perturbation_interval=1, synch=True,
+                       hyperparam_mutations=mutations, quantile_fraction=rng.choice([0.25, 0.5]))  # fmt: skip
+        ours, tunes = DonorCheckpointPBT(**options), PopulationBasedTraining(**options)
+        trials = [Trial("__fake", config={}, stub=True) for _ in range(rng.randint(2, 8))]
+        scores = {t: math.nan if rng.random() < 0.3 else rng.random() for t in trials}
+        for scheduler in (ours, tunes):
+            for trial in trials:
+                scheduler._trial_state[trial] = _PBTTrialState(trial)
+                scheduler._save_trial_state(
+                    scheduler._trial_state[trial], 1, {METRIC: scores[trial], TIME_ATTR: 1}, trial
+                )
+        lower, upper = ours._quantiles()
+        diverged = {t for t in trials if math.isnan(scores[t])}
+        finite = sorted((t for t in trials if t not in diverged), key=scores.get, reverse=True)
+        if not diverged or not finite:
+            assert (lower, upper) == tunes._quantiles(), case
+            continue
+        assert diverged <= set(lower) and not set(lower) & set(upper), case
+        assert upper and set(upper) == set(finite[: len(upper)]), case
 
 
 # --- a real PBT sweep --------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from gx_ray.schema import AUTO
 from gx_ray.sweep.plan_cache import default_cache_dir, measured_plan
 from gx_ray.sweep.spaces import SearchSpace
 from gx_ray.sweep.trial import SweepContext, TrialSetting, gpu_plan_key, under_torch_trainer
-from gx_ray.tracking import TRIAL_TAG, child_runs, log_metrics
+from gx_ray.tracking import ABANDONED_TAG, TRIAL_TAG, child_runs, log_metrics
 from gx_ray.train.config import TrialConfig
 from gx_ray.train.ledger import COSTS
 from gx_ray.train.loop import WorkerContext, optimiser_steps, run_loop
@@ -132,7 +132,8 @@ def budgeted(options: Any, context: SweepContext, output: Path, client: MlflowCl
 
 def spent_so_far(client: MlflowClient, parent: str, metric: str) -> dict[str, float]:
     """Each trial's cost as its MLflow run last logged it, by Tune trial id: what earlier runs of the sweep spent."""
-    return {r.data.tags[TRIAL_TAG]: r.data.metrics.get(metric, 0.0) for r in child_runs(client, parent)}
+    runs = child_runs(client, parent, abandoned=True)
+    return {r.data.tags[TRIAL_TAG]: r.data.metrics.get(metric, 0.0) for r in runs}
 
 
 class BudgetStop(tune.Callback):
@@ -142,6 +143,12 @@ class BudgetStop(tune.Callback):
 
     def __init__(self, sweep_id: str):
         self.sweep_id = sweep_id
+
+    @property
+    def spent(self) -> bool:
+        """Whether this run of the sweep was stopped by its budget (its running trials ended unfinished)."""
+        state = _ACTIVE.get(self.sweep_id)
+        return bool(state and state.stopped)
 
     def setup(self, **info: Any) -> None:
         self._check()  # Tune's signal handler is in place, and no trial has started
@@ -319,15 +326,17 @@ def _trial_cost(
 
 
 def write_ledger(client: MlflowClient, parent: str, output: Path, sweep_id: str) -> dict[str, Any]:
-    """``OUTPUT/ledger.csv``: every trial's device-seconds, parameters, epochs and status, also on the parent run with
-    the totals as its metrics; returns the sweep's figures for ``sweep.json`` (with its budget's, where it has one)."""
+    """``OUTPUT/ledger.csv``: every trial's device-seconds, parameters, epochs and status (ABANDONED: a run that
+    :func:`~gx_ray.tracking.abandon_unknown_runs` deleted), also on the parent run with the totals as its metrics;
+    returns the sweep's figures for ``sweep.json`` (with its budget's, where it has one)."""
     rows = []
-    for run in sorted(child_runs(client, parent), key=lambda r: r.info.start_time or 0):
-        metrics = run.data.metrics
+    for run in sorted(child_runs(client, parent, abandoned=True), key=lambda r: r.info.start_time or 0):
+        metrics, tags = run.data.metrics, run.data.tags
+        status = "ABANDONED" if ABANDONED_TAG in tags else run.info.status
         rows.append({
             "trial": run.info.run_name,
             "trial_id": run.data.tags.get(TRIAL_TAG),
-            "status": "STOPPED_EARLY" if run.data.tags.get("gx_ray.stopped_early") == "true" else run.info.status,
+            "status": "STOPPED_EARLY" if tags.get("gx_ray.stopped_early") == "true" else status,
             **{name: round(metrics.get(name, 0.0), 3) for name in COSTS},
             "parameters": int(metrics["parameters"]) if "parameters" in metrics else None,
             "epochs": int(metrics["epoch"]) + 1 if "epoch" in metrics else 0,

@@ -16,6 +16,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -24,7 +25,6 @@ from typing import Any
 import ray
 from mlflow.tracking import MlflowClient
 from ray import tune
-from ray.tune.search.optuna import OptunaSearch
 from ray.tune.utils.util import warn_if_slow
 
 from gx_ray import storage
@@ -54,11 +54,18 @@ from gx_ray.sweep.schedulers import (
 from gx_ray.sweep.share import named, refuse_a_live_twin, share_cluster, trial_footprint
 from gx_ray.sweep.signals import signals_stop_the_sweep
 from gx_ray.sweep.spaces import SearchSpace, available_presets, load_space
-from gx_ray.sweep.study import dashboard_command, driver_seed, optuna_storage, study_location
+from gx_ray.sweep.study import (
+    ResumableOptunaSearch,
+    dashboard_command,
+    driver_seed,
+    optuna_storage,
+    study_location,
+)
 from gx_ray.sweep.summary import format_summary, result_rows, summarise, trial_dirname, trial_name, write_sweep_file
 from gx_ray.sweep.trial import SweepContext, run_trial, task_key
 from gx_ray.tasks import task_class
 from gx_ray.tracking import (
+    abandon_unknown_runs,
     check_reachable_from,
     child_runs,
     end_open_runs,
@@ -437,7 +444,9 @@ def _tune(
         if host:
             host.stop()
     timings["tune_seconds"] = time.perf_counter() - tune_started
-    rows = result_rows(grid, context)
+    time_left = tune_config.time_budget_s
+    cut_short = interrupted["interrupted"] or budget.spent or (time_left and timings["tune_seconds"] >= time_left)
+    rows = result_rows(grid, context, cut_short=bool(cut_short))
     failed = sum(1 for r in rows if r["error"])
     finished = sum(1 for r in rows if r["completed"] and not r["error"])
     stopped = [r["trial"] for r in rows if r["stopped_early"]]
@@ -449,8 +458,9 @@ def _tune(
         context.sweep_id, output, tracking_uri, EXPERIMENT, parent, finished, failed, len(stopped), best, timings,
         interrupted=interrupted["interrupted"], experiment_id=experiment_id, view=view,
     )  # fmt: skip
+    known = {t.trial_id for t in grid._experiment_analysis.trials}  # what this Tune experiment holds, ended or not
     try:
-        _close_runs(client, parent, total, stopped, result, timings, host)
+        _close_runs(client, parent, total, stopped, known, result, timings, host)
         result.costs = write_ledger(client, parent, output, context.sweep_id)  # ledger.csv, totals on the parent
     except Exception as err:  # MLflow unreachable: the summary and sweep.json still tell what ran
         result.mlflow_error = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
@@ -470,18 +480,21 @@ def _named_study(options: SweepOptions) -> dict[str, str]:
 
 def optuna_search(
     options: SweepOptions, context: SweepContext, output: Path, metric: str | list[str], mode: str | list[str]
-) -> OptunaSearch:
+) -> ResumableOptunaSearch:
     """Tune's Optuna searcher over the sweep's study (:mod:`gx_ray.sweep.study`), whose dashboard command it prints."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # "A new study created in Journal ...": said below
+    # a resumed trial trains again from its checkpoint the epochs it reported after it (the study outlived the killed
+    # driver): the study keeps its first report of each, and warns of the second with nothing for the user to do
+    warnings.filterwarnings("ignore", "The reported value is ignored because this `step", UserWarning)
     location = study_location(options.study, context.storage_path, context.sweep_id)
     name = options.study_name or context.sweep_id
     if location is None:
         print(f"the Optuna study {name} is kept in memory: give --study a database URL to keep it", file=sys.stderr)
     else:
         print(f"Optuna study {name}:  {dashboard_command(location)}", file=sys.stderr)
-    return OptunaSearch(
+    return ResumableOptunaSearch(
         metric=metric,
         mode=mode,
         seed=driver_seed(name, output),
@@ -508,11 +521,16 @@ def task_inputs(context: SweepContext, root: str) -> dict[str, dict[str, Any]]:
     return {key: inputs for key, inputs in built.items() if inputs}
 
 
-def _close_runs(client, parent, total: int, stopped, result: SweepResult, timings, host) -> None:
+def _close_runs(client, parent, total: int, stopped, known: set[str], result: SweepResult, timings, host) -> None:
     """End the sweep's runs in MLflow: the scheduler's stopped trials KILLED and tagged, trials a signal stopped
-    KILLED (``--resume`` opens them again), the sweep's counts and GPU figures on the parent, and its status."""
+    KILLED (``--resume`` opens them again), runs of trials Tune does not hold deleted, the sweep's counts and GPU
+    figures on the parent, and its status."""
     runs = child_runs(client, parent)
     end_open_runs(client, runs, stopped)  # Tune has ended: no trial of this sweep runs any more
+    if abandoned := abandon_unknown_runs(client, runs, known):
+        print(f"{len(abandoned)} trial run(s) of an earlier attempt deleted from MLflow (their trials were run again "
+              "under other ids); the ledger keeps their cost", file=sys.stderr)  # fmt: skip
+        runs = [r for r in runs if r.info.run_id not in abandoned]
     counts = {"trials_finished": result.finished, "trials_failed": result.failed, "trials_stopped_early": len(stopped)}
     first_steps = [r.data.metrics["first_step_at"] for r in runs if "first_step_at" in r.data.metrics]
     if first_steps:  # launch → the first optimiser step of any trial: what a user waits before GPUs work

@@ -98,6 +98,21 @@ class DonorCheckpointPBT(tune.schedulers.PopulationBasedTraining):
         self._donor_checkpoints.pop(trial, None)  # restored: it trains from the donor's weights
         return super().on_trial_result(tune_controller, trial, result)
 
+    def _quantiles(self) -> tuple[list[Any], list[Any]]:
+        """Tune's quantiles, with the diverged trials (a NaN validation score) at the bottom: Tune ranks only finite
+        scores, so a trial whose weights became NaN would never be exploited and would train on, scoring nothing.
+        Each is replaced by a trial of the top quantile (the one finite trial, when only one is left)."""
+        lower, upper = super()._quantiles()
+        live = [
+            (t, s.last_score) for t, s in self._trial_state.items() if s.last_score is not None and not t.is_finished()
+        ]
+        diverged = [t for t, score in live if math.isnan(score)]
+        finite = [t for t, score in live if not math.isnan(score)]
+        if not diverged or not finite:  # nothing to replace, or no trial to replace it from
+            return lower, upper
+        upper = upper or [max(finite, key=lambda t: self._trial_state[t].last_score)]
+        return diverged + [t for t in lower if t not in upper], upper
+
     def _log_config_on_step(self, trial_state: Any, new_state: Any, trial: Any, trial_to_clone: Any,
                             new_config: dict) -> None:  # fmt: skip
         """Tune's policy files (``pbt_global.txt``, ``pbt_policy_<trial>.txt``: a trial's schedule, the donor's
@@ -114,6 +129,19 @@ class DonorCheckpointPBT(tune.schedulers.PopulationBasedTraining):
         donors = folder / f"pbt_policy_{trial_to_clone.trial_id}.txt"
         history = donors.read_text(encoding="utf-8") if donors.is_file() else ""
         (folder / f"pbt_policy_{trial.trial_id}.txt").write_text(history + line, encoding="utf-8")
+
+
+class ResumableHyperBand(tune.schedulers.HyperBandForBOHB):
+    """Tune's HyperBandForBOHB that survives ``--resume``. A resumed sweep's scheduler is built anew and Tune adds it
+    every trial of the saved experiment, the ended ones too: HyperBand put those in a bracket that waits for each of
+    its trials to reach the next rung, which an ended trial never does, and the sweep waited forever. Ended trials
+    are left out; the unfinished ones fill new brackets (a trial already past a rung is halved with its new bracket's
+    trials at its next report), so the brackets after a resume are not those an uninterrupted sweep would have had."""
+
+    def on_trial_add(self, tune_controller: Any, trial: Any) -> None:
+        if trial.status in ("TERMINATED", "ERROR"):  # ended before the resume: no rung waits for it
+            return
+        super().on_trial_add(tune_controller, trial)
 
 
 class ScheduleReplay(tune.schedulers.PopulationBasedTrainingReplay):
@@ -148,7 +176,7 @@ def scheduler_for(space: SearchSpace) -> Any:
             resample_probability=options["resample_probability"], synch=True,
         )  # fmt: skip
     if space.scheduler == "bohb":
-        return tune.schedulers.HyperBandForBOHB(
+        return ResumableHyperBand(
             time_attr=TIME_ATTR, metric=METRIC, mode="max", max_t=_epochs(space),
             reduction_factor=options["reduction_factor"],
         )  # fmt: skip

@@ -45,11 +45,18 @@ def trial_name(fixed: dict[str, Any], trial: Any) -> str:
     return " ".join(p for p in parts if p)
 
 
-def result_rows(grid: Any, context: SweepContext) -> list[dict[str, Any]]:
+def result_rows(grid: Any, context: SweepContext, cut_short: bool = False) -> list[dict[str, Any]]:
     """One row per Tune result: what the trial trained (task label, schema, seed, the other chosen values) and how it
-    ended. A trial that never started (a time budget ended first) has no config, so no task: it is in no cell."""
+    ended. A trial that never started (a time budget ended first) has no config, so no task: it is in no cell.
+
+    A trial that ended unfinished and without error was stopped early by the scheduler when Tune ended it
+    (TERMINATED) in a sweep not ``cut_short`` (by a signal or a budget, which end the running trials the same way), or
+    when Tune marked its last result done (the scheduler's decision on that result). The status is what survives a
+    resume: a trial that BOHB's or ASHA's bracket stopped before the driver was killed comes back without the mark."""
+    trials = getattr(grid, "_experiment_analysis", None)
+    statuses = [t.status for t in trials.trials] if trials is not None else [None] * len(grid)
     rows = []
-    for result in grid:
+    for result, status in zip(grid, statuses, strict=True):
         params = dict(result.config or {})
         config = context.setting(params).config if params else None
         metrics = result.metrics or {}
@@ -64,9 +71,9 @@ def result_rows(grid: Any, context: SweepContext) -> list[dict[str, Any]]:
                 "test_primary": metrics.get("test_primary"),
                 "test_chance": metrics.get("test_chance"),
                 "completed": "best_epoch" in metrics,  # the loop reports it with the test metrics, at its end
-                # Tune marks the result at which the scheduler stopped a trial done; a trial that ran to its end
-                # (or was interrupted) returned after its last report, which is not marked
-                "stopped_early": bool(metrics.get("done")) and "best_epoch" not in metrics and not result.error,
+                "stopped_early": "best_epoch" not in metrics
+                and not result.error
+                and (bool(metrics.get("done")) or (status == "TERMINATED" and not cut_short)),
                 "error": str(result.error).splitlines()[0][:300] if result.error else None,
             }
         )

@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import Metric, Param, RunTag, ViewType
 from mlflow.tracking import MlflowClient
 
 from gx_ray import storage
 
 SWEEP_TAG, TRIAL_TAG, KIND_TAG = "gx_ray.sweep_id", "gx_ray.trial_id", "gx_ray.kind"
+ABANDONED_TAG = "gx_ray.abandoned"
 PARENT_TAG = "mlflow.parentRunId"  # MLflow's own tag: the UI nests child runs under it
 MAX_PARAM_LENGTH = 6000  # MLflow 3 stores param values up to 6000 characters
 PREDICTION_SAMPLE = 50
@@ -164,10 +165,33 @@ def child_run(
     return ChildRun(run.info.run_id, None)
 
 
-def child_runs(client: MlflowClient, parent_run_id: str) -> list[Any]:
-    """Every trial run of a sweep (the runs MLflow nests under its parent run)."""
+def child_runs(client: MlflowClient, parent_run_id: str, abandoned: bool = False) -> list[Any]:
+    """Every trial run of a sweep (the runs MLflow nests under its parent run); with ``abandoned``, also those
+    :func:`abandon_unknown_runs` deleted (what they spent is spent)."""
     experiment_id = client.get_run(parent_run_id).info.experiment_id
-    return client.search_runs([experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}'")
+    view = ViewType.ALL if abandoned else ViewType.ACTIVE_ONLY
+    return client.search_runs(
+        [experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}'", run_view_type=view
+    )
+
+
+def abandon_unknown_runs(client: MlflowClient, runs: list[Any], known_trials: set[str]) -> list[str]:
+    """Delete the trial runs whose Tune trial the sweep no longer has, saying why on each; their ids. Such a run was
+    opened by a trial that a killed driver started after Tune last saved its experiment, so that the resumed sweep's
+    searcher drew the trial again under another id, or by a failed trial that ``--resume`` restarted under a new
+    id. Deleted (MLflow's soft delete: ``mlflow gc`` removes it, ``restore_run`` brings it back) so that no table,
+    figure or count sees the trial twice; the ledger keeps what it spent."""
+    abandoned = []
+    for run in runs:
+        if run.data.tags.get(TRIAL_TAG) in known_trials:
+            continue
+        why = "its trial is not in the sweep's Tune experiment: a killed driver's or a restarted failed trial's run"
+        client.set_tag(run.info.run_id, ABANDONED_TAG, why)
+        if run.info.status == "RUNNING":
+            client.set_terminated(run.info.run_id, "KILLED")
+        client.delete_run(run.info.run_id)
+        abandoned.append(run.info.run_id)
+    return abandoned
 
 
 def end_open_runs(client: MlflowClient, runs: list[Any], stopped_early: list[str]) -> None:
