@@ -144,7 +144,7 @@ def _server_record(sweep: Sweep) -> dict:
 def test_ctrl_c_then_a_killed_driver_each_resume_to_every_cell_finished_once(demo_prepared, tmp_path):
     """Ctrl-C stops the sweep cleanly (exit 130, its state saved, its server stopped, no run left RUNNING); the resumed
     sweep, killed outright once a trial has finished, leaves its server running, which the next resume stops; that one
-    finishes every cell exactly once."""
+    finishes every cell exactly once, and the report command writes its report again."""
     sweep = Sweep(tmp_path, demo_prepared.shard_dir)
     process = sweep.start()
     sweep.wait_for(_training, process, "a trial training")
@@ -167,6 +167,14 @@ def test_ctrl_c_then_a_killed_driver_each_resume_to_every_cell_finished_once(dem
     assert not process_alive(leftover), "the resumed sweep did not stop the leftover server"
     assert "a killed sweep left running" in sweep.whole(), sweep.whole()[-20000:]
     assert_every_cell_finished_once(sweep)
+    # the report command writes the report again from the sweep's folder alone (sweep.json names its store)
+    (sweep.folder / "report" / "summary.html").unlink()
+    report = subprocess.run(
+        [sys.executable, str(ROOT / "analysis" / "report.py"), "--sweep", str(sweep.folder)],
+        capture_output=True, encoding="utf-8", errors="replace", timeout=600,
+    )  # fmt: skip
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert "summary.md" in report.stdout and (sweep.folder / "report" / "summary.html").is_file()
 
 
 def _trial_workers(driver: int) -> list[psutil.Process]:
@@ -264,11 +272,12 @@ PAIRS = {
     "bohb+bohb": ({"searcher": "bohb", "scheduler": "bohb", "bohb": {"reduction_factor": 3}}, 3),
     # Optuna's study restored from Tune's searcher checkpoint; ASHA's rungs at epochs 1 and 2 built anew
     "optuna+asha": ({"searcher": "optuna", "scheduler": "asha"}, 3),
+    "optuna+none": ({"searcher": "optuna", "scheduler": "none"}, 3),
+    "random+asha": ({"searcher": "random", "scheduler": "asha"}, 3),
 }
-"""Every searcher and every scheduler, each through a resume, beside the grid without a scheduler above. The pairs not
-run here restore nothing of their own: grid and random are Tune's variant generator (its state, the configs
-drawn, is Tune's experiment state), and a scheduler's state after a resume is built anew from the trials it is given,
-whatever searcher gave them."""
+"""With the grid without a scheduler above, every pair of Tune classes a space can name: grid and random are both
+Tune's variant generator (``BasicVariantGenerator``), so ``grid+asha`` runs the classes of ``random+asha``, and
+``random+none`` those of ``grid+none``."""
 
 
 @pytest.mark.parametrize("pair", PAIRS)
