@@ -6,7 +6,13 @@ Heavy packages (MLflow, Ray Tune, MONAI) are imported inside the functions that 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,6 +23,7 @@ import yaml
 
 if TYPE_CHECKING:
     import pandas as pd
+    from mlflow.tracking import MlflowClient
 
     from gx_ray.data.demo.cohort import DemoConfig
     from gx_ray.data.demo.findings import Findings
@@ -109,6 +116,114 @@ def process_alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+# --- a sweep hurt from outside: the fault tests' harness ---------------------------------------------------------
+
+FAULT_EPOCHS, FAULT_SEEDS = 3, (0, 1)
+
+
+def fault_space(tmp_path: Path) -> Path:
+    """The fault tests' sweep: two small stage-classification trials (seeds 0 and 1), three epochs each."""
+    description = "two small stage-classification trials, three epochs each"
+    # the splits in memory, shuffled in windows smaller than the training share: a resumed epoch must draw the
+    # uninterrupted epoch's batches although its process has not read the split before
+    fixed = {"optimiser.lr": 1.0e-3, "data.in_memory": True, "data.shuffle_buffer": 2}
+    return small_stage_space(tmp_path / "faults.yaml", FAULT_EPOCHS, FAULT_SEEDS, description, **fixed)
+
+
+class SweepProcess:
+    """``jobs/sweep.py`` in a process group of its own (as a terminal runs it), one trial at a time."""
+
+    def __init__(self, tmp_path: Path, data: Path, space: Path | None = None, at_once: int = 1):
+        self.cwd, self.output = tmp_path, tmp_path / "out"
+        self.command = [  # a relative --output, as users type it (Tune's restore once refused one)
+            sys.executable, str(ROOT / "jobs" / "sweep.py"), "--space", str(space or fault_space(tmp_path)),
+            "--output", "out", "--data", str(data), "--max-concurrent", str(at_once),
+        ]  # fmt: skip
+        self.log = tmp_path / "sweep.log"
+
+    def start(self, *extra: str) -> subprocess.Popen:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_HTTP_REQUEST")}  # the sweep's own
+        with open(self.log, "ab") as log:
+            command = [*self.command, *extra]
+            return subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.cwd, env=env
+            )
+
+    def run(self, *extra: str, timeout: float = 600) -> int:
+        process = self.start(*extra)
+        return process.wait(timeout=timeout)
+
+    def tail(self) -> str:
+        return self.whole()[-4000:]
+
+    def whole(self) -> str:
+        """Everything the sweep's runs printed: a message asserted on must not fall out of a tail that later output
+        (once, Tune's twenty-line report of a trial error) has filled."""
+        return self.log.read_text(errors="replace") if self.log.is_file() else ""
+
+    @property
+    def folder(self) -> Path | None:
+        folders = [p.parent.parent for p in self.output.glob("*/mlflow/mlflow.db")]
+        return folders[0] if folders else None
+
+    def client(self, live: bool = False) -> MlflowClient:
+        """While the sweep runs, through its server (a second writer could race the server creating the store);
+        once it has ended, the store itself."""
+        from mlflow.tracking import MlflowClient
+
+        if live:
+            return MlflowClient(f"http://127.0.0.1:{server_record(self)['port']}")
+        return MlflowClient(f"sqlite:///{self.folder / 'mlflow' / 'mlflow.db'}")
+
+    def runs(self, live: bool = False) -> list:
+        from gx_ray.sweep.driver import EXPERIMENT
+
+        client = self.client(live)
+        experiment = client.get_experiment_by_name(EXPERIMENT)
+        return client.search_runs([experiment.experiment_id]) if experiment else []
+
+    def wait_for(self, condition: Callable[[list], bool], process: subprocess.Popen, what: str) -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert process.poll() is None, f"the sweep ended before {what}:\n{self.tail()}"
+            try:
+                if self.folder and condition(self.runs(live=True)):
+                    return
+            except Exception:  # the store is being created, or is busy
+                pass
+            time.sleep(0.3)
+        raise AssertionError(f"no {what} within 300 s:\n{self.tail()}")
+
+
+def trial_runs(runs: list) -> list:
+    """The trial runs among a sweep's MLflow runs (not its parent)."""
+    from gx_ray.tracking import KIND_TAG
+
+    return [r for r in runs if r.data.tags.get(KIND_TAG) == "trial"]
+
+
+def training(runs: list, past_epoch: int = 0) -> bool:
+    """A trial has logged epoch ``past_epoch`` (or a later one) and not yet finished: it is training."""
+    return any(r.info.status == "RUNNING" and r.data.metrics.get("epoch", -1) >= past_epoch for r in trial_runs(runs))
+
+
+def server_record(sweep: SweepProcess) -> dict:
+    """The sweep's MLflow server as its pid file records it (``pid``, ``port``)."""
+    from gx_ray.tracking.server import PID_FILE
+
+    return json.loads((sweep.folder / "mlflow" / PID_FILE).read_text(encoding="utf-8"))
+
+
+def trial_workers(driver: int) -> list[psutil.Process]:
+    """This sweep's trial workers only (its local Ray runs under its driver): another test's sweep may run beside it."""
+    found = []
+    for child in psutil.Process(driver).children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # a process that ended meanwhile
+            if "ray::ImplicitFunc" in " ".join(child.cmdline()):
+                found.append(child)
+    return found
 
 
 # --- a constructed runs table for the analysis ----------------------------------------------------------------

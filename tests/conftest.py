@@ -37,9 +37,17 @@ def pytest_configure(config: pytest.Config) -> None:
         config.issue_config_time_warning(pytest.PytestConfigWarning(f"tests run on the host's network: {err}"), 2)
 
 
-LONGEST_FILES = ("test_faults.py", "test_multinode.py", "test_sweep_driver.py", "test_deploy.py", "test_lesion_qa.py")
-"""The files that take longest (4-5 min each on CI's 2 cores, `--durations` of 2026-11-29), dealt out first: two of
-them left to the end ran side by side for 5 minutes while the quick files had long finished."""
+LONGEST_FILES = (
+    "test_faults_searchers.py",
+    "test_faults.py",
+    "test_sweep_share.py",
+    "test_multinode.py",
+    "test_deploy.py",
+    "test_sweep_driver.py",
+    "test_lesion_qa.py",
+)
+"""The files that take longest (3–15 min each on 2 cores, ``--durations`` of a clean-clone run), dealt out first: two
+of them left to the end ran side by side for 5 minutes while the quick files had long finished."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

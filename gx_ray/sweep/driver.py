@@ -407,7 +407,7 @@ def _tune(
         storage_path=context.storage_path,
         # a trial that fails three times is reported, not fatal. Twice would do but for Tune's reuse of processes: a
         # retry can land on a cached trial process that died in the same event (a lost node, a kill), before Tune
-        # has heard of its death, and that counts as a failure too (seen in tests/test_faults.py's random+asha pair)
+        # has heard of its death, and that counts as a failure too (seen in tests/test_faults_searchers.py, random+asha)
         failure_config=tune.FailureConfig(max_failures=2),
         # PBT keeps every checkpoint: a donor's may be restored after the donor has trained on (a trial paused
         # while others run), and Tune's own retention (the latest and the best) could have deleted it by then
