@@ -358,7 +358,7 @@ def _tune(
                 {"objectives": json.dumps(objectives(space.metric, task=space.fixed.get("task")))}
                 if space.multi_objective
                 else {}
-            ),  # fmt: skip
+            ),
         },
         context.provenance,
     )
@@ -415,7 +415,7 @@ def _tune(
             num_to_keep=None if space.scheduler == "pbt" else 2,
             checkpoint_score_attribute=METRIC,
             checkpoint_score_order="max",
-        ),  # fmt: skip
+        ),
         stop=trained_to_the_end if space.scheduler in PAUSING or options.replay else None,
         verbose=0,
         callbacks=[TrialProgress(space.trial_count()), ReportWarmUp(report_modules(space)), budget],
@@ -449,7 +449,8 @@ def _tune(
     timings["tune_seconds"] = time.perf_counter() - tune_started
     time_left = tune_config.time_budget_s
     cut_short = interrupted["interrupted"] or budget.spent or (time_left and timings["tune_seconds"] >= time_left)
-    rows = result_rows(grid, context, cut_short=bool(cut_short))
+    trials = grid._experiment_analysis.trials  # Tune's trials, ended or not: their status, and which runs are theirs
+    rows = result_rows(grid, trials, context, cut_short=bool(cut_short))
     failed = sum(1 for r in rows if r["error"])
     finished = sum(1 for r in rows if r["completed"] and not r["error"])
     stopped = [r["trial"] for r in rows if r["stopped_early"]]
@@ -461,9 +462,8 @@ def _tune(
         context.sweep_id, output, tracking_uri, EXPERIMENT, parent, finished, failed, len(stopped), best, timings,
         interrupted=interrupted["interrupted"], experiment_id=experiment_id, view=view,
     )  # fmt: skip
-    known = {t.trial_id for t in grid._experiment_analysis.trials}  # what this Tune experiment holds, ended or not
     try:
-        _close_runs(client, parent, total, stopped, known, result, timings, host)
+        _close_runs(client, parent, total, stopped, {t.trial_id for t in trials}, result, timings, host)
         result.costs = write_ledger(client, parent, output, context.sweep_id)  # ledger.csv, totals on the parent
     except Exception as err:  # MLflow unreachable: the summary and sweep.json still tell what ran
         result.mlflow_error = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"

@@ -45,18 +45,17 @@ def trial_name(fixed: dict[str, Any], trial: Any) -> str:
     return " ".join(p for p in parts if p)
 
 
-def result_rows(grid: Any, context: SweepContext, cut_short: bool = False) -> list[dict[str, Any]]:
+def result_rows(grid: Any, trials: list[Any], context: SweepContext, cut_short: bool = False) -> list[dict[str, Any]]:
     """One row per Tune result: what the trial trained (task label, schema, seed, the other chosen values) and how it
     ended. A trial that never started (a time budget ended first) has no config, so no task: it is in no cell.
 
     A trial that ended unfinished and without error was stopped early by the scheduler when Tune ended it
     (TERMINATED) in a sweep not ``cut_short`` (by a signal or a budget, which end the running trials the same way), or
     when Tune marked its last result done (the scheduler's decision on that result). The status is what survives a
-    resume: a trial that BOHB's or ASHA's bracket stopped before the driver was killed comes back without the mark."""
-    trials = getattr(grid, "_experiment_analysis", None)
-    statuses = [t.status for t in trials.trials] if trials is not None else [None] * len(grid)
+    resume: a trial that BOHB's or ASHA's bracket stopped before the driver was killed comes back without the mark.
+    ``trials`` are Tune's trials of ``grid``, in its order."""
     rows = []
-    for result, status in zip(grid, statuses, strict=True):
+    for result, status in zip(grid, [t.status for t in trials], strict=True):
         params = dict(result.config or {})
         config = context.setting(params).config if params else None
         metrics = result.metrics or {}
