@@ -7,6 +7,7 @@ python jobs/benchmark.py model --model swin3d --shape 4,64,128,128 --batch 8 [--
 python jobs/benchmark.py vlm [--size 2b|tiny] [--batch 8] [--packing] [--varied]  # VLM LoRA step: gx-ray's vs raw
     [--trials stage_classification,vqa]                        # then whole trials through the sweep
 python jobs/benchmark.py sweep [--space modality_ablation]    # a sweep's wall time: data, start-up, training
+    [--cpu-hours 1 | --gpu-hours 1]                            # and a budget's forecast against the ledger
 python jobs/benchmark.py loop [--tasks lesion_detection] [--neighbours 3]  # a trial's loop vs its raw step
 python jobs/benchmark.py attention                            # one GPU: what attention's first sight of each
                                                                # text shape costs, cuDNN attention on vs off
@@ -78,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--preset", action="append", default=[])
     sweep.add_argument("--output", type=Path, default=Path("outputs/benchmark/sweep"))
     sweep.add_argument("--data", type=Path, help="prepared data; default: the demo cohort, prepared afresh")
+    sweep.add_argument("--cpu-hours", type=float, help="a budget: its forecast set beside what the trials spent")
+    sweep.add_argument("--gpu-hours", type=float, help="the same in GPU-hours, for trials on GPUs")
     cluster = commands.add_parser(
         "cluster", parents=[common], help="GPU busy fraction, start-up, DDP scaling, loop/raw, projection"
     )
@@ -231,10 +234,13 @@ def main(argv: list[str] | None = None) -> int:
             data=args.data,
             presets=tuple(args.preset),
             demo_dir=args.output / "demo",
+            cpu_hours=args.cpu_hours,
+            gpu_hours=args.gpu_hours,
         )
         result = run_sweep_benchmark(options)
         print(format_sweep_result(result))
-        record("sweep", {"space": args.space, "presets": "+".join(args.preset) or None}, result)
+        budget = {"budget": "cpu-hours" if args.cpu_hours else "gpu-hours"} if args.cpu_hours or args.gpu_hours else {}
+        record("sweep", {"space": args.space, "presets": "+".join(args.preset) or None, **budget}, result)
 
     if args.command == "search":
         from benchmarks.search import SearchBenchmarkConfig, figures, format_search_result, run_search_benchmark

@@ -5,16 +5,22 @@ and splits its wall time into demo-cohort preparation, Ray and MLflow start-up, 
 slot a trial holds (Tune's wall time × concurrency ÷ trials), the part of it spent outside training (actor start,
 imports, MLflow run, dataset and model set-up: the start-up) and the training loop itself (epochs, validation,
 test).
+
+With ``--cpu-hours`` or ``--gpu-hours`` the sweep also forecasts its cost before the trials
+(:mod:`gx_ray.sweep.budget`); the figures then set that forecast beside what the ledger says each trial spent: how
+far a budget's forecast is from the cost it forecasts, measured in the same run.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 from typing import Any
 
 import numpy as np
 from mlflow.tracking import MlflowClient
 
+from gx_ray.sweep.budget import LEDGER_FILE
 from gx_ray.sweep.driver import SweepOptions, run_sweep
 from gx_ray.tracking import child_runs
 
@@ -38,27 +44,65 @@ def run_sweep_benchmark(options: SweepOptions) -> dict[str, Any]:
         "report_seconds": timings.get("report_seconds", float("nan")),
         "concurrency": timings["concurrency"],
         "trial_slot_seconds": slot,
+        "trials_without_training_seconds": int(np.isnan(train).sum()),  # a scheduler stopped them before their test
         "trial_function_seconds": float(np.nanmean(inside)),
         "trial_training_seconds": float(np.nanmean(train)),
         "trial_startup_seconds": slot - float(np.nanmean(train)),
         "startup_share": (slot - float(np.nanmean(train))) / slot,
     }
+    if budget := result.costs.get("budget"):
+        report["forecast"] = forecast_against_ledger(budget["forecast_seconds"], result.output)
     (result.output / "sweep_benchmark.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     return report
 
 
+def forecast_against_ledger(forecast: dict[str, Any], output) -> dict[str, Any]:
+    """The budget's forecast beside what the trials spent (``ledger.csv``), in all and per trial. The forecast lists
+    the trials in the sweep's order and the ledger in the order they started; the two agree for a grid without a
+    scheduler, the case the per-trial ratios are for (a stopped or early-stopped trial spent less than forecast)."""
+    with (output / LEDGER_FILE).open(encoding="utf-8") as file:
+        rows = [r for r in csv.DictReader(file) if r["status"] != "ABANDONED"]
+    metric = "gpu_seconds" if any(float(r["gpu_seconds"]) > 0 for r in rows) else "cpu_seconds"
+    spent = [float(r[metric]) for r in rows]
+    pairs = zip(forecast["per_trial"], spent, rows, strict=False)  # a sweep stopped by its budget ran fewer trials
+    whole = [f / s for f, s, r in pairs if r["status"] == "FINISHED" and s > 0]
+    return {
+        "metric": metric,
+        "forecast_seconds": forecast["total"],
+        "spent_seconds": round(sum(spent), 1),
+        "ratio": forecast["total"] / sum(spent) if sum(spent) else float("nan"),
+        "trial_ratio_median": float(np.median(whole)) if whole else float("nan"),
+        "trial_ratio_min": min(whole, default=float("nan")),
+        "trial_ratio_max": max(whole, default=float("nan")),
+        "trials_compared": len(whole),
+    }
+
+
 def format_sweep_result(report: dict[str, Any]) -> str:
-    return "\n".join(
-        [
-            f"sweep {report['sweep_id']}: {report['trials']} trials ({report['failed']} failed), "
-            f"{report['concurrency']} at a time, {report['total_seconds'] / 60:.1f} min in all",
-            f"  demo cohort (generate + preprocess)  {report['demo_data_seconds']:7.1f} s",
-            f"  Ray start                            {report['ray_start_seconds']:7.1f} s",
-            f"  MLflow server start (beyond Ray+data){report['mlflow_start_seconds']:7.1f} s",
-            f"  Tune (all trials)                    {report['tune_seconds']:7.1f} s",
-            f"  report (tables, figures, statistics) {report['report_seconds']:7.1f} s",
-            f"  per trial: slot {report['trial_slot_seconds']:.1f} s = start-up {report['trial_startup_seconds']:.1f} s"
-            f" + training {report['trial_training_seconds']:.1f} s  (start-up share {report['startup_share']:.0%},"
-            " target ≤ 25 %)",
-        ]
+    unsplit = report.get("trials_without_training_seconds", 0)
+    split = (
+        f"  per trial: slot {report['trial_slot_seconds']:.1f} s = start-up {report['trial_startup_seconds']:.1f} s"
+        f" + training {report['trial_training_seconds']:.1f} s  (start-up share {report['startup_share']:.0%},"
+        " target ≤ 25 %)"
+        if not unsplit
+        else f"  per trial: slot {report['trial_slot_seconds']:.1f} s; not split into start-up and training, since "
+        f"{unsplit} trials were stopped early (their training seconds are not logged)"
     )
+    lines = [
+        f"sweep {report['sweep_id']}: {report['trials']} trials ({report['failed']} failed), "
+        f"{report['concurrency']} at a time, {report['total_seconds'] / 60:.1f} min in all",
+        f"  demo cohort (generate + preprocess)  {report['demo_data_seconds']:7.1f} s",
+        f"  Ray start                            {report['ray_start_seconds']:7.1f} s",
+        f"  MLflow server start (beyond Ray+data){report['mlflow_start_seconds']:7.1f} s",
+        f"  Tune (all trials)                    {report['tune_seconds']:7.1f} s",
+        f"  report (tables, figures, statistics) {report['report_seconds']:7.1f} s",
+        split,
+    ]
+    if forecast := report.get("forecast"):
+        lines.append(
+            f"  budget forecast {forecast['forecast_seconds']:.1f} {forecast['metric']} against "
+            f"{forecast['spent_seconds']:.1f} spent (forecast/spent {forecast['ratio']:.2f}; per finished trial "
+            f"median {forecast['trial_ratio_median']:.2f}, {forecast['trial_ratio_min']:.2f}-"
+            f"{forecast['trial_ratio_max']:.2f} over {forecast['trials_compared']})"
+        )
+    return "\n".join(lines)

@@ -1,7 +1,7 @@
 """Device budgets and the ledger (gx_ray/sweep/budget.py, gx_ray/train/ledger.py) on a real local Ray runtime and
-MLflow server, with CPU-hours so that no GPU is needed: the forecast against a real run's ledger, a multi-objective
-search's Pareto front in the report, and the hard stop, its resume with the same budget (nothing starts) and with a
-larger one (every trial finishes, nothing counted twice or lost)."""
+MLflow server, with CPU-hours so that no GPU is needed: the forecast from its pilot and a real run's ledger, a
+multi-objective search's Pareto front in the report, and the hard stop, its resume with the same budget (nothing
+starts) and with a larger one (every trial finishes, nothing counted twice or lost)."""
 
 from __future__ import annotations
 
@@ -24,12 +24,6 @@ from gx_ray.sweep.study import JOURNAL_FILE, optuna_storage
 from gx_ray.tracking.server import LocalMlflowServer
 from gx_ray.train.ledger import Ledger
 from tests.common import small_stage_space
-
-FORECAST_TOLERANCE = (0.5, 2.0)
-"""The forecast's ratio to the measured cost, per trial and in all. A tiny trial is mostly set-up (seconds) and its
-MLflow logging, which the pilot does not run; on a 2-core machine shared with other work one trial's wall time varies
-by a third from run to run. Within a factor of two the forecast still tells whether a budget fits a sweep, or half of
-it; a forecast of the wrong magnitude (a missing epoch factor, a share not applied) falls outside."""
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +82,7 @@ def test_a_trials_cost_is_its_reservation_times_its_wall_seconds_going_on_from_i
 
 
 @pytest.mark.slow
-def test_forecast_against_the_ledger_and_a_multi_objective_searchs_pareto_front(
+def test_a_forecast_from_its_pilot_a_ledger_of_every_trial_and_a_multi_objective_searchs_pareto_front(
     ray_cluster, demo_prepared, tmp_path, pilots
 ):
     path = small_stage_space(tmp_path / "space.yaml", 2, [0], "two objectives")
@@ -111,9 +105,17 @@ def test_forecast_against_the_ledger_and_a_multi_objective_searchs_pareto_front(
     assert [row["status"] for row in ledger] == ["FINISHED"] * 3 and all(m > 0 for m in measured)
     forecast = sweep["costs"]["budget"]["forecast_seconds"]
     assert forecast["trials_that_fit"] == 3 and not sweep["costs"]["budget"]["stopped"]
-    low, high = FORECAST_TOLERANCE
-    for predicted, spent in zip(forecast["per_trial"], measured, strict=True):
-        assert low <= predicted / spent <= high, (forecast, measured)
+    # the forecast is the pilot's figures (kept in the cache) times what each trial trains: 2 epochs of 2 steps
+    # (max_steps_per_epoch), the test once, on the 1 CPU it holds; only the first trial of the one trial process pays
+    # its imports. How close it comes to the seconds spent is a timing, measured by `jobs/benchmark.py sweep
+    # --cpu-hours` (docs/benchmarks.md), not asserted on a shared machine.
+    kept = [json.loads(cache.read_text())["settings"] for cache in (pilots / "gx-ray" / "pilots").glob("*.json")]
+    (pilot,) = [figures for settings in kept for figures in settings.values()]
+    warm = pilot["setup_seconds"] + 2 * (2 * pilot["step_seconds"] + pilot["epoch_seconds"]) + pilot["test_seconds"]
+    first, *others = forecast["per_trial"]
+    assert others == [pytest.approx(warm, abs=0.06)] * 2 and warm > 0
+    assert first == pytest.approx(warm + pilot["cold_seconds"], abs=0.06)
+    assert forecast["total"] == pytest.approx(sum(forecast["per_trial"]), abs=0.2)
     client = MlflowClient(result.store_uri)
     parent = client.get_run(result.parent_run_id).data.metrics
     assert parent["cpu_seconds"] == pytest.approx(sum(measured), abs=0.01)

@@ -221,6 +221,8 @@ def test_run_names_lead_with_task_inputs_and_seed_also_when_the_space_fixes_them
     assert trial_name({}, varied) == "stage img+tab+box s0 #15"
     fixed = SimpleNamespace(trial_id="5c0a1_00000", config={"seed": 1})  # Tune's config holds only what varies
     assert trial_name({"task": "vqa", "schema": "image_only"}, fixed) == "vqa img s1 #0"
+    searched = SimpleNamespace(trial_id="0da6b457", config={"seed": 0})  # Optuna's or BOHB's: a hex id, no counter
+    assert trial_name({"task": "vqa"}, searched) == "vqa s0 #0da6b457"
 
 
 def test_the_summary_leaves_out_trials_a_time_budget_never_started():

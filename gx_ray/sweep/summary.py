@@ -36,7 +36,9 @@ def trial_name(fixed: dict[str, Any], trial: Any) -> str:
     task = str(config.get("task", ""))
     schema = config.get("schema", "")
     inputs = "+".join(filter(None, (SCHEMA_SHORT.get(p, p) for p in str(schema).split("_")))) if schema else ""
-    index = trial.trial_id.rsplit("_", 1)[-1].lstrip("0") or "0"
+    # a grid's ids end in a counter (5c0a1_00015: #15); a searcher's are one hex id (0da6b457), kept whole
+    experiment, _, counter = trial.trial_id.rpartition("_")
+    index = (counter.lstrip("0") or "0") if experiment else trial.trial_id
     short = task
     if task:  # a built-in name or a plug-in's module:Class reference: the class names itself
         cls = task_class(task)
