@@ -239,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         result = run_sweep_benchmark(options)
         print(format_sweep_result(result))
-        budget = {"budget": "cpu-hours" if args.cpu_hours else "gpu-hours"} if args.cpu_hours or args.gpu_hours else {}
-        record("sweep", {"space": args.space, "presets": "+".join(args.preset) or None, **budget}, result)
+        budget = "cpu-hours" if args.cpu_hours else "gpu-hours" if args.gpu_hours else None
+        record("sweep", {"space": args.space, "presets": "+".join(args.preset) or None, "budget": budget}, result)
 
     if args.command == "search":
         from benchmarks.search import SearchBenchmarkConfig, figures, format_search_result, run_search_benchmark

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ def run_sweep_benchmark(options: SweepOptions) -> dict[str, Any]:
     inside = np.array([r.data.metrics.get("trial_seconds", np.nan) for r in runs])
     timings = result.timings
     slot = timings["tune_seconds"] * timings["concurrency"] / max(1, len(runs))
+    startup = slot - float(np.mean(train))  # NaN where a scheduler stopped a trial
     report = {
         "sweep_id": result.sweep_id,
         "trials": len(runs),
@@ -47,8 +49,9 @@ def run_sweep_benchmark(options: SweepOptions) -> dict[str, Any]:
         "trials_without_training_seconds": int(np.isnan(train).sum()),  # a scheduler stopped them before their test
         "trial_function_seconds": float(np.nanmean(inside)),
         "trial_training_seconds": float(np.nanmean(train)),
-        "trial_startup_seconds": slot - float(np.nanmean(train)),
-        "startup_share": (slot - float(np.nanmean(train))) / slot,
+        # the slot is every trial's; training known for some only would split it into a start-up of nothing
+        "trial_startup_seconds": startup,
+        "startup_share": startup / slot,
     }
     if budget := result.costs.get("budget"):
         report["forecast"] = forecast_against_ledger(budget["forecast_seconds"], result.output)
@@ -56,7 +59,7 @@ def run_sweep_benchmark(options: SweepOptions) -> dict[str, Any]:
     return report
 
 
-def forecast_against_ledger(forecast: dict[str, Any], output) -> dict[str, Any]:
+def forecast_against_ledger(forecast: dict[str, Any], output: Path) -> dict[str, Any]:
     """The budget's forecast beside what the trials spent (``ledger.csv``), in all and per trial. The forecast lists
     the trials in the sweep's order and the ledger in the order they started; the two agree for a grid without a
     scheduler, the case the per-trial ratios are for (a stopped or early-stopped trial spent less than forecast)."""
@@ -79,15 +82,14 @@ def forecast_against_ledger(forecast: dict[str, Any], output) -> dict[str, Any]:
 
 
 def format_sweep_result(report: dict[str, Any]) -> str:
-    unsplit = report.get("trials_without_training_seconds", 0)
-    split = (
-        f"  per trial: slot {report['trial_slot_seconds']:.1f} s = start-up {report['trial_startup_seconds']:.1f} s"
-        f" + training {report['trial_training_seconds']:.1f} s  (start-up share {report['startup_share']:.0%},"
-        " target ≤ 25 %)"
-        if not unsplit
-        else f"  per trial: slot {report['trial_slot_seconds']:.1f} s; not split into start-up and training, since "
-        f"{unsplit} trials were stopped early (their training seconds are not logged)"
-    )
+    slot, unsplit = report["trial_slot_seconds"], report["trials_without_training_seconds"]
+    if unsplit:
+        split = f"slot {slot:.1f} s; not split, since {unsplit} trials were stopped early (no training seconds)"
+    else:
+        startup, training = report["trial_startup_seconds"], report["trial_training_seconds"]
+        share = report["startup_share"]
+        split = f"slot {slot:.1f} s = start-up {startup:.1f} s + training {training:.1f} s  (start-up share {share:.0%}"
+        split += ", target ≤ 25 %)"
     lines = [
         f"sweep {report['sweep_id']}: {report['trials']} trials ({report['failed']} failed), "
         f"{report['concurrency']} at a time, {report['total_seconds'] / 60:.1f} min in all",
@@ -96,7 +98,7 @@ def format_sweep_result(report: dict[str, Any]) -> str:
         f"  MLflow server start (beyond Ray+data){report['mlflow_start_seconds']:7.1f} s",
         f"  Tune (all trials)                    {report['tune_seconds']:7.1f} s",
         f"  report (tables, figures, statistics) {report['report_seconds']:7.1f} s",
-        split,
+        f"  per trial: {split}",
     ]
     if forecast := report.get("forecast"):
         lines.append(
