@@ -13,7 +13,6 @@ far a budget's forecast is from the cost it forecasts, measured in the same run.
 
 from __future__ import annotations
 
-import csv
 import json
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 import numpy as np
 from mlflow.tracking import MlflowClient
 
-from gx_ray.sweep.budget import LEDGER_FILE
+from gx_ray.sweep.budget import read_ledger
 from gx_ray.sweep.driver import SweepOptions, run_sweep
 from gx_ray.tracking import child_runs
 
@@ -54,18 +53,18 @@ def run_sweep_benchmark(options: SweepOptions) -> dict[str, Any]:
         "startup_share": startup / slot,
     }
     if budget := result.costs.get("budget"):
-        report["forecast"] = forecast_against_ledger(budget["forecast_seconds"], result.output)
+        report["forecast"] = forecast_against_ledger(budget, result.output)
     (result.output / "sweep_benchmark.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     return report
 
 
-def forecast_against_ledger(forecast: dict[str, Any], output: Path) -> dict[str, Any]:
-    """The budget's forecast beside what the trials spent (``ledger.csv``), in all and per trial. The forecast lists
-    the trials in the sweep's order and the ledger in the order they started; the two agree for a grid without a
-    scheduler, the case the per-trial ratios are for (a stopped or early-stopped trial spent less than forecast)."""
-    with (output / LEDGER_FILE).open(encoding="utf-8") as file:
-        rows = [r for r in csv.DictReader(file) if r["status"] != "ABANDONED"]
-    metric = "gpu_seconds" if any(float(r["gpu_seconds"]) > 0 for r in rows) else "cpu_seconds"
+def forecast_against_ledger(budget: dict[str, Any], output: Path) -> dict[str, Any]:
+    """The ``budget``'s forecast (``sweep.json``'s ``costs.budget``) beside what the trials spent (``ledger.csv``), in
+    all and per trial. The forecast lists the trials in the sweep's order and the ledger in the order they started;
+    the two agree for a grid without a scheduler, the case the per-trial ratios are for (a stopped or early-stopped
+    trial spent less than forecast)."""
+    forecast, metric = budget["forecast_seconds"], budget["metric"]
+    rows = [r for r in read_ledger(output) if r["status"] != "ABANDONED"]
     spent = [float(r[metric]) for r in rows]
     pairs = zip(forecast["per_trial"], spent, rows, strict=False)  # a sweep stopped by its budget ran fewer trials
     whole = [f / s for f, s, r in pairs if r["status"] == "FINISHED" and s > 0]

@@ -123,6 +123,14 @@ def find_real_ct_dir() -> Path:
     raise FileNotFoundError(f"the real CT the tests use is in none of {[str(p) for p in REAL_CT_CANDIDATES]}")
 
 
+@pytest.fixture
+def mlflow_polled_quickly(monkeypatch):
+    """A fault test's own polls of a sweep's MLflow server, which may be down, fail at once; the sweep's processes
+    keep their retries (``SweepProcess`` starts them without these settings)."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+
+
 @pytest.fixture(scope="session")
 def real_ct_dir() -> Path:
     return find_real_ct_dir()

@@ -306,14 +306,15 @@ def test_a_searchs_hours_to_the_target_are_every_trials_latest_cost_at_the_first
 
 def test_the_sweep_benchmark_sets_a_budgets_forecast_beside_what_each_trial_spent(tmp_path):
     """Abandoned runs (a killed driver's) are not the sweep's trials; per trial, only those that trained every epoch
-    are compared (an early-stopped one spent less than it was costed for); the CPU-seconds where no GPU was held."""
+    are compared (an early-stopped one spent less than it was costed for), in the budget's own metric."""
     from benchmarks.sweep import forecast_against_ledger
     from gx_ray.sweep.budget import LEDGER_FILE
 
     header = "trial,trial_id,status,gpu_seconds,cpu_seconds,parameters,epochs\n"
     rows = ["a,1,FINISHED,0,20,10,4", "b,2,ABANDONED,0,99,10,1", "c,3,STOPPED_EARLY,0,5,10,1", "d,4,FINISHED,0,10,10,4"]
     (tmp_path / LEDGER_FILE).write_text(header + "\n".join(rows) + "\n", encoding="utf-8")
-    got = forecast_against_ledger({"per_trial": [30.0, 12.0, 8.0], "total": 50.0}, tmp_path)
+    budget = {"metric": "cpu_seconds", "forecast_seconds": {"per_trial": [30.0, 12.0, 8.0], "total": 50.0}}
+    got = forecast_against_ledger(budget, tmp_path)
     assert got["metric"] == "cpu_seconds" and got["spent_seconds"] == 35.0
     assert got["ratio"] == pytest.approx(50 / 35) and got["trials_compared"] == 2
     assert (got["trial_ratio_min"], got["trial_ratio_max"]) == (pytest.approx(0.8), pytest.approx(1.5))

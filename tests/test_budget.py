@@ -8,7 +8,6 @@ from __future__ import annotations
 import csv
 import json
 import time
-from pathlib import Path
 
 import numpy as np
 import optuna
@@ -17,7 +16,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from gx_ray.analysis.pareto import pareto_front
-from gx_ray.sweep.budget import BUDGET_FILE, LEDGER_FILE, Budget, BudgetError, sweep_budget
+from gx_ray.sweep.budget import BUDGET_FILE, Budget, BudgetError, read_ledger, sweep_budget
 from gx_ray.sweep.driver import SweepOptions, run_sweep
 from gx_ray.sweep.spaces import load_space
 from gx_ray.sweep.study import JOURNAL_FILE, optuna_storage
@@ -33,11 +32,6 @@ def pilots(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("XDG_CACHE_HOME", str(folder))
         yield folder
-
-
-def _ledger(output: Path) -> list[dict]:
-    with (output / LEDGER_FILE).open(encoding="utf-8") as file:
-        return list(csv.DictReader(file))
 
 
 def _epochs_logged(client: MlflowClient, run_id: str, metric: str = "val_primary") -> list[int]:
@@ -100,7 +94,7 @@ def test_a_forecast_from_its_pilot_a_ledger_of_every_trial_and_a_multi_objective
     assert (result.finished, result.failed) == (3, 0)
     output = tmp_path / "out" / result.sweep_id
     sweep = json.loads((output / "sweep.json").read_text(encoding="utf-8"))
-    ledger = _ledger(output)
+    ledger = read_ledger(output)
     measured = [float(row["cpu_seconds"]) for row in ledger]
     assert [row["status"] for row in ledger] == ["FINISHED"] * 3 and all(m > 0 for m in measured)
     forecast = sweep["costs"]["budget"]["forecast_seconds"]
@@ -158,20 +152,20 @@ def test_the_budget_stops_the_sweep_and_resume_continues_it_nothing_counted_twic
     first = sweep(cpu_hours=1e-6)
     output = tmp_path / "out" / first.sweep_id
     assert first.costs["budget"]["stopped"] and not first.interrupted and first.failed == 0
-    (stopped,) = _ledger(output)  # the others never started
+    (stopped,) = read_ledger(output)  # the others never started
     spent = float(stopped["cpu_seconds"])
     assert stopped["status"] in ("KILLED", "FINISHED") and spent >= 1e-6 * 3600
     assert first.costs["cpu_seconds"] == pytest.approx(spent, abs=0.01)
     # the same budget again, read back: already spent, so no trial starts and nothing is added
     again = sweep(resume=True)
     assert again.costs["budget"]["hours"] == 1e-6 and again.costs["budget"]["stopped"]
-    assert [float(r["cpu_seconds"]) for r in _ledger(output)] == [spent]
+    assert [float(r["cpu_seconds"]) for r in read_ledger(output)] == [spent]
     # a larger budget: every trial finishes; the stopped one goes on from what it had spent and, unless it had
     # finished, from its checkpoint
     last = sweep(resume=True, cpu_hours=1.0)
     assert (last.finished, last.failed) == (2, 0) and not last.costs["budget"]["stopped"]
     client = MlflowClient(last.store_uri)
-    for row in _ledger(output):
+    for row in read_ledger(output):
         run = client.search_runs([last.experiment_id], f"tags.`gx_ray.trial_id` = '{row['trial_id']}'")[0]
         assert row["status"] == "FINISHED" and _epochs_logged(client, run.info.run_id) == [0, 1, 2]  # each once
         # what the earlier attempt spent, plus the last attempt's own seconds (its trial_seconds, logged just before
@@ -180,4 +174,5 @@ def test_the_budget_stops_the_sweep_and_resume_continues_it_nothing_counted_twic
         assert earlier <= float(row["cpu_seconds"]) <= earlier + run.data.metrics["trial_seconds"] + 1.0
         if row["trial_id"] == stopped["trial_id"] and stopped["status"] == "KILLED":
             assert run.data.metrics["resumed_from_epoch"] >= 1  # from the checkpoint saved before the stop
-    assert last.costs["cpu_seconds"] == pytest.approx(sum(float(r["cpu_seconds"]) for r in _ledger(output)), abs=0.01)
+    spent_in_all = sum(float(r["cpu_seconds"]) for r in read_ledger(output))
+    assert last.costs["cpu_seconds"] == pytest.approx(spent_in_all, abs=0.01)

@@ -30,14 +30,7 @@ from tests.common import (
     trial_workers,
 )
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def _poll_quickly(monkeypatch):
-    """The test's own polls of a server that may be down fail at once (the sweep's processes keep their retries)."""
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("mlflow_polled_quickly")]
 
 
 def assert_every_cell_finished_once(sweep: SweepProcess) -> None:

@@ -5,7 +5,6 @@ processes share the fault tests."""
 
 from __future__ import annotations
 
-import csv
 import os
 import signal
 
@@ -13,18 +12,12 @@ import pytest
 import yaml
 from mlflow.entities import ViewType
 
+from gx_ray.sweep.budget import read_ledger
 from gx_ray.sweep.driver import EXPERIMENT
 from gx_ray.tracking import ABANDONED_TAG, KIND_TAG, TRIAL_TAG
 from tests.common import FAULT_EPOCHS, SweepProcess, fault_space, training, trial_runs, trial_workers
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def _poll_quickly(monkeypatch):
-    """The test's own polls of a server that may be down fail at once (the sweep's processes keep their retries)."""
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("mlflow_polled_quickly")]
 
 
 PAIRS = {
@@ -91,8 +84,7 @@ def test_searchers_and_schedulers_survive_a_killed_worker_and_driver_with_every_
     experiment = client.get_experiment_by_name(EXPERIMENT).experiment_id
     deleted = client.search_runs([experiment], run_view_type=ViewType.DELETED_ONLY)
     assert all(ABANDONED_TAG in r.data.tags for r in deleted)
-    with open(sweep.folder / "ledger.csv", encoding="utf-8") as file:
-        ledger = list(csv.DictReader(file))
+    ledger = read_ledger(sweep.folder)
     assert sorted(r["trial_id"] for r in ledger if r["status"] != "ABANDONED") == sorted(
         r.data.tags[TRIAL_TAG] for r in trials
     )

@@ -325,6 +325,12 @@ def _trial_cost(
     return wall * reserved * world
 
 
+def read_ledger(output: Path) -> list[dict[str, str]]:
+    """The rows of ``OUTPUT/ledger.csv`` as :func:`write_ledger` wrote them (text: trial, status, costs, epochs)."""
+    with (output / LEDGER_FILE).open(encoding="utf-8") as file:
+        return list(csv.DictReader(file))
+
+
 def write_ledger(client: MlflowClient, parent: str, output: Path, sweep_id: str) -> dict[str, Any]:
     """``OUTPUT/ledger.csv``: every trial's device-seconds, parameters, epochs and status (ABANDONED: a run that
     :func:`~gx_ray.tracking.abandon_unknown_runs` deleted), also on the parent run with the totals as its metrics;
