@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from gx_ray.analysis import study
+from gx_ray.analysis import simulation
 from gx_ray.runtime import tolerant_console
 from gx_ray.sweep.validate import CT_BENCH_CASES, CV_CASES, cross_validation, ct_bench, demo, planted_signal
 
@@ -82,10 +82,10 @@ def coverage_table(studies: int, resamples: int, seed: int) -> bool:
         f"{'seeds resampled':>17}{'patients only':>15}{'se patients':>12}{'se seeds':>9}"
     )
     for metric in ("accuracy", "auc"):
-        for mix, model in study.MIXES.items():
+        for mix, model in simulation.MIXES.items():
             for patients, seeds in COVERAGE_SIZES:
                 model_of = dataclasses.replace(model, metric=metric)
-                rows = study.coverage(model_of, patients, seeds, studies, resamples, seed=seed)
+                rows = simulation.coverage(model_of, patients, seeds, studies, resamples, seed=seed)
                 for target in ("cell", "difference"):
                     got = {r["seed_level"]: r for r in rows if r["target"] == target}
                     cells = [f"{100 * r['coverage']:.1f} ± {100 * r['mc_error']:.1f}" for r in got.values()]
@@ -102,7 +102,7 @@ def power_table(studies: int, seed: int) -> bool:
     passed = True
     print(f"Planned power against power measured with the two-level bootstrap ({studies:,} studies each)")
     for mix, patients, seeds, comparisons in POWER_DESIGNS:
-        r = study.power_check(study.MIXES[mix], patients, seeds, comparisons, studies=studies, seed=seed)
+        r = simulation.power_check(simulation.MIXES[mix], patients, seeds, comparisons, studies=studies, seed=seed)
         passed &= abs(r["predicted"] - r["measured"]) <= POWER_TOLERANCE
         print(
             f"  accuracy {mix:11}{patients:>4} patients {seeds:>2} seeds, Holm over {comparisons}, effect "

@@ -1,5 +1,6 @@
-"""The study statistics (gx_ray.analysis.study): the two-level bootstrap over patients and seeds, its coverage against
-a known truth, the power planner against closed forms and the real bootstrap, TOST, and p-values at the floor."""
+"""The study statistics (gx_ray.analysis.study, .power, .simulation): the two-level bootstrap over patients and
+seeds, its coverage against a known truth, the power planner against closed forms and the real bootstrap, TOST, and
+p-values at the floor."""
 
 from __future__ import annotations
 
@@ -10,24 +11,12 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from gx_ray.analysis import study
+from gx_ray.analysis import simulation, study
 from gx_ray.analysis.bootstrap import paired_bootstrap
+from gx_ray.analysis.power import Design, design_power, pilot_components, plan_power, power_curve
+from gx_ray.analysis.simulation import StudyModel, coverage
 from gx_ray.analysis.stats import holm, seed_summary
-from gx_ray.analysis.study import (
-    CaseAUC,
-    CaseMeans,
-    Design,
-    StudyModel,
-    coverage,
-    design_power,
-    equivalence,
-    format_p,
-    p_floor,
-    pilot_components,
-    plan_power,
-    power_curve,
-    two_level_bootstrap,
-)
+from gx_ray.analysis.study import CaseAUC, CaseMeans, equivalence, format_p, p_floor, two_level_bootstrap
 
 
 def plain(scorer):
@@ -249,7 +238,8 @@ def test_truth_is_the_mean_over_seeds_of_the_population_metric(metric: str):
 def test_two_level_intervals_cover_where_patients_only_do_not(metric: str):
     """Seeds moving the score as much as the patients or more, 3 seeds: the two-level interval holds the truth about
     95 % of the time; the patients-only interval (the paired bootstrap as it was) much less."""
-    model = dataclasses.replace(study.MIXES["seed-heavy"], metric=metric, seed_sd=0.3 if metric == "accuracy" else 0.8)
+    seed_sd = 0.3 if metric == "accuracy" else 0.8
+    model = dataclasses.replace(simulation.MIXES["seed-heavy"], metric=metric, seed_sd=seed_sd)
     rows = {(r["target"], r["seed_level"]): r for r in coverage(model, 64, 3, studies=120, n_resamples=299, seed=1)}
     for target in ("cell", "difference"):
         assert rows[target, "t"]["coverage"] >= 0.88, rows[target, "t"]
@@ -292,7 +282,7 @@ def test_power_of_normal_differences_is_the_paired_t_tests(comparisons: int, eff
 def test_planned_power_matches_the_real_two_level_bootstrap():
     """Studies simulated from a model and analysed by the real two-level bootstrap find the effect as often as the
     planner predicts, within 5 points."""
-    check = study.power_check(study.MIXES["balanced"], n_patients=64, n_seeds=5, comparisons=1, studies=600)
+    check = simulation.power_check(simulation.MIXES["balanced"], n_patients=64, n_seeds=5, comparisons=1, studies=600)
     assert abs(check["predicted"] - check["measured"]) <= 0.05, check
     assert 0.1 < check["measured"] < 0.9  # a design where power can be wrong both ways
 

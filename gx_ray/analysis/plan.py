@@ -5,7 +5,7 @@ The pilot's trials logged their test predictions. For each comparison (each sche
 paired on seeds as the report pairs them), every seed's per-patient paired differences are the jackknife
 pseudo-values of arm A's metric minus arm B's on the patients both scored (``n θ − (n − 1) θ₋ᵢ``: for a mean of cases
 exactly each case's own value; for a corpus metric such as AUC, what the patient contributes to it), so the planner
-(:func:`gx_ray.analysis.study.plan_power`) resamples patients for any metric. The seed-to-seed spread comes from the
+(:func:`gx_ray.analysis.power.plan_power`) resamples patients for any metric. The seed-to-seed spread comes from the
 pilot's seeds. What :func:`plan_study` writes: ``plan/summary.md`` (every design's power, the smallest design that
 reaches 80 %), ``plan/plan.json`` and a power curve per comparison (power against seeds and against patients).
 
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from gx_ray.analysis import plots, stats, study
+from gx_ray.analysis import plots, power, stats
 from gx_ray.analysis.cases import CaseScorer, case_scorer
 from gx_ray.analysis.runs import load_runs, test_records
 
@@ -97,9 +97,9 @@ def plan_study(
         options = {"comparisons": family, "studies": studies}
         if len(differences) < 2:
             options["seed_sd"] = 0.0  # one pilot seed: the spread over seeds is unknown, and planned as none
-        plan = study.plan_power(differences, effect, seeds, patients, **options)
+        plan = power.plan_power(differences, effect, seeds, patients, **options)
         name = f"{cell['task']}.{cell['schema_a']}"
-        curve = study.power_curve(differences, effect, **options)
+        curve = power.power_curve(differences, effect, **options)
         figures = plots.power_curve_plot(curve, folder / f"power_{name}")
         planned.append(
             {**cell, "effect": effect, "pilot_seeds": len(differences), "pilot_patients": differences.shape[1],

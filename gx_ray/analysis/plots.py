@@ -293,7 +293,7 @@ __all__ = [
 
 
 def power_curve_figure(curve: dict, target: float = 0.8):
-    """Two panels from :func:`gx_ray.analysis.study.power_curve`: planned power against seeds (gid ``power-seeds``) and
+    """Two panels from :func:`gx_ray.analysis.power.power_curve`: planned power against seeds (gid ``power-seeds``) and
     against test patients (gid ``power-patients``), with Monte-Carlo error bars and the ``target`` power dashed."""
     fig, axes = plt.subplots(1, 2, figsize=(7.5, 2.8), sharey=True)
     panels = (("against_seeds", "seeds", "patients"), ("against_patients", "patients", "seeds"))

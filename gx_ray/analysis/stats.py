@@ -19,8 +19,8 @@ import pandas as pd
 from scipy import stats
 
 from gx_ray.analysis.bootstrap import paired_bootstrap as paired_bootstrap  # its home is light: see there
+from gx_ray.analysis.power import family_resamples as family_resamples  # light too: the planner uses it
 from gx_ray.analysis.runs import headline_metric, higher_is_better
-from gx_ray.analysis.study import family_resamples as family_resamples  # light too: the planner uses it
 
 CELL_KEYS = ["task", "model", "fusion", "schema", "metric"]
 COMPARISON_KEYS = ["task", "metric", "schema_a", "schema_b"]

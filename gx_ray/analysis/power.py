@@ -1,0 +1,227 @@
+"""Power planning from a pilot: :func:`plan_power` resamples a pilot's per-patient paired differences into
+simulated future studies of seeds x patients x folds and applies the report's test (the two-level bootstrap of
+:mod:`gx_ray.analysis.study`, its p-value rule and floor) to each; :func:`power_curve` draws it against seeds and
+patients; :func:`family_resamples` sizes a Holm family's bootstrap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Pilot:
+    """A pilot's per-patient paired differences (seeds x patients), split by two-way ANOVA into what a future study
+    resamples: patient effects (centred, shrunk so that their variance is the patients' alone, without the pilot's
+    own seed noise), patient x seed residuals (rescaled to the noise variance; none with one pilot seed) and the SD of
+    the seed main effect."""
+
+    patient_effects: np.ndarray
+    residuals: np.ndarray
+    seed_sd: float
+    mean: float
+
+
+def pilot_components(differences: np.ndarray, seed_sd: float | None = None) -> Pilot:
+    """:class:`Pilot` of ``differences`` ``(S0, n0)`` (one row per pilot seed; a 1-D array is one seed).
+
+    ``seed_sd``: the SD over seeds of a seed's mean difference; None estimates it from the pilot's seed means (less the
+    patient x seed noise they carry), which needs two pilot seeds or more and is rough with few (give an upper bound).
+    """
+    d = np.atleast_2d(np.asarray(differences, dtype=float))
+    seeds, n = d.shape
+    if d.ndim != 2 or n < 2 or not np.isfinite(d).all():
+        raise ValueError(f"differences: need finite (seeds, patients) values with 2 patients or more, got {d.shape}")
+    if seed_sd is None and seeds < 2:
+        raise ValueError("a pilot of one seed cannot estimate the seed SD: give seed_sd (e.g. from another study)")
+    grand, seed_means, patient_means = d.mean(), d.mean(axis=1), d.mean(axis=0)
+    residuals = d - seed_means[:, None] - patient_means[None, :] + grand
+    noise_var = float((residuals**2).sum() / ((n - 1) * (seeds - 1))) if seeds > 1 else 0.0
+    spread = float(patient_means.var(ddof=1))
+    shrink = math.sqrt(max(0.0, spread - noise_var / seeds) / spread) if spread > 0 else 0.0
+    if seed_sd is None:
+        seed_sd = math.sqrt(max(0.0, float(seed_means.var(ddof=1)) - noise_var / n))
+    rescale = math.sqrt(n * seeds / ((n - 1) * (seeds - 1))) if seeds > 1 else 0.0
+    return Pilot(shrink * (patient_means - grand), rescale * residuals.T, float(seed_sd), float(grand))
+
+
+def family_resamples(comparisons: int, at_least: int = 1000, alpha: float = 0.05) -> int:
+    """Bootstrap replicates for a family of ``comparisons`` Holm-corrected at ``alpha``: at least ``at_least``, and
+    enough that the smallest p-value a bootstrap can give, ``2 / (B + 1)``, is at most ``alpha / (2 m)``.
+
+    With fewer, a large family can never show a difference however large it is: at 1,000 replicates the floor is
+    0.002, and Holm multiplies the smallest p by m, so from m = 25 comparisons on (five tasks x six schemas against a
+    baseline) nothing would ever be significant. At the floor a comparison's Holm-adjusted p is at most alpha / 2.
+    """
+    if comparisons < 0 or at_least < 1 or not 0 < alpha < 1:
+        raise ValueError(f"need comparisons >= 0, at_least >= 1 and 0 < alpha < 1: {comparisons}, {at_least}, {alpha}")
+    return max(at_least, math.ceil(4 * comparisons / alpha) - 1)
+
+
+def _fold_of(n_patients: int, n_folds: int) -> np.ndarray:
+    return np.repeat(np.arange(n_folds), [len(b) for b in np.array_split(np.arange(n_patients), n_folds)])
+
+
+def _study_levels(x: np.ndarray, fold_of: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(estimate, var_patients, var_seeds)`` per simulated study ``x`` ``(K, n, S)``: what :func:`_levels` finds on
+    the bootstrap's replicates, in closed form for a mean of cases (patients resampled within folds)."""
+    k, n, seeds = x.shape
+    folds = int(fold_of.max()) + 1
+    inflation = (n / folds) / (n / folds - 1)
+    seed_means = x.mean(axis=1)
+    patient_means = x.mean(axis=2)
+    var_patients, interaction = np.zeros(k), np.zeros(k)
+    for f in range(folds):
+        cols = fold_of == f
+        share = cols.sum() / n
+        var_patients += share**2 * patient_means[:, cols].var(axis=1) / cols.sum()
+        if seeds > 1:
+            y = x[:, cols] - patient_means[:, cols, None]
+            squares = ((y - y.mean(axis=1, keepdims=True)) ** 2).sum(axis=(1, 2))
+            interaction += share**2 * squares / cols.sum() ** 2 / (seeds - 1)
+    var_seeds = np.zeros(k)
+    if seeds > 1:
+        var_seeds = np.maximum(0.0, seed_means.var(axis=1, ddof=1) / seeds - inflation * interaction / seeds)
+    return seed_means.mean(axis=1), inflation * var_patients, var_seeds
+
+
+def _critical(
+    var_patients: np.ndarray, var_seeds: np.ndarray, seeds: int, n_resamples: int, level: float, rng
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per study, the estimates beyond which the report's test rejects at ``level``: ``(above, below)``.
+
+    The test as the report runs it on B replicates ``estimate + noise``: p = 2 (min tail count + 1) / (B + 1), so it
+    rejects "A better" when at most k of the B noise draws lie below -estimate. The noise is drawn as the two-level
+    bootstrap draws it, the patient level normal (a mean of many patients) rather than resampled."""
+    allowed = math.floor(level * (n_resamples + 1) / 2 - 1)  # tail count
+    if allowed < 0:  # below the bootstrap's floor: nothing can be significant
+        return np.full(len(var_patients), np.inf), np.full(len(var_patients), -np.inf)
+    noise = np.sqrt(var_patients)[:, None] * rng.standard_normal((len(var_patients), n_resamples))
+    if seeds > 1:
+        noise += np.sqrt(var_seeds)[:, None] * rng.standard_t(seeds - 1, (len(var_patients), n_resamples))
+    low = np.partition(noise, allowed, axis=1)[:, allowed]
+    high = np.partition(noise, n_resamples - 1 - allowed, axis=1)[:, n_resamples - 1 - allowed]
+    return -low, -high
+
+
+@dataclass(frozen=True)
+class Design:
+    seeds: int
+    patients: int
+    folds: int = 1
+
+
+def _simulate(pilot: Pilot, design: Design, fold_sd: float, studies: int, rng, chunk: int = 250):
+    """``(estimate at no effect, var_patients, var_seeds)`` of ``studies`` future studies of ``design``: patients
+    resampled from the pilot, each seed's patient x seed noise drawn from the patient's own pilot residuals, a seed
+    effect N(0, seed_sd) per seed, a fold effect N(0, fold_sd) per fold and seed."""
+    n0, pilot_seeds = pilot.residuals.shape
+    fold_of = _fold_of(design.patients, design.folds)
+    parts = []
+    for start in range(0, studies, chunk):
+        k = min(chunk, studies - start)
+        who = rng.integers(0, n0, (k, design.patients))
+        x = np.repeat(pilot.patient_effects[who][:, :, None], design.seeds, axis=2)
+        if pilot_seeds > 1:
+            x += pilot.residuals[who[:, :, None], rng.integers(0, pilot_seeds, (k, design.patients, design.seeds))]
+        x += rng.normal(0.0, pilot.seed_sd, (k, 1, design.seeds))
+        if design.folds > 1 and fold_sd > 0:
+            x += rng.normal(0.0, fold_sd, (k, design.folds, design.seeds))[:, fold_of, :]
+        parts.append(_study_levels(x, fold_of))
+    return tuple(np.concatenate(p) for p in zip(*parts, strict=True))
+
+
+def design_power(
+    pilot: Pilot,
+    design: Design,
+    effect: float,
+    comparisons: int = 1,
+    alpha: float = 0.05,
+    target: float = 0.8,
+    fold_sd: float = 0.0,
+    n_resamples: int | None = None,
+    studies: int = 2000,
+    seed: int = 0,
+) -> dict:
+    """Power of one ``design`` to find a true difference ``effect`` significant in its direction, one comparison of a
+    Holm family of ``comparisons`` (Holm's first threshold alpha / m: exact when the others are null, conservative
+    otherwise), with its Monte-Carlo error; and ``mde``, the smallest effect found with probability ``target``."""
+    if design.seeds < 1 or design.patients < 2 * design.folds or design.folds < 1:
+        raise ValueError(f"design: need seeds >= 1, folds >= 1 and 2 patients per fold, got {design}")
+    rng = np.random.default_rng([seed, design.seeds, design.patients, design.folds])
+    replicates = n_resamples or family_resamples(comparisons, alpha=alpha)
+    estimate, var_patients, var_seeds = _simulate(pilot, design, fold_sd, studies, rng)
+    above, below = _critical(var_patients, var_seeds, design.seeds, replicates, alpha / comparisons, rng)
+    found = estimate + effect > above if effect >= 0 else estimate + effect < below
+    power = float(found.mean())
+    needed = np.sort(above - estimate)[math.ceil(target * studies) - 1]  # the effect at which `target` are found
+    return {
+        "seeds": design.seeds,
+        "patients": design.patients,
+        "folds": design.folds,
+        "power": power,
+        "mc_error": math.sqrt(power * (1 - power) / studies),
+        "mde": float(max(needed, 0.0)),
+    }
+
+
+def plan_power(
+    differences: np.ndarray,
+    effect: float,
+    seeds: Sequence[int] = (3, 5, 10),
+    patients: Sequence[int] = (64, 128, 255),
+    folds: Sequence[int] = (1,),
+    comparisons: int = 1,
+    alpha: float = 0.05,
+    target: float = 0.8,
+    seed_sd: float | None = None,
+    fold_sd: float = 0.0,
+    n_resamples: int | None = None,
+    studies: int = 2000,
+    seed: int = 0,
+) -> dict:
+    """Power of every design of seeds x patients x folds to find ``effect`` (A - B, the metric's units) significant
+    after Holm over ``comparisons``, from a pilot's per-patient paired ``differences`` ``(seeds, patients)``.
+
+    Method: each simulated study resamples the pilot's patients (:func:`pilot_components`), centred and shifted by
+    ``effect``, draws its seeds' effects N(0, ``seed_sd``) and applies the report's test, the two-level bootstrap with
+    its p-value rule and floor, with the patient level drawn normal (:func:`_critical`). Returns ``designs`` (one
+    dict per design, see :func:`design_power`), ``smallest``: the design reaching ``target`` with the fewest
+    trainings (seeds x folds), then patients, or None; ``seed_sd`` used; ``method``.
+    """
+    pilot = pilot_components(differences, seed_sd)
+    rows = []
+    for s in seeds:
+        for n in patients:
+            for f in folds:
+                rows.append(
+                    design_power(
+                        pilot, Design(s, n, f), effect, comparisons, alpha, target, fold_sd, n_resamples, studies, seed
+                    )
+                )
+    reaching = [r for r in rows if r["power"] >= target]
+    smallest = min(reaching, key=lambda r: (r["seeds"] * r["folds"], r["patients"]), default=None)
+    method = "simulated studies resampling the pilot's patients, the two-level bootstrap's test (normal patient level)"
+    return {"designs": rows, "smallest": smallest, "seed_sd": pilot.seed_sd, "method": method}
+
+
+def power_curve(
+    differences: np.ndarray,
+    effect: float,
+    seeds: Sequence[int] = (2, 3, 4, 5, 7, 10),
+    patients: Sequence[int] = (32, 64, 128, 255, 512),
+    at_seeds: int = 5,
+    at_patients: int = 255,
+    **options,
+) -> dict:
+    """Power against seeds (at ``at_patients`` patients) and against patients (at ``at_seeds`` seeds), for a figure
+    (:func:`gx_ray.analysis.plots.power_curve_plot`); ``options`` as :func:`plan_power`'s."""
+    return {
+        "effect": effect,
+        "against_seeds": plan_power(differences, effect, seeds, (at_patients,), **options)["designs"],
+        "against_patients": plan_power(differences, effect, (at_seeds,), patients, **options)["designs"],
+    }
