@@ -49,17 +49,27 @@ LONGEST_FILES = (
 """The files that take longest (3–15 min each on 2 cores, ``--durations`` of a clean-clone run), dealt out first: two
 of them left to the end ran side by side for 5 minutes while the quick files had long finished."""
 
+SPREAD_FILES = ("test_faults_searchers.py", "test_faults.py", "test_sweep_share.py", "test_multinode.py")
+"""Files whose tests each start their own sweep or nodes and share no module fixture: their tests are dealt out one
+by one, so that no one process runs a whole file of 3-minute tests while the other has finished. Every other file
+goes whole to one process, so that its module fixtures (the smoke ablation, lesion QA's sweep) are built once."""
 
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the ``xdist_group`` marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The slow end-to-end tests first, the longest files first among them: pytest-xdist's workers (``-n``) start on
-    them and share the quick ones out at the end, rather than one worker finishing a long test alone while the other
-    idles."""
+    """The slow end-to-end tests first, the longest files first among them, each file one group (``--dist
+    loadgroup``, the order kept by ``--no-loadscope-reorder``): pytest-xdist's workers start on them and share the
+    quick ones out at the end, rather than one worker finishing a long test alone while the other idles. Without
+    ``--no-loadscope-reorder`` xdist deals the files with the most tests first, whatever their order here."""
 
     def order(item: pytest.Item) -> tuple[bool, int]:
         name = item.path.name
         return item.get_closest_marker("slow") is None, LONGEST_FILES.index(name) if name in LONGEST_FILES else 99
 
     items.sort(key=order)
+    for item in items:
+        if item.path.name not in SPREAD_FILES:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
 
 
 @pytest.fixture(scope="session")
