@@ -24,7 +24,7 @@ import pytest
 import ray
 from mlflow.tracking import MlflowClient
 
-from gx_ray.sweep.share import ShareRegistry, SweepAlreadyRunning, named
+from gx_ray.sweep.share import ShareRegistry, SweepAlreadyRunning, may_grant, named
 from gx_ray.tracking import KIND_TAG, SWEEP_TAG, TRIAL_TAG
 from gx_ray.tracking.server import LocalMlflowServer
 from tests.common import small_stage_space
@@ -43,6 +43,36 @@ def test_a_name_gives_a_sweep_of_the_same_space_and_cohort_an_id_of_its_own():
     for bad in ("", "a b", "../x", "-x", "x" * 65):
         with pytest.raises(Exception, match="--name"):
             named("lr_sweep-demo-1a2b3c4d", bad)
+
+
+def test_the_grant_order_uses_idle_cpus_then_keeps_each_sweep_to_its_weighted_share():
+    """The registry's rule alone, in the two-sweep test's order (weights 2:1 on three CPUs, one CPU a trial): the
+    heavy sweep alone takes all three; once the light one waits, each freed CPU goes to the one further below its
+    weighted share; nothing is granted beyond what is free. The light sweep joined first, so a rule that ignored the
+    weights would break the 1:1 tie its way."""
+    total, cpu = {"CPU": 3.0}, {"CPU": 1.0}
+    sweeps = {
+        "light": {"usage": {}, "waiting": False, "weight": 1.0, "since": 1.0},
+        "heavy": {"usage": {}, "waiting": True, "weight": 2.0, "since": 2.0},
+    }
+
+    def holds(heavy: float, light: float, waiting: tuple[str, ...]) -> None:
+        for key, cpus in (("heavy", heavy), ("light", light)):
+            sweeps[key].update(usage={"CPU": cpus}, waiting=key in waiting)
+
+    for held in range(3):  # alone, beyond its share: the CPUs are idle
+        holds(held, 0, ("heavy",))
+        assert may_grant(sweeps, total, "heavy", cpu), held
+    holds(3, 0, ("heavy", "light"))
+    assert not may_grant(sweeps, total, "light", cpu) and not may_grant(sweeps, total, "heavy", cpu), "none free"
+    holds(2, 0, ("heavy", "light"))  # the heavy one's trial ended: the light one, at nothing, goes first
+    assert may_grant(sweeps, total, "light", cpu) and not may_grant(sweeps, total, "heavy", cpu)
+    holds(1, 1, ("heavy", "light"))  # 1/3 of 2 against 1/3 of 1: the heavy one, below its share
+    assert may_grant(sweeps, total, "heavy", cpu) and not may_grant(sweeps, total, "light", cpu)
+    holds(2, 0, ("heavy",))  # the light one has nothing waiting: the heavy one may take the idle CPU
+    assert may_grant(sweeps, total, "heavy", cpu)
+    holds(2, 1, ("heavy", "light"))
+    assert not may_grant(sweeps, total, "heavy", {"CPU": 0.5}), "half a CPU granted with none free"
 
 
 def test_the_registry_shares_by_weight_refuses_a_twin_and_forgets_a_silent_driver(ray_cluster):

@@ -60,6 +60,19 @@ def dominant_share(usage: dict[str, float], total: dict[str, float]) -> float:
     return max((usage.get(r, 0.0) / total[r] for r in RESOURCES if total.get(r)), default=0.0)
 
 
+def may_grant(sweeps: dict[str, dict[str, Any]], total: dict[str, float], key: str, need: dict[str, float]) -> bool:
+    """Whether sweep ``key``'s waiting trial may take ``need`` now: it fits in what no sweep holds, and of the sweeps
+    with a trial waiting, ``key`` holds the smallest dominant share per unit of weight (the earliest joined on a tie).
+    ``sweeps`` is the registry's: each sweep's ``usage``, ``waiting``, ``weight`` and ``since``."""
+    used = {r: sum(s["usage"].get(r, 0.0) for s in sweeps.values()) for r in RESOURCES}
+    if any(need.get(r, 0.0) > total.get(r, 0.0) - used[r] + 1e-9 for r in RESOURCES):
+        return False
+    waiting = [k for k, s in sweeps.items() if s["waiting"]]
+    first = min(waiting, key=lambda k: (dominant_share(sweeps[k]["usage"], total) / sweeps[k]["weight"],
+                                        sweeps[k]["since"]))  # fmt: skip
+    return first == key
+
+
 @ray.remote(num_cpus=0, max_restarts=-1)
 class ShareRegistry:
     """The cluster's sweeps that share it: weight, granted resources, whether a trial waits, last heard of."""
@@ -103,13 +116,7 @@ class ShareRegistry:
         """Grant ``need`` to sweep ``key`` (which now holds ``usage`` and has this trial waiting), or not yet."""
         self.update(key, owner, weight, usage, True)
         total = self.total()
-        used = {r: sum(s["usage"].get(r, 0.0) for s in self.sweeps.values()) for r in RESOURCES}
-        if any(need.get(r, 0.0) > total.get(r, 0.0) - used[r] + 1e-9 for r in RESOURCES):
-            return False
-        waiting = [k for k, s in self.sweeps.items() if s["waiting"]]
-        first = min(waiting, key=lambda k: (dominant_share(self.sweeps[k]["usage"], total) / self.sweeps[k]["weight"],
-                                            self.sweeps[k]["since"]))  # fmt: skip
-        if first != key:
+        if not may_grant(self.sweeps, total, key, need):
             return False
         self.history.append({
             "time": time.time(), "sweep": key, "need": need, "total": total,
