@@ -187,3 +187,19 @@ def test_one_slice_or_nine_pairs_img2txt_with_ct2txt_per_schema(tmp_path):
     assert [p.suffix for p in slice_context_plot(cells, tmp_path / "slices")] == [".png", ".svg"]
     only_one = cells[cells["task"] != "lesion_qa.ct2txt.random"]
     assert slice_context(only_one).empty and slice_context_plot(only_one, tmp_path / "none") == []
+
+
+def test_the_interval_figure_draws_the_tables_own_interval_with_one_seed():
+    """One seed: no t interval, but the report's two-level bootstrap gives one; the figure draws that one, as the
+    headline table shows it, not a bare dot."""
+    cells = cell_statistics(make_runs(tasks=("vqa",), seeds=1, noise=0.1), split="test")
+    assert cells["ci_low"].isna().all()
+    cells["interval"] = "two-level bootstrap"
+    cells["boot_low"], cells["boot_high"] = cells["mean"] - 2.0, cells["mean"] + 3.0
+    fig = interval_figure(cells)
+    try:
+        vqa = cells.query("metric == 'accuracy'").set_index("schema")
+        bars = fig.axes[0].containers[3].lines[2][0].get_segments()[0]  # image_table_bbox's CI segment
+        np.testing.assert_allclose(bars[:, 0], vqa.loc["image_table_bbox", ["boot_low", "boot_high"]].to_numpy(float))
+    finally:
+        plt.close(fig)

@@ -229,3 +229,43 @@ def test_beside_paper_labels_the_cohort_and_places_the_papers_numbers():
     assert text.startswith("**Our cohort: built-in demo cohort (synthetic) — not comparable")
     assert "| Image + Table + BBox | AUC ↑ |" in text and "| 90.8 |" in text
     assert text.index("### retrieval") < text.index("### stage_classification")  # the paper's task order
+
+
+def test_each_format_names_the_mark_it_prints_for_the_second_best():
+    """Markdown prints the second best in italics (it has no underline): its caption says so; LaTeX underlines."""
+    means = {"image_only": 80.0, "image_table": 85.0, "image_table_bbox": 90.0}
+    table = task_table(constructed(means), "stage_classification")
+    markdown, latex = to_markdown(table), to_latex(table)
+    assert "*85.0 ± 0.5*" in markdown and "second best in italics" in markdown and "underlined" not in markdown
+    assert r"\underline{85.0" in latex and "second best underlined" in latex
+
+
+def test_no_number_prints_as_negative_zero():
+    """A value that rounds to zero prints unsigned: "0.0", never "-0.0" (nor "[-0.0, 12.5]" in an interval)."""
+    assert format_cell(-0.04, 0.01, 3) == "0.0 ± 0.0" and format_cell(-0.04, math.nan, 1) == "0.0"
+    assert format_cell(-0.06, 0.5, 3) == "-0.1 ± 0.5"
+    cells = constructed({"image_only": -0.01, "image_table_bbox": 3.0}, n=1)
+    cells["ci_low"], cells["ci_high"] = -0.02, 12.5
+    cells["n"] = 3
+    frame = beside_paper(cells, load_reference(), cohort="demo")
+    text = beside_paper_markdown(frame)
+    assert "[0.0, 12.5]" in text and "-0.0" not in text
+
+
+def test_beside_the_paper_shows_the_bootstrap_interval_of_a_one_seed_cell():
+    """One seed has no t interval; the report's two-level bootstrap gives one, and the table beside the paper shows
+    that same interval, as the headline table does, instead of "—"."""
+    cells = constructed({"image_only": 80.0, "image_table_bbox": 90.0}, n=1)
+    cells["ci_low"] = cells["ci_high"] = math.nan
+    cells["interval"] = "two-level bootstrap"
+    cells["boot_low"], cells["boot_high"] = cells["mean"] - 4, cells["mean"] + 3
+    text = beside_paper_markdown(beside_paper(cells, load_reference(), cohort="demo"))
+    assert "| 80.0 | [76.0, 83.0] |" in text and "| 90.0 | [86.0, 93.0] |" in text
+
+
+def test_counts_read_singular_or_plural_as_they_are():
+    """The appendix's sample size reads "1 seed per cell", never "1 seeds"."""
+    from gx_ray.analysis.appendix import _sample_size
+
+    one, three = (_sample_size(make_runs(tasks=("vqa",), seeds=s), None) for s in (1, 3))
+    assert "\n1 seed per cell;" in one and "\n3 seeds per cell;" in three

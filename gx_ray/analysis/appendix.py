@@ -29,6 +29,7 @@ from gx_ray.analysis import stats
 from gx_ray.analysis.cases import CaseScorer
 from gx_ray.analysis.plan import pseudo_values
 from gx_ray.analysis.runs import child_runs, headline_metric, higher_is_better
+from gx_ray.analysis.tables import number, plural
 from gx_ray.data.fingerprint import read_fingerprint
 from gx_ray.data.shards import read_manifest
 
@@ -126,10 +127,10 @@ def _sample_size(runs: pd.DataFrame, significance: pd.DataFrame | None) -> str:
     seeds = test["seed"].nunique()
     lines = [
         "### Sample size",
-        f"{seeds} seeds per cell; the comparisons' test patients and their smallest detectable difference (80 % "
-        "power, after Holm over the report's comparisons) are below. A difference smaller than that could not have "
-        "been seen: plan the next study from this one with `python jobs/plan.py --pilot <this sweep's output folder> "
-        "--effect <difference>`.",
+        f"{plural(seeds, 'seed')} per cell; the comparisons' test patients and their smallest detectable difference "
+        "(80 % power, after Holm over the report's comparisons) are below. A difference smaller than that could not "
+        "have been seen: plan the next study from this one with `python jobs/plan.py --pilot <this sweep's output "
+        "folder> --effect <difference>`.",
     ]
     if significance is not None and not significance.empty and "mde" in significance:
         lines += ["| task | schema | test patients | seeds | smallest detectable |", "|---|---|---|---|---|"]
@@ -179,7 +180,7 @@ def _failures(runs: pd.DataFrame, scorer: Callable[[str, str, str], CaseScorer |
         if shares is None:
             continue
         order = shares.sort_values(ascending=higher_is_better(metric)).head(WORST_CASES)
-        worst = ", ".join(f"{case} ({value:.0f})" for case, value in order.items())
+        worst = ", ".join(f"{case} ({number(value, 0)})" for case, value in order.items())
         lines.append(f"| {task} | {best} | {metric} | {worst} |")
     return "\n\n".join(lines[:2]) + "\n\n" + "\n".join(lines[2:]) if len(lines) > 4 else ""
 

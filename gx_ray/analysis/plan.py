@@ -28,6 +28,7 @@ import pandas as pd
 from gx_ray.analysis import plots, power, stats
 from gx_ray.analysis.cases import CaseScorer, case_scorer
 from gx_ray.analysis.runs import load_runs, test_records
+from gx_ray.analysis.tables import plural
 
 PLAN_FOLDER = "plan"
 
@@ -144,7 +145,8 @@ def _summary(sweep_id: str, planned: list[dict], family: int, effect: float) -> 
         best = p["smallest"]
         design = "none of the designs tried"
         if best is not None:
-            design = f"{best['seeds']} seeds × {best['patients']} patients (power {100 * best['power']:.0f} %)"
+            size = f"{plural(best['seeds'], 'seed')} × {plural(best['patients'], 'patient')}"
+            design = f"{size} (power {100 * best['power']:.0f} %)"
         lines.append(
             f"| {p['task']} | {p['metric']} | {p['schema_a']} | {p['pilot_seeds']} × {p['pilot_patients']} | "
             f"{p['observed']:.2f} | {p['seed_sd']:.2f} | {design} |"

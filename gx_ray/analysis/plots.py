@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from gx_ray.analysis.runs import headline_metric, higher_is_better, lesion_qa_cells
-from gx_ray.analysis.tables import metric_label, schema_label, schema_order, task_order
+from gx_ray.analysis.tables import metric_label, schema_label, schema_order, shown_interval, task_order
 
 SCHEMA_COLOURS = {  # colour-blind-safe (Okabe–Ito)
     "image_only": "#0072B2",
@@ -146,7 +146,8 @@ def radar_plot(
 
 
 def interval_figure(cells: pd.DataFrame, metric_per_task: dict[str, str] | None = None, model: str | None = None):
-    """One panel per task: a dot per schema at its mean with the 95 % CI (``ci_low``–``ci_high``) as error bar."""
+    """One panel per task: a dot per schema at its mean with the report's 95 % CI (:func:`tables.shown_interval`:
+    the two-level bootstrap's where the cells have it, else t over seeds) as error bar."""
     headlines = _headlines(cells, metric_per_task)
     # A4 width (~7.5 in, three panels a row): one row of five panels was 16 in wide, unreadable on a page
     columns = min(3, len(headlines))
@@ -156,6 +157,7 @@ def interval_figure(cells: pd.DataFrame, metric_per_task: dict[str, str] | None 
         ax.remove()
     for ax, (task, metric) in zip(axes.flat[: len(headlines)], headlines.items(), strict=True):
         frame = _pick_model(cells, task, metric, model).set_index("schema")
+        frame["ci_low"], frame["ci_high"] = shown_interval(frame)
         schemas = schema_order(frame.index)
         for y, schema in enumerate(schemas):
             mean, low, high = (float(frame.at[schema, c]) for c in ("mean", "ci_low", "ci_high"))

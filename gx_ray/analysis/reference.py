@@ -18,7 +18,16 @@ import pandas as pd
 
 import gx_ray
 from gx_ray.analysis.runs import lesion_qa_cells
-from gx_ray.analysis.tables import format_cell, metric_label, metric_order, schema_label, schema_order, task_order
+from gx_ray.analysis.tables import (
+    format_cell,
+    metric_label,
+    metric_order,
+    number,
+    schema_label,
+    schema_order,
+    shown_interval,
+    task_order,
+)
 
 REFERENCE_FILE = "gastric_x_paper_results.csv"
 PAPER_PREFIX = "paper: "
@@ -77,6 +86,7 @@ def beside_paper(cells: pd.DataFrame, reference: pd.DataFrame, cohort: str) -> p
         ours["model"].astype(str).where(~several, ours["model"].astype(str) + " (" + ours["fusion"].astype(str) + ")")
     )
     ours["ours"] = [format_cell(m, s, n) for m, s, n in zip(ours["mean"], ours["sd"], ours["n"], strict=True)]
+    ours["ci_low"], ours["ci_high"] = shown_interval(ours)  # the interval the headline table shows
     ours = ours[OURS_COLUMNS]
     paper = reference.pivot_table(index=["task", "schema", "metric"], columns="model", values="value", aggfunc="first")
     models = list(reference["model"].drop_duplicates())
@@ -95,10 +105,6 @@ def beside_paper(cells: pd.DataFrame, reference: pd.DataFrame, cohort: str) -> p
     return frame.drop(columns=list(keys)).reset_index(drop=True)
 
 
-def _number(value: float | None) -> str:
-    return "—" if value is None or pd.isna(value) else f"{value:.1f}"
-
-
 def beside_paper_markdown(frame: pd.DataFrame) -> str:
     """Markdown: the cohort statement first, then one table per task with only the paper models it reports."""
     lines = [f"**Our cohort: {c}.**" for c in frame["cohort"].drop_duplicates()]
@@ -108,9 +114,9 @@ def beside_paper_markdown(frame: pd.DataFrame) -> str:
         header = ["Setting", "Metric", "Our model", "Ours", "95 % CI", *papers, "Note"]
         lines += ["", f"### {task}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for row in group.to_dict("records"):
-            ci = "—" if pd.isna(row["ci_low"]) else f"[{row['ci_low']:.1f}, {row['ci_high']:.1f}]"
+            ci = "—" if pd.isna(row["ci_low"]) else f"[{number(row['ci_low'])}, {number(row['ci_high'])}]"
             ours = [schema_label(row["schema"]), metric_label(row["metric"]), row["model"], row["ours"], ci]
-            cells = [*ours, *(_number(row[c]) for c in papers), row["note"]]
+            cells = [*ours, *(number(row[c]) for c in papers), row["note"]]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -147,13 +153,13 @@ def beside_related_markdown(cells: pd.DataFrame, related: pd.DataFrame) -> str |
         "|" + "---|" * len(header),
     ]
     means = ours.groupby("schema")["mean"].mean()
-    row = [f"ours (mean over {families})", *(_number(means.get(s, float("nan"))) for s in CONDITIONS), ""]
+    row = [f"ours (mean over {families})", *(number(means.get(s, float("nan"))) for s in CONDITIONS), ""]
     lines.append("| " + " | ".join(row) + " |")
     for model, group in theirs.groupby("model", sort=False):
         values = group.set_index("schema")["value"]
         notes = "; ".join(dict.fromkeys(n for n in group["note"].dropna() if n))
         lines.append(
-            "| " + " | ".join([f"{model} (CT-Bench)", *(_number(values.get(s)) for s in CONDITIONS), notes]) + " |"
+            "| " + " | ".join([f"{model} (CT-Bench)", *(number(values.get(s)) for s in CONDITIONS), notes]) + " |"
         )
     return "\n".join(lines) + "\n"
 
@@ -183,11 +189,11 @@ def beside_endoscopy_markdown(cells: pd.DataFrame, related: pd.DataFrame) -> str
         "|" + "---|" * len(header),
     ]
     means = ours.groupby("family")["mean"].mean()
-    lines.append("| " + " | ".join(["ours (mean over schemas)", *(_number(means.get(f)) for f in families), ""]) + " |")
+    lines.append("| " + " | ".join(["ours (mean over schemas)", *(number(means.get(f)) for f in families), ""]) + " |")
     for model, group in theirs.groupby("model", sort=False):
         values = {t.removeprefix("endoscopy_"): v for t, v in zip(group["task"], group["value"], strict=True)}
         notes = "; ".join(dict.fromkeys(n for n in group["note"].dropna() if n))
-        lines.append("| " + " | ".join([model, *(_number(values.get(f)) for f in families), notes]) + " |")
+        lines.append("| " + " | ".join([model, *(number(values.get(f)) for f in families), notes]) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -341,7 +341,7 @@ def _trial_scorers(tracking_uri: str) -> Callable[[str, str, str], CaseScorer | 
 
 
 def _fmt(value: float, digits: int = 1) -> str:
-    return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+    return tables.number(value, digits)
 
 
 def _headline_markdown(cells: pd.DataFrame) -> str:
@@ -356,11 +356,11 @@ def _headline_markdown(cells: pd.DataFrame) -> str:
     tasks = {task: i for i, task in enumerate(tables.task_order(headline["task"]))}
     headline = headline.assign(task_rank=headline["task"].map(tasks), schema_rank=headline["schema"].map(order))
     headline = headline.sort_values(["task_rank", "model", "schema_rank"])
+    headline["shown_low"], headline["shown_high"] = tables.shown_interval(headline)
     for _, row in headline.iterrows():
         arrow = "↑" if higher_is_better(row["metric"]) else "↓"
         spread = f" ± {_fmt(row['sd'])}" if row["n"] > 1 else ""
-        booted = row.get("interval") == "two-level bootstrap"
-        low, high = (row["boot_low"], row["boot_high"]) if booted else (row["ci_low"], row["ci_high"])
+        low, high = row["shown_low"], row["shown_high"]
         lines.append(
             f"| {row['task']} | {row['model']} | {row['schema']} | {row['metric']} {arrow} | "
             f"{_fmt(row['mean'])}{spread} | [{_fmt(low)}, {_fmt(high)}] | {row.get('interval', 't over seeds')} | "

@@ -129,13 +129,33 @@ def rank_cells(cells: pd.DataFrame, decimals: int = DECIMALS) -> pd.Series:
     return rank
 
 
+def number(value: float | None, decimals: int = DECIMALS) -> str:
+    """``value`` to ``decimals`` places, "—" for none; a value that rounds to zero prints "0.0", never "-0.0"."""
+    if value is None or pd.isna(value):
+        return "—"
+    text = f"{value:.{decimals}f}"
+    return text[1:] if text.startswith("-") and float(text) == 0 else text
+
+
+def plural(count: int, word: str) -> str:
+    """``"1 seed"``, ``"3 seeds"``."""
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
 def format_cell(mean: float, sd: float, n: float, decimals: int = DECIMALS) -> str:
     """``mean ± sd``; the sd is left out when n < 2 (or NaN); "—" for a missing mean."""
-    if mean is None or pd.isna(mean):
-        return "—"
-    if pd.isna(n) or n < 2 or pd.isna(sd):
-        return f"{mean:.{decimals}f}"
-    return f"{mean:.{decimals}f} ± {sd:.{decimals}f}"
+    if mean is None or pd.isna(mean) or pd.isna(n) or n < 2 or pd.isna(sd):
+        return number(mean, decimals)
+    return f"{number(mean, decimals)} ± {number(sd, decimals)}"
+
+
+def shown_interval(cells: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
+    """Each cell's 95 % interval as the report shows it: the two-level bootstrap's (``boot_low``/``boot_high``)
+    where its ``interval`` column says so, else Student's t over seeds (``ci_low``/``ci_high``)."""
+    if "boot_low" not in cells or "interval" not in cells:
+        return cells["ci_low"], cells["ci_high"]
+    booted = cells["interval"] == "two-level bootstrap"
+    return cells["boot_low"].where(booted, cells["ci_low"]), cells["boot_high"].where(booted, cells["ci_high"])
 
 
 @dataclass
@@ -194,10 +214,11 @@ def _header(table: TaskTable, metric: str) -> str:
     return f"{metric_label(metric, arrow=False)} {'↑' if high else '↓'}"
 
 
-def caption(table: TaskTable) -> str:
+def caption(table: TaskTable, second: str = "underlined") -> str:
+    """The table's legend; ``second``: how the format marks the second best."""
     return (
         f"{table.task}: mean ± sd over seeds (sd left out where n < 2). Best per metric over all models and "
-        f"settings in bold, second best underlined (compared as printed, {table.decimals} decimal). "
+        f"settings in bold, second best {second} (compared as printed, {table.decimals} decimal). "
         "↑ higher is better, ↓ lower is better."
     )
 
@@ -213,7 +234,7 @@ def to_markdown(table: TaskTable) -> str:
             text, rank = table.cell(row, schema, metric)
             texts.append(f"**{text}**" if rank == 1 else f"*{text}*" if rank == 2 else text)
         lines.append("| " + " | ".join([row, *texts]) + " |")
-    return "\n".join(lines) + f"\n\n{caption(table)}\n"
+    return "\n".join(lines) + f"\n\n{caption(table, second='in italics')}\n"
 
 
 def to_latex(table: TaskTable) -> str:
