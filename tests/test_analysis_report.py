@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import time
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -430,3 +431,19 @@ def test_a_study_is_planned_from_the_pilots_predictions(planted_sweep, tmp_path,
     tiny = json.loads((tmp_path / "plan" / "plan.json").read_text(encoding="utf-8"))
     assert all(p["smallest"] is None for p in tiny)
     assert "none of the designs tried" in (tmp_path / "plan" / "summary.md").read_text(encoding="utf-8")
+
+
+def test_the_significance_table_fits_a_preview_with_its_method_said_once_under_it():
+    """The table was 10 columns wide, its method repeated in every row: the page needed sideways scrolling in
+    MLflow's preview. The method is now a note under the table, the smallest detectable difference a short header,
+    and the page's cells wrap."""
+    from gx_ray.analysis.report import _markdown_to_html, _significance_markdown
+
+    row = {"task": "vqa", "metric": "accuracy", "schema_a": "image_table", "diff": 1.0, "ci_low": -0.5, "ci_high": 2.5}
+    row |= {"p_value": 0.2, "p_holm": 0.4, "significant": False, "n_resamples": 999, "mde": 3.0}
+    table = pd.DataFrame([row | {"method": "two-level bootstrap: patients × seeds"}] * 2)
+    text = _significance_markdown(table, "image_only")
+    header = text.splitlines()[0]
+    assert "method" not in header and "smallest detectable" not in header and header.count("|") == 10
+    assert text.count("two-level bootstrap: patients × seeds") == 1 and "\n\nMethod: two-level bootstrap" in text
+    assert "overflow-wrap:anywhere" in _markdown_to_html(text, Path("."))

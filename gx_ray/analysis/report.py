@@ -384,17 +384,18 @@ def _significance_markdown(table: pd.DataFrame | None, baseline: str) -> str:
         )
     lines = [
         f"| task | metric | schema vs {baseline} | difference [95 % CI] | p | p (Holm) | significant | "
-        "equivalence | smallest detectable | method |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "equivalence | MDE |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     family = len(table)
     for _, row in table.iterrows():
         lines.append(
             f"| {row['task']} | {row['metric']} | {row['schema_a']} | {_verdict(row, family)} | "
             f"{row.get('equivalence') if isinstance(row.get('equivalence'), str) else '—'} | "
-            f"{_fmt(row.get('mde'), 2) if _present(row.get('mde')) else '—'} | {row['method']} |"
+            f"{_fmt(row.get('mde'), 2) if _present(row.get('mde')) else '—'} |"
         )
-    return "\n".join(lines) + caution
+    methods = "; ".join(table["method"].drop_duplicates())  # said once: a column of it made the page too wide
+    return "\n".join(lines) + f"\n\nMethod: {methods}." + caution
 
 
 def _present(value: object) -> bool:
@@ -532,8 +533,8 @@ def _summary(sweep_id: str, runs: pd.DataFrame, report: Report, cohort: str, bas
         "p-values Holm-corrected across every comparison below; a p-value at the bootstrap's floor is shown as a "
         'bound. *Significant*: "not shown" means the data cannot tell the schemas apart, not that they are alike. '
         "*Equivalence*: TOST against the space's margin (`analysis.margin`, in the metric's units): equivalent, "
-        "non-inferior, worse or not shown; without a margin, not tested. *Smallest detectable*: the difference this "
-        "design (its patients, seeds and family of comparisons) would detect with 80 % power.",
+        "non-inferior, worse or not shown; without a margin, not tested. *MDE*, smallest detectable: the difference "
+        "this design (its patients, seeds and family of comparisons) would detect with 80 % power.",
         _significance_markdown(report.significance, baseline),
         _out_of_fold_markdown(report, baseline),
         _distractors_markdown(report.distractors),
@@ -576,7 +577,8 @@ def _markdown_to_html(markdown: str, folder: Path) -> str:
     markdown = re.sub(r"^- \[([^\]]+)\]\(([^)]+\.md)\)$", inline_tables, markdown, flags=re.MULTILINE)
     style = (
         "body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse;margin:1em 0}"
-        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}th{background:#f3f3f3}img{max-width:100%}"
+        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;overflow-wrap:anywhere}th{background:#f3f3f3}"
+        "img{max-width:100%}"
     )
     body = MarkdownIt("commonmark").enable("table").render(markdown)
     body = re.sub(r'src="([^"]+\.png)"', embed, body)
