@@ -62,10 +62,9 @@ def test_a_trials_cost_is_its_reservation_times_its_wall_seconds_going_on_from_i
     def report(metrics: dict, checkpoint: object = None) -> None:
         reported.append((metrics, checkpoint))
 
-    report.__module__ = "ray.tune.trainable"  # the loop picks Tune's Checkpoint class by its report's module
     ledger = Ledger(gpus=0.25, cpus=2.0, spent={"gpu_seconds": 10.0, "cpu_seconds": 80.0}, started=time.time() - 4)
     with_costs = ledger.reporting(report)
-    assert with_costs.__module__ == "ray.tune.trainable"
+    # (the Checkpoint class is the worker context's own, not read from this reporter: test_train_checkpoint.py)
     with_costs({"epoch": 3, "val_primary": 0.5}, checkpoint="saved")
     ((metrics, checkpoint),) = reported
     assert checkpoint == "saved" and metrics["val_primary"] == 0.5

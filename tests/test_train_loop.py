@@ -58,6 +58,46 @@ def test_a_resumed_schedule_goes_on_where_it_stopped():
     assert again.param_groups[0]["lr"] == pytest.approx(optimiser.param_groups[0]["lr"]) == pytest.approx(5 / 7)
 
 
+@pytest.mark.parametrize("restored_at", [0, 2, 5, 9])  # before, within and after the warm-up
+@pytest.mark.parametrize("lr", [1e-3, 2e-3, 5e-4])
+def test_a_restored_schedule_takes_the_configs_rate_and_keeps_its_shape(restored_at, lr):
+    """``apply_optimiser_settings``: an unchanged rate keeps the restored schedule itself (every later rate bit for bit
+    the uninterrupted one's); a changed one goes on at the uninterrupted rates times the ratio, weight decay too."""
+    from types import SimpleNamespace
+
+    from gx_ray.models.registry import param_groups
+
+    def fresh(rate: float) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+        model = torch.nn.Linear(3, 1)
+        optimiser = torch.optim.AdamW(param_groups(model, rate, 0.01, 1.0), lr=rate)
+        return model, optimiser, linear_warmup_decay(optimiser, 3, 10)
+
+    def step(optimiser, scheduler, times: int) -> list[float]:
+        rates = []
+        for _ in range(times):
+            rates.append(scheduler.get_last_lr()[0])
+            optimiser.step()
+            scheduler.step()
+        return rates
+
+    _, optimiser, scheduler = fresh(1e-3)
+    whole = step(optimiser, scheduler, 10)
+    _, optimiser, scheduler = fresh(1e-3)
+    step(optimiser, scheduler, restored_at)
+    model, again, resumed = fresh(1e-3)
+    again.load_state_dict(optimiser.state_dict())
+    resumed.load_state_dict(scheduler.state_dict())
+    config = SimpleNamespace(optimiser=SimpleNamespace(lr=lr, weight_decay=0.2, text_lr_multiplier=1.0))
+    rebuild = lambda: linear_warmup_decay(again, 3, 10)  # noqa: E731
+    going_on = loop.apply_optimiser_settings(config, model, again, resumed, rebuild)
+    later = step(again, going_on, 10 - restored_at)
+    if lr == 1e-3:
+        assert going_on is resumed and later == whole[restored_at:]
+    else:
+        assert later == pytest.approx([r * lr / 1e-3 for r in whole[restored_at:]], rel=1e-9)
+    assert [g["weight_decay"] for g in again.param_groups] == [0.2, 0.0]  # the bias is never decayed
+
+
 # --- the loop ---------------------------------------------------------------------------------------------
 
 
@@ -92,6 +132,25 @@ def test_the_run_ends_before_the_last_report_which_a_scheduler_may_stop_the_tria
     with pytest.raises(_StoppedByTheScheduler):
         loop.run_loop(config, ctx)
     assert calls == [("report", False), "end", ("report", True)]
+
+
+def test_the_loop_stops_after_the_epochs_its_context_asks_for(ray_cluster, demo_prepared):
+    """``stop_after_epochs`` (the budget's pilot): the loop returns after that many epochs' reports, the test split
+    not scored and the run's end not called; nothing raised."""
+    config = TrialConfig.from_flat(
+        {"task": "stage_classification", "data.shards": str(demo_prepared.shard_dir), "schedule.epochs": 3,
+         "schedule.max_steps_per_epoch": 1, "data.effective_batch": 2, "model.vision": "resnet10_3d",
+         "model.vision_kwargs": {"block_inplanes": [8, 16, 32, 64]}, "model.text": "bert_tiny",
+         "model.fusion": "concat", "model.hidden": 32}
+    )  # fmt: skip
+    reports, ended = [], []
+    ctx = loop.WorkerContext(
+        rank=0, world_size=1, device=torch.device("cpu"), report=lambda m, checkpoint=None: reports.append(dict(m)),
+        latest_checkpoint=None, before_final_report=lambda: ended.append(True), stop_after_epochs=2,
+    )  # fmt: skip
+    metrics = loop.run_loop(config, ctx)
+    assert [r["epoch"] for r in reports] == [0, 1] and metrics == reports[-1]
+    assert not any("test_primary" in r for r in reports) and not ended
 
 
 def test_select_last_tests_the_final_epochs_model_where_best_tests_the_best_validated_one(

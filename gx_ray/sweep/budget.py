@@ -19,7 +19,6 @@ start, a hard stop once spent, and the ledger of what every trial cost.
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import dataclasses
 import json
@@ -253,10 +252,6 @@ def _pilots(keyed: dict[str, TrialSetting], context: SweepContext) -> dict[str, 
     return measured_plan(keyed, measure, identity, cache_dir=default_cache_dir().parent / "pilots")
 
 
-class _PilotDone(Exception):
-    """Raised by the pilot's report after its second epoch: the test split is not scored."""
-
-
 def pilot(config: TrialConfig, micro_batch: int | None = None, share: float = 1.0) -> dict[str, float]:
     """Train ``config`` twice in this process, each time for two epochs of at most :data:`PILOT_STEPS` optimiser
     steps on its device, and time the second, as a trial in a process that ran one before: ``setup_seconds`` (start
@@ -277,12 +272,10 @@ def pilot(config: TrialConfig, micro_batch: int | None = None, share: float = 1.
 
         def report(metrics: dict, checkpoint: Any = None, marks: list = marks) -> None:
             marks.append((time.perf_counter(), dict(metrics)))
-            if len(marks) == 2:
-                raise _PilotDone
 
-        with contextlib.suppress(_PilotDone):
-            run_loop(config, WorkerContext(rank=0, world_size=1, device=device, report=report, latest_checkpoint=None,
-                                           micro_batch=micro_batch))  # fmt: skip
+        # two epochs reported, the test split not scored
+        run_loop(config, WorkerContext(rank=0, world_size=1, device=device, report=report, latest_checkpoint=None,
+                                       micro_batch=micro_batch, stop_after_epochs=2))  # fmt: skip
         (first, _), (second, metrics) = marks
         timed.append(((first - started) - (second - first), second - first, metrics))
     (cold, _, _), (setup, epoch, metrics) = timed

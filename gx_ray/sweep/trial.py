@@ -132,11 +132,40 @@ def run_trial(params: dict[str, Any], context: SweepContext) -> None:
     # MLflow prints two "View run" lines whenever a run ends: 120 lines per sweep; the parent run's are enough
     os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
     setting = context.setting(params)
-    config, plan, share = setting.config, setting.plan, setting.gpu_share
-    trial = tune.get_context()
+    config, trial = setting.config, tune.get_context()
     client = MlflowClient(context.tracking_uri)
+    tags = _run_tags(config, context, trial)
+    run = child_run(client, context.parent_run_id, trial.get_trial_id(), trial.get_trial_name(), tags, _params(config))
+    if run.status == "FINISHED":  # done before the sweep was killed, its end not saved by Tune: never trained twice
+        tune.report(run.metrics)
+        return
+    tracker = _tracker(client, run, setting, context)
+    end = _RunEnd(client, run.run_id, tracker, trial_started, config.resources.use_gpu)
+    # its cost: what Ray reserves for it over its wall time, going on from its earlier attempts' (gx_ray.train.ledger)
+    workers = config.resources.workers if under_torch_trainer(config) else 1
+    spent = {k: v for k, v in run.metrics.items() if k in COSTS}
+    ledger = Ledger(workers * setting.gpu_share, workers * config.resources.cpus_per_worker, spent,
+                    started=time.time() - (time.perf_counter() - trial_started))  # fmt: skip
+    try:
+        if not under_torch_trainer(config):
+            started = {"trial_start_seconds": time.perf_counter() - trial_started}
+            if cold:
+                started["process_start_seconds"] = _process_started[0]
+            _train_here(setting, trial, ledger, end, started)
+        else:
+            _fit_torch_trainer(config, context, run, trial, setting.plan.get("micro_batch"), ledger)
+        end()
+    except NodePreempted:  # checkpointed where it was: Tune goes on from there on another node, in this same run
+        raise
+    except Exception as err:
+        end.failed(err)
+        raise
+
+
+def _run_tags(config: TrialConfig, context: SweepContext, trial: Any) -> dict[str, str]:
+    """The tags of a trial's run: its cell, its trial counter and what its primary metric is."""
     task = task_class(config.task)  # its primary metric and direction are class attributes: nothing to build
-    tags = {
+    return {
         "task": config.task,
         "schema": config.schema.name,
         "seed": str(config.seed),
@@ -148,72 +177,69 @@ def run_trial(params: dict[str, Any], context: SweepContext) -> None:
         # every metric is on the paper's 0-100 scale (accuracy, AUC, recall, ROUGE, AP ...), a median rank is a rank
         "gx_ray.primary_unit": task.primary_unit or ("rank" if "rank" in task.primary_metric else "%"),
     }
-    run = child_run(client, context.parent_run_id, trial.get_trial_id(), trial.get_trial_name(), tags, _params(config))
-    run_id = run.run_id
-    if run.status == "FINISHED":  # done before the sweep was killed, its end not saved by Tune: never trained twice
-        tune.report(run.metrics)
-        return
-    # a retried or resumed trial logs into its earlier run: what that attempt logged is kept, never logged twice
-    tracker = TrialTracker(context.tracking_uri, run_id, resumed=run.status is not None)
+
+
+def _tracker(client: MlflowClient, run: ChildRun, setting: TrialSetting, context: SweepContext) -> TrialTracker:
+    """The trial's run, tagged with where it runs; a retried or resumed trial logs into its earlier run (what that
+    attempt logged is kept, never logged twice)."""
+    config, plan = setting.config, setting.plan
+    tracker = TrialTracker(context.tracking_uri, run.run_id, resumed=run.status is not None)
     tracker.set_tags({**context.provenance, **_device_tags(config)})
     if run.status is None:
-        client.log_dict(run_id, config.to_flat(), "config.json")
+        client.log_dict(run.run_id, config.to_flat(), "config.json")
     if config.resources.use_gpu:
-        tracker.log_metrics({"gpu_share": share, **({"probe_peak_gib": plan["peak_bytes"] / 2**30} if plan else {})}, 0)
-    sampler = GpuSampler(visible_gpu_uuids()).start() if config.resources.use_gpu else None
-    ended = False
-    # its cost: what Ray reserves for it over its wall time, going on from its earlier attempts' (gx_ray.train.ledger)
-    workers = config.resources.workers if under_torch_trainer(config) else 1
-    spent = {k: v for k, v in run.metrics.items() if k in COSTS}
-    ledger = Ledger(workers * share, workers * config.resources.cpus_per_worker, spent,
-                    started=time.time() - (time.perf_counter() - trial_started))  # fmt: skip
+        peak = {"probe_peak_gib": plan["peak_bytes"] / 2**30} if plan else {}
+        tracker.log_metrics({"gpu_share": setting.gpu_share, **peak}, 0)
+    return tracker
 
-    def end_run() -> None:
-        """The run's end, written before the trial's last report (a scheduler may stop the trial at it)."""
-        nonlocal ended
-        if not ended:
-            ended = True
-            tracker.log_metrics({"trial_seconds": time.perf_counter() - trial_started}, step=0)
-            _log_gpu(tracker, sampler)
-            client.set_terminated(run_id, "FINISHED")
 
+class _RunEnd:
+    """Ends a trial's run once: FINISHED with its time and GPU telemetry (written before the trial's last report,
+    at which a scheduler may stop the trial), or FAILED with the error."""
+
+    def __init__(self, client: MlflowClient, run_id: str, tracker: TrialTracker, trial_started: float, gpu: bool):
+        self.client, self.run_id, self.tracker, self.trial_started = client, run_id, tracker, trial_started
+        self.sampler = GpuSampler(visible_gpu_uuids()).start() if gpu else None
+        self.ended = False
+
+    def __call__(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.tracker.log_metrics({"trial_seconds": time.perf_counter() - self.trial_started}, step=0)
+            _log_gpu(self.tracker, self.sampler)
+            self.client.set_terminated(self.run_id, "FINISHED")
+
+    def failed(self, err: Exception) -> None:
+        if not self.ended:
+            _log_gpu(self.tracker, self.sampler)
+        set_tags(self.client, self.run_id, {"gx_ray.error": f"{type(err).__name__}: {err}"[:5000]})
+        self.client.log_text(self.run_id, traceback.format_exc(), "error.txt")
+        self.client.set_terminated(self.run_id, "FAILED")
+
+
+def _train_here(setting: TrialSetting, trial: Any, ledger: Ledger, end: _RunEnd, started: dict[str, float]) -> None:
+    """Run the loop in this process (a one-worker trial: it already holds the trial's resources)."""
+    config, share, tracker = setting.config, setting.gpu_share, end.tracker
+    torch.set_num_threads(max(1, int(config.resources.cpus_per_worker)))
+    device = torch.device("cuda" if config.resources.use_gpu and torch.cuda.is_available() else "cpu")
+    if device.type == "cuda" and share < 1:  # a packed trial keeps to its share of the card's memory
+        torch.cuda.set_per_process_memory_fraction(share, torch.cuda.current_device())
+    worker = WorkerContext(
+        rank=0, world_size=1, device=device, report=ledger.reporting(tune.report, tracker),
+        latest_checkpoint=tune.get_checkpoint(), checkpoint_class=tune.Checkpoint,
+        tracker=tracker, micro_batch=setting.plan.get("micro_batch"), timing=started, before_final_report=end,
+        on_restore=lambda restored: record_restore(tracker, config, trial, restored),
+        drain=DrainWatch().start(),
+    )  # fmt: skip
     try:
-        if not under_torch_trainer(config):
-            torch.set_num_threads(max(1, int(config.resources.cpus_per_worker)))
-            device = torch.device("cuda" if config.resources.use_gpu and torch.cuda.is_available() else "cpu")
-            if device.type == "cuda" and share < 1:  # a packed trial keeps to its share of the card's memory
-                torch.cuda.set_per_process_memory_fraction(share, torch.cuda.current_device())
-            started = {"trial_start_seconds": time.perf_counter() - trial_started}
-            if cold:
-                started["process_start_seconds"] = _process_started[0]
-            worker = WorkerContext(
-                rank=0, world_size=1, device=device, report=ledger.reporting(tune.report, tracker),
-                latest_checkpoint=tune.get_checkpoint(),
-                tracker=tracker, micro_batch=plan.get("micro_batch"), timing=started, before_final_report=end_run,
-                on_restore=lambda restored: record_restore(tracker, config, trial, restored),
-                drain=DrainWatch().start(),
-            )  # fmt: skip
-            try:
-                run_loop(config, worker)
-            finally:  # Tune reuses this process for the next trial: give back what this one's CUDA cache holds, so that
-                # the next one's memory telemetry is its own (a VLM's VQA trial left 129 GiB to a 29 GiB trial after it)
-                worker.drain.stop()
-                del worker
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-        else:
-            _fit_torch_trainer(config, context, run, trial, plan.get("micro_batch"), ledger)
-        end_run()
-    except NodePreempted:  # checkpointed where it was: Tune goes on from there on another node, in this same run
-        raise
-    except Exception as err:
-        if not ended:
-            _log_gpu(tracker, sampler)
-        set_tags(client, run_id, {"gx_ray.error": f"{type(err).__name__}: {err}"[:5000]})
-        client.log_text(run_id, traceback.format_exc(), "error.txt")
-        client.set_terminated(run_id, "FAILED")
-        raise
+        run_loop(config, worker)
+    finally:  # Tune reuses this process for the next trial: give back what this one's CUDA cache holds, so that the
+        # next one's memory telemetry is its own (a VLM's VQA trial left 129 GiB to a 29 GiB trial after it)
+        worker.drain.stop()
+        del worker
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def record_restore(tracker: TrialTracker, config: TrialConfig, trial: Any, restored: dict[str, Any]) -> None:

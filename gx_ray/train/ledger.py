@@ -8,7 +8,6 @@ MLflow run holds): each attempt's seconds are counted once, by that attempt; an 
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,7 +41,6 @@ class Ledger:
         """``report`` (Tune's or Train's) with the trial's costs added to every result and logged to its run at the
         epoch's step (a resumed attempt's repeated epoch keeps the step its first attempt logged)."""
 
-        @functools.wraps(report)  # keeps report's module: the loop picks Tune's or Train's Checkpoint by it
         def with_costs(metrics: dict[str, Any], checkpoint: Any = None) -> None:
             costs = self.costs()
             if tracker is not None:

@@ -1,5 +1,6 @@
-"""The per-worker training loop of a trial: one readable function that Ray Train's workers and a one-worker Tune trial
-both run (torchtune style: the recipe is the loop; no trainer framework in between).
+"""The per-worker training loop of a trial: one recipe (:class:`TrainingRecipe`) that Ray Train's workers and a
+one-worker Tune trial both run (torchtune's shape: ``setup`` then ``train``; no trainer framework in between). What a
+checkpoint holds, and restoring or pre-empting a trial, is :mod:`gx_ray.train.checkpoint`.
 
 Per epoch: stream this rank's share of the training split in a seeded per-epoch order, AdamW with the text encoder at
 its own learning rate, linear warm-up then linear decay, micro-batches accumulated to the effective batch, bf16
@@ -16,21 +17,21 @@ for unused parameters only when a measured step found some.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
-import json
 import math
 import random
-import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.lr_scheduler import LRScheduler
 
 from gx_ray.data.shards import TensorLayout
 from gx_ray.data.stream import SplitStream, first_rows, on_device, split_rows
@@ -38,13 +39,11 @@ from gx_ray.models.registry import param_groups
 from gx_ray.runtime import quiet_data_context
 from gx_ray.tasks import TaskModel, gather_state
 from gx_ray.tracking import TrialTracker
-from gx_ray.train import probe
+from gx_ray.train import checkpoint, probe
 from gx_ray.train.build import autocast, build_trial, loss_function
+from gx_ray.train.checkpoint import CHECKPOINT_FILE as CHECKPOINT_FILE  # where callers have read it
+from gx_ray.train.checkpoint import Best, ResumePoint, Trainables
 from gx_ray.train.config import TrialConfig
-
-CHECKPOINT_FILE = "state.pt"
-CONFIG_FILE = "config.json"
-"""Beside a checkpoint's state: the flat config that trained it (a trial restored from it compares its own)."""
 
 
 @dataclass(kw_only=True)
@@ -72,6 +71,10 @@ class WorkerContext:
     """Called once ``latest_checkpoint`` is restored, with what was restored: ``epoch`` (the checkpoint's),
     ``weights_sha256`` (of the weights now in the model), ``config`` (the flat config that wrote it) and ``path``.
     A trial restored from another trial's checkpoint (a PBT exploit) records it from here."""
+    checkpoint_class: type | None = None
+    """The Checkpoint class ``report`` takes (Tune's for a Tune trial); None: Ray Train's."""
+    stop_after_epochs: int | None = None
+    """Return after this many epochs of this attempt (their reports made, the test split not scored): a pilot."""
     drain: Any = None
     """A :class:`~gx_ray.preemption.DrainWatch` of the trial's node, or None: seen draining between two optimiser
     steps, the loop checkpoints where it is within the epoch and raises :class:`~gx_ray.preemption.NodePreempted`."""
@@ -81,30 +84,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def random_state() -> dict[str, Any]:
-    """Every random generator a trial draws from (Python's, NumPy's global, torch's CPU and CUDA ones), in what a
-    ``weights_only`` checkpoint holds: a trial resumed with :func:`restore_random_state` draws what the uninterrupted
-    one would have (its dropout masks among them)."""
-    kind, keys, position, has_gauss, gauss = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
-                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }  # fmt: skip
-
-
-def restore_random_state(state: dict[str, Any]) -> None:
-    """The generators as :func:`random_state` saved them; a checkpoint without one (older) leaves them as seeded."""
-    random.setstate(state["python"])
-    n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["position"], n["has_gauss"], n["gauss"]))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def stream_of(
@@ -136,176 +115,226 @@ def evaluate(
     return metric.compute(), [r for part in gather_state({"records": [kept]}).get("records", []) for r in part]
 
 
-def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
-    """Train, validate every epoch, test the best model; returns the final metrics."""
-    setup_started = time.perf_counter()
-    seed_everything(config.seed)
-    # the task's fit and, at the end, its chance level (under cross-validation: the fold's training patients)
-    train_rows = split_rows(config.data.shards, "train", config.data.folds_file, config.data.fold, config.data.refit)
-    task, model, layout = build_trial(config, ctx.device, train_rows)
-    built = time.perf_counter() - setup_started
-    parameters = sum(p.numel() for p in model.parameters())  # every report: a search may minimise it
-    micro = ctx.micro_batch or probe.micro_batch_for(config, model, task, layout, ctx.device, ctx.world_size)[0]
-    accumulation = config.data.accumulation(ctx.world_size, micro)
-    if ctx.tracker:
-        ctx.tracker.set_tags({"gx_ray.micro_batch": str(micro), "gx_ray.accumulation": str(accumulation)})
-    eval_size = config.data.eval_batch_size or micro
-    streams = {split: stream_of(config, split, layout, ctx, micro if split == "train" else eval_size)
-               for split in ("train", "val", "test")}  # fmt: skip
-    if ctx.tracker:  # with `auto`, which way each split went (a share too large for the host streams)
-        ctx.tracker.set_tags({f"gx_ray.in_memory.{split}": str(s.in_memory).lower() for split, s in streams.items()})
-    train = streams["train"]
-    optimiser = probe.adamw(
-        param_groups(model, config.optimiser.lr, config.optimiser.weight_decay, config.optimiser.text_lr_multiplier),
-        config.optimiser.lr,
-    )
-    epochs = range(config.schedule.epochs)
-    steps = {epoch: optimiser_steps(train.fewest_rows(epoch), micro, accumulation, config) for epoch in epochs}
-    if ctx.world_size > 1 and min(steps.values()) < 1:
-        raise ValueError(
-            f"the training split has too few rows for an effective batch of {config.data.effective_batch} on "
-            f"{ctx.world_size} ranks ({train.fewest_rows(0)} rows on the smallest rank)"
-        )
-    total_steps = max(1, sum(steps.values()))
-    scheduler = linear_warmup_decay(optimiser, math.ceil(config.schedule.warmup_fraction * total_steps), total_steps)
-    start_epoch, best = 0, {"score": -math.inf, "epoch": -1, "state": None}
-    partial = None  # the steps of an epoch a preempted node interrupted (gx_ray.preemption)
-    if ctx.latest_checkpoint is not None:
-        with ctx.latest_checkpoint.as_directory() as folder:
-            # tensors and plain data only: a checkpoint on shared storage is not a program anyone may plant
-            state = torch.load(Path(folder) / CHECKPOINT_FILE, map_location="cpu", weights_only=True)
-            config_file = Path(folder) / CONFIG_FILE
-            written_by = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
-        model.load_state_dict(state["model"])
-        optimiser.load_state_dict(state["optimiser"])
-        scheduler.load_state_dict(state["scheduler"])
+class TrainingRecipe:
+    """One trial's training on one rank, by step: :meth:`setup` (model, optimiser, data, restore), then :meth:`train`:
+    per epoch :meth:`train_one_epoch` and :meth:`validate`, after the last the best model's :meth:`test`."""
+
+    def __init__(self, config: TrialConfig, ctx: WorkerContext) -> None:
+        self.config, self.ctx = config, ctx
+        self.best = Best()
+        self.resume: ResumePoint | None = None  # the steps of an epoch a preempted node interrupted
+        self.start_epoch = 0
+        self.metrics: dict[str, Any] = {}
+
+    def setup(self) -> None:
+        """Everything before the first epoch; its seconds are reported as ``setup_seconds``."""
+        started = time.perf_counter()
+        seed_everything(self.config.seed)
+        self._setup_model()
+        built = time.perf_counter() - started
+        self._setup_data()
+        self._setup_optimizer()
+        if self.ctx.latest_checkpoint is not None:
+            self._restore()
+        self.train_stream.prefetch(self.start_epoch)  # reads start while DDP is set up
+        self.train_model, self.no_sync = self.model, None
+        if self.ctx.world_size > 1:  # Ray Train has set up the process group
+            first = first_rows(self.config.data.shards, "train", self.micro, self.layout)
+            self.train_model = _ddp(self.model, self.task, self.config, self.ctx, first)
+            self.no_sync = self.train_model.no_sync
+        self.loss_of = loss_function(self.task, self.config, self.ctx.device)
+        self.timing = {
+            **self.ctx.timing,
+            "setup_seconds": time.perf_counter() - started,
+            "build_seconds": built,  # of setup_seconds: the training rows' ids, the model (its imports the first time)
+            "train_seconds": 0.0,
+            "micro_batch": self.micro,
+            "accumulation": self.accumulation,
+            "effective_batch": self.micro * self.accumulation * self.ctx.world_size,
+        }
+
+    def _setup_model(self) -> None:
+        """The task and its model, fitted on the training rows (under cross-validation: the fold's training patients,
+        whose chance level the test split reports), and the micro-batch that fits."""
+        config, ctx = self.config, self.ctx
+        self.train_rows = split_rows(config.data.shards, "train", config.data.folds_file, config.data.fold,
+                                     config.data.refit)  # fmt: skip
+        self.task, self.model, self.layout = build_trial(config, ctx.device, self.train_rows)
+        self.parameters = sum(p.numel() for p in self.model.parameters())  # every report: a search may minimise it
+        self.micro = ctx.micro_batch or probe.micro_batch_for(config, self.model, self.task, self.layout, ctx.device,
+                                                              ctx.world_size)[0]  # fmt: skip
+        self.accumulation = config.data.accumulation(ctx.world_size, self.micro)
+        if ctx.tracker:
+            ctx.tracker.set_tags({"gx_ray.micro_batch": str(self.micro), "gx_ray.accumulation": str(self.accumulation)})
+
+    def _setup_data(self) -> None:
+        """This rank's stream of each split and the optimiser steps of each epoch."""
+        config, ctx = self.config, self.ctx
+        eval_size = config.data.eval_batch_size or self.micro
+        self.streams = {split: stream_of(config, split, self.layout, ctx, self.micro if split == "train" else eval_size)
+                        for split in ("train", "val", "test")}  # fmt: skip
+        if ctx.tracker:  # with `auto`, which way each split went (a share too large for the host streams)
+            ctx.tracker.set_tags({f"gx_ray.in_memory.{s}": str(v.in_memory).lower() for s, v in self.streams.items()})
+        self.train_stream = self.streams["train"]
+        epochs = range(config.schedule.epochs)
+        fewest = self.train_stream.fewest_rows
+        self.steps = {e: optimiser_steps(fewest(e), self.micro, self.accumulation, config) for e in epochs}
+        if ctx.world_size > 1 and min(self.steps.values()) < 1:
+            raise ValueError(
+                f"the training split has too few rows for an effective batch of {config.data.effective_batch} on "
+                f"{ctx.world_size} ranks ({fewest(0)} rows on the smallest rank)"
+            )
+
+    def _setup_optimizer(self) -> None:
+        """AdamW (the text encoder at its own rate), linear warm-up then linear decay over all epochs' steps."""
+        o = self.config.optimiser
+        optimiser = probe.adamw(param_groups(self.model, o.lr, o.weight_decay, o.text_lr_multiplier), o.lr)
+        self.parts = Trainables(self.model, optimiser, self._schedule(optimiser))
+
+    def _schedule(self, optimiser: torch.optim.Optimizer) -> LRScheduler:
+        """Linear warm-up then linear decay over every epoch's optimiser steps, from the groups' current rates."""
+        total = max(1, sum(self.steps.values()))
+        warmup = math.ceil(self.config.schedule.warmup_fraction * total)
+        return linear_warmup_decay(optimiser, warmup, total)
+
+    def _restore(self) -> None:
+        """Go on from ``ctx.latest_checkpoint``: its state, its best so far, the epoch (or the step within it)."""
+        ctx = self.ctx
+        restored = checkpoint.load(ctx.latest_checkpoint, self.parts)
         # the optimiser's state holds the learning rates it was saved with: a config changed since (a PBT exploit's
         # mutation, a replayed schedule) takes effect from here, the schedule's shape kept
-        apply_optimiser_settings(config, model, optimiser, scheduler)
-        start_epoch, best = state["epoch"] + 1, state["best"]
-        if partial := state.get("partial"):
-            start_epoch = partial["epoch"]
-        if "random" in state:
-            restore_random_state(state["random"])
+        optimiser = self.parts.optimiser
+        rebuild = functools.partial(self._schedule, optimiser)
+        scheduler = apply_optimiser_settings(self.config, self.model, optimiser, self.parts.scheduler, rebuild)
+        self.parts = Trainables(self.model, optimiser, scheduler)
+        self.start_epoch, self.best, self.resume = restored.start_epoch, restored.best, restored.resume
         if ctx.tracker:  # a retried trial (its node lost, say) goes on from here: the run tells where it resumed
-            ctx.tracker.log_metrics({"resumed_from_epoch": start_epoch}, step=start_epoch)
+            ctx.tracker.log_metrics({"resumed_from_epoch": self.start_epoch}, step=self.start_epoch)
         if ctx.on_restore:
-            restored = {"epoch": state["epoch"], "weights_sha256": weights_sha256(model.state_dict())}
-            ctx.on_restore({**restored, "config": written_by, "path": str(ctx.latest_checkpoint.path)})
-    train.prefetch(start_epoch)  # reads start while DDP is set up
-    train_model, no_sync = model, None
-    if ctx.world_size > 1:  # Ray Train has set up the process group
-        train_model = _ddp(model, task, config, ctx, first_rows(config.data.shards, "train", micro, layout))
-        no_sync = train_model.no_sync
+            done = {"epoch": restored.epoch, "weights_sha256": weights_sha256(self.model.state_dict())}
+            ctx.on_restore({**done, "config": restored.written_by, "path": str(ctx.latest_checkpoint.path)})
 
-    loss_of = loss_function(task, config, ctx.device)
-    sign = 1.0 if task.mode == "max" else -1.0
-    metrics: dict[str, float] = {}
-    timing = {
-        **ctx.timing,
-        "setup_seconds": time.perf_counter() - setup_started,
-        "build_seconds": built,  # of setup_seconds: the training rows' ids and the model (its imports the first time)
-        "train_seconds": 0.0,
-        "micro_batch": micro,
-        "accumulation": accumulation,
-        "effective_batch": micro * accumulation * ctx.world_size,
-    }
-    for epoch in range(start_epoch, config.schedule.epochs):
-        started = time.perf_counter()
-        model.train()
-        loss_sum, micro_steps, samples = torch.zeros((), device=ctx.device), 0, 0
-        group: list[dict] = []
-        rates: list[float] = []  # the learning rate of each optimiser step (warm-up, then linear decay)
-        skip = 0
-        if partial and partial["epoch"] == epoch:  # resumed within the epoch: its steps so far are not taken again
-            loss_sum += partial["loss_sum"]
-            micro_steps, samples, rates = partial["micro_steps"], partial["samples"], partial["rates"]
-            skip = micro_steps
-        for batch in train.batches(epoch):
-            if skip:  # the same seeded order: these batches are in the checkpoint's weights already
+    def train(self) -> dict[str, float]:
+        """Every epoch from the start (or the restored one); returns the last report's metrics."""
+        last = self.config.schedule.epochs - 1
+        for epoch in range(self.start_epoch, self.config.schedule.epochs):
+            started = time.perf_counter()
+            at, train_loss = self.train_one_epoch(epoch)
+            if epoch < last:
+                self.train_stream.prefetch(epoch + 1)  # the next epoch's first batch is read while this one validates
+            self.metrics = self.validate(epoch, at, train_loss, started)
+            if epoch == last:
+                self.test(epoch, started)
+            else:
+                self.timing["train_seconds"] += time.perf_counter() - started
+            saved = epoch == last or (epoch + 1) % self.config.schedule.checkpoint_every == 0
+            report = checkpoint.Report(self.metrics, self.parts, epoch, self.best, self.config if saved else None)
+            checkpoint.report(self.ctx, report)
+            if self.ctx.stop_after_epochs and epoch + 1 - self.start_epoch >= self.ctx.stop_after_epochs:
+                break
+        return self.metrics
+
+    def train_one_epoch(self, epoch: int) -> tuple[ResumePoint, float]:
+        """The epoch's optimiser steps (those a resumed attempt took already skipped); returns their sums and the
+        mean training loss."""
+        at = self.resume if self.resume and self.resume.epoch == epoch else ResumePoint(epoch)
+        loss_sum = torch.zeros((), device=self.ctx.device) + at.loss_sum
+        skip, group = at.micro_steps, []  # the same seeded order: skipped batches are in the weights already
+        self.model.train()
+        for batch in self.train_stream.batches(epoch):
+            if skip:
                 skip -= 1
                 continue
             group.append(batch)
-            if len(group) < accumulation:
+            if len(group) < self.accumulation:
                 continue
-            loss_sum += probe.accumulate(train_model, loss_of, group, accumulation, no_sync)
-            micro_steps += len(group)
-            samples += sum(len(b["case_id"]) for b in group)
+            loss_sum += self._step(group, at)
+            at.micro_steps += len(group)
+            at.samples += sum(len(b["case_id"]) for b in group)
             group = []
-            rates.append(scheduler.get_last_lr()[0])
-            _optimiser_step(model, optimiser, scheduler, config)
-            timing.setdefault("first_step_at", time.time())  # wall clock: the sweep measures launch → first step
-            if ctx.drain is not None and ctx.drain.draining:  # the node is going: checkpoint here, go on elsewhere
-                at = {"epoch": epoch, "micro_steps": micro_steps, "samples": samples, "rates": rates,
-                      "loss_sum": float(loss_sum)}  # fmt: skip
-                _preempted(ctx, metrics, model, optimiser, scheduler, best, config, at)
-            if micro_steps >= steps[epoch] * accumulation:
+            self.timing.setdefault("first_step_at", time.time())  # wall clock: the sweep measures launch → first step
+            if self.ctx.drain is not None and self.ctx.drain.draining:  # the node is going: checkpoint, go elsewhere
+                at.loss_sum = float(loss_sum)
+                checkpoint.preempt(self.ctx, self.metrics, self.parts, self.best, self.config, at)
+            if at.micro_steps >= self.steps[epoch] * self.accumulation:
                 break
-        if group and steps[epoch] == 0:  # fewer rows than one effective batch (tiny cohorts, one rank): step anyway
-            loss_sum += probe.accumulate(train_model, loss_of, group, accumulation, no_sync)
-            micro_steps, samples = len(group), sum(len(b["case_id"]) for b in group)
-            rates.append(scheduler.get_last_lr()[0])
-            _optimiser_step(model, optimiser, scheduler, config)
-        if epoch + 1 < config.schedule.epochs:
-            train.prefetch(epoch + 1)  # the next epoch's first batch is read while this one validates
-        train_loss = (loss_sum / max(1, micro_steps)).item()  # the epoch's one wait for the GPU
+        if group and self.steps[epoch] == 0:  # fewer rows than one effective batch (tiny cohorts, one rank): step
+            loss_sum += self._step(group, at)
+            at.micro_steps, at.samples = len(group), sum(len(b["case_id"]) for b in group)
+        at.loss_sum = float(loss_sum)
+        return at, (loss_sum / max(1, at.micro_steps)).item()  # the epoch's one wait for the GPU
+
+    def _step(self, group: list[dict], at: ResumePoint) -> torch.Tensor:
+        """One optimiser step over ``group``'s micro-batches; its learning rate joins ``at.rates``."""
+        loss = probe.accumulate(self.train_model, self.loss_of, group, self.accumulation, self.no_sync)
+        at.rates.append(self.parts.scheduler.get_last_lr()[0])
+        _optimiser_step(self.model, self.parts.optimiser, self.parts.scheduler, self.config)
+        return loss
+
+    def validate(self, epoch: int, at: ResumePoint, train_loss: float, started: float) -> dict[str, float]:
+        """Score the validation split, keep the best epoch, log and return the epoch's metrics."""
         train_seconds = time.perf_counter() - started
-        val, _ = evaluate(model, task, streams["val"], config, ctx.device)
+        val, _ = evaluate(self.model, self.task, self.streams["val"], self.config, self.ctx.device)
         eval_seconds = time.perf_counter() - started - train_seconds
-        score = sign * val[task.primary_metric]
-        score = -math.inf if math.isnan(score) else score  # undefined on this split: never better than a number
-        if best["epoch"] < 0 or score > best["score"] or score == best["score"] == -math.inf:
+        score = val[self.task.primary_metric]
+        if self.best.beaten_by(score, self.task.mode):
             # a copy of the weights only where they will be tested: with select: last, the final epoch's are
-            kept = copy.deepcopy(model.state_dict()) if config.schedule.select == "best" else None
-            best = {"score": score, "epoch": epoch, "state": kept}
+            kept = copy.deepcopy(self.model.state_dict()) if self.config.schedule.select == "best" else None
+            self.best = Best(score, epoch, kept)
         metrics = {
             "epoch": epoch,
-            "train_loss": train_loss if micro_steps else math.nan,
+            "train_loss": train_loss if at.micro_steps else math.nan,
             "epoch_seconds": time.perf_counter() - started,
             "eval_seconds": eval_seconds,
-            "train_samples_per_second": samples * ctx.world_size / train_seconds,
-            "data_wait_seconds": train.waited,  # of train_seconds: the loop waiting for its next batch
+            "train_samples_per_second": at.samples * self.ctx.world_size / train_seconds,
+            "data_wait_seconds": self.train_stream.waited,  # of train_seconds: the loop waiting for its next batch
             **{f"val_{k}": v for k, v in val.items()},
-            "val_primary": val[task.primary_metric],
-            "best_val_primary": sign * best["score"] if math.isfinite(best["score"]) else math.nan,
-            "parameters": parameters,
+            "val_primary": score,
+            "best_val_primary": self.best.score,
+            "parameters": self.parameters,
         }
-        if ctx.tracker:
-            ctx.tracker.log_metrics(metrics, step=epoch)
+        if self.ctx.tracker:
+            self.ctx.tracker.log_metrics(metrics, step=epoch)
             # per optimiser step, numbered across epochs (a resumed trial numbers its steps the same)
-            ctx.tracker.log_points("lr", sum(steps[e] for e in range(epoch)), rates)
-        if epoch == config.schedule.epochs - 1:  # the best model (with select: last, this one) scores the test split
-            if config.schedule.select == "last":
-                best = {"score": score, "epoch": epoch, "state": None}  # the checkpoint keeps the model as tested
-                metrics["best_val_primary"] = val[task.primary_metric]  # the tested model's, as with best
-            else:
-                model.load_state_dict(best["state"])
-            test, records = evaluate(model, task, streams["test"], config, ctx.device, records=True)
-            timing["train_seconds"] += time.perf_counter() - started
-            final = {
-                **{f"test_{k}": v for k, v in test.items()},
-                "test_primary": test[task.primary_metric],
-                # the primary metric of a predictor that never looks at the patient: the bar a model must clear
-                "test_chance": task.chance_level(train_rows, split_rows(config.data.shards, "test")),
-                "best_epoch": best["epoch"],
-                **timing,
-            }
-            metrics.update(final)
-            if ctx.tracker:
-                ctx.tracker.log_metrics(final, step=epoch)
-                ctx.tracker.log_predictions(records, task)
-            if config.data.fold is not None:  # the tested model's out-of-fold predictions: every patient once a seed
-                _, out_of_fold = evaluate(model, task, streams["val"], config, ctx.device, records=True)
-                if ctx.tracker:
-                    ctx.tracker.log_predictions(out_of_fold, task, split="val")
-            if ctx.before_final_report:
-                ctx.before_final_report()
+            self.ctx.tracker.log_points("lr", sum(self.steps[e] for e in range(epoch)), at.rates)
+        return metrics
+
+    def test(self, epoch: int, started: float) -> None:
+        """The best model (with select: last, the final one) scores the test split; under cross-validation it also
+        predicts its fold's validation patients (every patient once a seed). The run's end is written last."""
+        config, ctx, task = self.config, self.ctx, self.task
+        if config.schedule.select == "last":  # the tested model is this one: the checkpoint keeps it as tested
+            self.best = Best(self.metrics["val_primary"], epoch, None)
+            self.metrics["best_val_primary"] = self.metrics["val_primary"]  # the tested model's, as with best
         else:
-            timing["train_seconds"] += time.perf_counter() - started
-        last = epoch == config.schedule.epochs - 1
-        saved = last or (epoch + 1) % config.schedule.checkpoint_every == 0
-        _report(ctx, metrics, model, optimiser, scheduler, epoch, best, config if saved else None)
-    return metrics
+            self.model.load_state_dict(self.best.state)
+        test, records = evaluate(self.model, task, self.streams["test"], config, ctx.device, records=True)
+        self.timing["train_seconds"] += time.perf_counter() - started
+        final = {
+            **{f"test_{k}": v for k, v in test.items()},
+            "test_primary": test[task.primary_metric],
+            # the primary metric of a predictor that never looks at the patient: the bar a model must clear
+            "test_chance": task.chance_level(self.train_rows, split_rows(config.data.shards, "test")),
+            "best_epoch": self.best.epoch,
+            **self.timing,
+        }
+        self.metrics.update(final)
+        if ctx.tracker:
+            ctx.tracker.log_metrics(final, step=epoch)
+            ctx.tracker.log_predictions(records, task)
+        if config.data.fold is not None:
+            _, out_of_fold = evaluate(self.model, task, self.streams["val"], config, ctx.device, records=True)
+            if ctx.tracker:
+                ctx.tracker.log_predictions(out_of_fold, task, split="val")
+        if ctx.before_final_report:
+            ctx.before_final_report()
+
+
+def run_loop(config: TrialConfig, ctx: WorkerContext) -> dict[str, float]:
+    """Train, validate every epoch, test the best model; returns the final metrics."""
+    recipe = TrainingRecipe(config, ctx)
+    recipe.setup()
+    return recipe.train()
 
 
 def weights_sha256(state_dict: dict[str, torch.Tensor]) -> str:
@@ -318,25 +347,28 @@ def weights_sha256(state_dict: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def apply_optimiser_settings(config: TrialConfig, model: TaskModel, optimiser, scheduler) -> None:
-    """Give a restored optimiser the config's learning rates and weight decay: each group's base rate becomes the
-    config's, its current rate scaled by the same factor (where warm-up or decay has brought it), so that the
-    schedule goes on in its shape. A config unchanged since the checkpoint leaves every number as it was."""
+def apply_optimiser_settings(
+    config: TrialConfig, model: TaskModel, optimiser: torch.optim.Optimizer, scheduler: LRScheduler,
+    rebuild: Callable[[], LRScheduler],
+) -> LRScheduler:  # fmt: skip
+    """Give a restored optimiser the config's weight decay and learning rates; returns the schedule to go on with.
+    A config unchanged since the checkpoint leaves every number, and the schedule, as it was. A changed rate (a PBT
+    mutation, a replayed schedule) becomes each group's base rate, and ``rebuild``'s schedule is stepped to the
+    restored step from it: the schedule's shape kept, through torch's public API."""
     o = config.optimiser
     wanted = param_groups(model, o.lr, o.weight_decay, o.text_lr_multiplier)
-    schedulers = [scheduler, *getattr(scheduler, "_schedulers", [])]
-    for i, (group, new) in enumerate(zip(optimiser.param_groups, wanted, strict=True)):
+    for group, new in zip(optimiser.param_groups, wanted, strict=True):
         group["weight_decay"] = new["weight_decay"]
-        if new["lr"] == group["initial_lr"]:
-            continue
-        ratio = new["lr"] / group["initial_lr"]
-        group["lr"] *= ratio
-        group["initial_lr"] = new["lr"]
-        for each in schedulers:  # SequentialLR keeps no base rates of its own, its parts do
-            if hasattr(each, "base_lrs"):
-                each.base_lrs[i] = new["lr"]
-            if getattr(each, "_last_lr", None):  # (SequentialLR's list may be its part's: set, not scaled)
-                each._last_lr[i] = group["lr"]
+    if all(new["lr"] == group["initial_lr"] for group, new in zip(optimiser.param_groups, wanted, strict=True)):
+        return scheduler
+    for group, new in zip(optimiser.param_groups, wanted, strict=True):
+        group["lr"] = group["initial_lr"] = new["lr"]
+    with warnings.catch_warnings():  # torch warns of a schedule stepped before the optimiser: here, a replay
+        warnings.simplefilter("ignore", UserWarning)
+        rebuilt = rebuild()
+        for _ in range(scheduler.last_epoch):
+            rebuilt.step()
+    return rebuilt
 
 
 def optimiser_steps(rows: int, micro: int, accumulation: int, config: TrialConfig) -> int:
@@ -370,48 +402,6 @@ def _ddp(model: TaskModel, task: Any, config: TrialConfig, ctx: WorkerContext, b
     )
 
 
-def _preempted(ctx: WorkerContext, metrics: dict, model, optimiser, scheduler, best: dict, config, at: dict) -> None:
-    """Checkpoint the trial where it is within epoch ``at["epoch"]`` (reported with the last whole epoch's metrics,
-    marked ``preempted``) and end this attempt: Tune restarts the trial from here on a node that is not draining."""
-    from gx_ray.preemption import NodePreempted
-
-    reported = {**metrics, "val_primary": metrics.get("val_primary", math.nan), "preempted": 1.0}
-    _report(ctx, reported, model, optimiser, scheduler, at["epoch"] - 1, best, config, partial=at)
-    raise NodePreempted(f"node {ctx.drain.node_id} is draining: checkpointed at step {len(at['rates'])} of epoch "
-                        f"{at['epoch']}, to go on elsewhere")  # fmt: skip
-
-
-def _report(
-    ctx: WorkerContext, metrics: dict, model, optimiser, scheduler, epoch: int, best: dict, config: TrialConfig | None,
-    partial: dict | None = None,
-) -> None:  # fmt: skip
-    """Report the epoch with a checkpoint holding the latest state, the best weights so far and the config that
-    trained them; without ``config`` (between ``schedule.checkpoint_every`` epochs), the metrics alone."""
-    # each reporter takes its own library's Checkpoint (Tune warns on Train's, every epoch of every trial)
-    if ctx.report.__module__.startswith("ray.tune"):
-        from ray.tune import Checkpoint
-    else:
-        from ray.train import Checkpoint
-
-    if ctx.rank != 0 or config is None:
-        ctx.report(metrics, checkpoint=None)
-        return
-    with tempfile.TemporaryDirectory() as folder:
-        state = {
-            "model": model.state_dict(),
-            "optimiser": optimiser.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "epoch": epoch,
-            "best": best,
-            "random": random_state(),  # a retried trial goes on drawing where this one stopped
-            **({"partial": partial} if partial else {}),
-        }
-        torch.save(state, Path(folder) / CHECKPOINT_FILE)
-        (Path(folder) / "metrics.json").write_text(json.dumps(metrics, default=float), encoding="utf-8")
-        (Path(folder) / CONFIG_FILE).write_text(json.dumps(config.to_flat(), default=str), encoding="utf-8")
-        ctx.report(metrics, checkpoint=Checkpoint.from_directory(folder))
-
-
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Ray Train's entry point (one call per DDP rank): the same loop; each rank reads its own row groups."""
     import ray.train
@@ -435,13 +425,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         latest_checkpoint=ray.train.get_checkpoint(),
         tracker=tracker,
         micro_batch=loop_config.get("micro_batch"),
+        checkpoint_class=ray.train.Checkpoint,
     )
     run_loop(config, worker)
 
 
-def linear_warmup_decay(
-    optimiser: torch.optim.Optimizer, warmup_steps: int, total_steps: int
-) -> torch.optim.lr_scheduler.LRScheduler:
+def linear_warmup_decay(optimiser: torch.optim.Optimizer, warmup_steps: int, total_steps: int) -> LRScheduler:
     """The learning rate rises linearly from 0 over ``warmup_steps`` and falls linearly to 0 at ``total_steps``:
     transformers' ``get_linear_schedule_with_warmup``, built from torch's own schedulers because importing that one
     imports peft and transformers' trainer (about 1.7 s of every trial process's start)."""
