@@ -52,6 +52,12 @@ class Report:
     out_of_fold_significance: pd.DataFrame | None = None
     seconds: float = 0.0
 
+    def save(self, frame: pd.DataFrame | None, name: str) -> None:
+        """``frame`` as ``<folder>/<name>.csv``, one of the report's files; nothing for None."""
+        if frame is not None:
+            frame.to_csv(self.folder / f"{name}.csv", index=False)
+            self.files.append(self.folder / f"{name}.csv")
+
 
 def write_report(
     tracking_uri: str,
@@ -79,57 +85,14 @@ def write_report(
         summary = f"# Sweep {sweep_id}\n\nNo finished trials yet: nothing to report.\n"
         report.files += _write_summary(folder, summary)
     else:
-        report.cells = cell_intervals(
-            _chance_directions(stats.cell_statistics(finished, split="test")), finished, tracking_uri, n_resamples
-        )
-        path = folder / CELLS_FILE  # every metric of every cell over seeds, chance levels among them: for scripts
-        report.cells.to_csv(path, index=False)
-        report.files.append(path)
-        report.files += tables.write_task_tables(report.cells, folder / "tables")
-        report.files += plots.radar_plot(report.cells, folder / "figures" / "radar")
-        report.files += plots.interval_plot(report.cells, folder / "figures" / "intervals")
-        report.files += plots.box_effect_plot(report.cells, folder / "figures" / "box_effect")  # lesion QA only
-        report.files += plots.slice_context_plot(report.cells, folder / "figures" / "slice_context")  # likewise
-        report.files += search_views.write_search_views(runs, folder / "search")  # stopped trials count there
-        comparisons = schema_comparisons(finished, tracking_uri, baseline, n_resamples, margins)
-        report.significance = stats.significance_table(comparisons) if comparisons else None
-        if report.significance is not None:
-            path = folder / "significance.csv"
-            report.significance.to_csv(path, index=False)
-            report.files.append(path)
-        oof_cells, oof_comparisons = out_of_fold(finished, tracking_uri, baseline, n_resamples, margins)
-        if not oof_cells.empty:
-            report.out_of_fold = oof_cells
-            report.out_of_fold_significance = stats.significance_table(oof_comparisons) if oof_comparisons else None
-            for name, frame in (
-                ("out_of_fold", oof_cells),
-                ("out_of_fold_significance", report.out_of_fold_significance),
-            ):
-                if frame is not None:
-                    frame.to_csv(folder / f"{name}.csv", index=False)
-                    report.files.append(folder / f"{name}.csv")
-        kinds = distractor_comparisons(finished, tracking_uri, n_resamples)
-        if kinds:
-            report.distractors = stats.significance_table(kinds)
-            path = folder / "distractors.csv"
-            report.distractors.to_csv(path, index=False)
-            report.files.append(path)
-        paper = reference.beside_paper(report.cells, reference.load_reference(), cohort)
-        path = folder / "beside_paper.csv"
-        paper.to_csv(path, index=False)
-        report.files.append(path)
-        printed = paper[paper.filter(like="paper: ").notna().any(axis=1)]  # the CSV keeps every metric
-        beside = reference.beside_paper_markdown(printed)
-        related = reference.load_related()
-        for other in (reference.beside_related_markdown, reference.beside_endoscopy_markdown):
-            section = other(report.cells, related)  # CT-Bench's, the endoscopy paper's: another dataset, for scale
-            if section:
-                beside += "\n" + section
+        _write_cells(report, finished, runs, tracking_uri, n_resamples)
+        _write_comparisons(report, finished, tracking_uri, baseline, n_resamples, margins)
         appendix = appendix_markdown(
             tracking_uri, sweep_id, runs, report.significance, _shards(tracking_uri, parent_run_id),
             _trial_scorers(tracking_uri),
         )  # fmt: skip
         front, files = pareto.pareto_section(tracking_uri, sweep_id, parent_run_id, folder / pareto.FOLDER)
+        beside = _beside_markdown(report, cohort)
         summary = _summary(sweep_id, runs, report, cohort, baseline, beside) + "\n" + front + "\n" + appendix + "\n"
         report.files += files + _write_summary(folder, summary)
     if parent_run_id:
@@ -143,6 +106,54 @@ def write_report(
         client.set_tag(parent_run_id, "mlflow.note.content", description)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _write_cells(report: Report, finished: pd.DataFrame, runs: pd.DataFrame, tracking_uri: str, n_resamples: int):
+    """Every metric of every cell over seeds with its interval (chance levels among them: for scripts), the per-task
+    tables, the figures and the search's views."""
+    cells = stats.cell_statistics(finished, split="test")
+    report.cells = cell_intervals(_chance_directions(cells), finished, tracking_uri, n_resamples)
+    report.save(report.cells, Path(CELLS_FILE).stem)
+    folder = report.folder
+    report.files += tables.write_task_tables(report.cells, folder / "tables")
+    report.files += plots.radar_plot(report.cells, folder / "figures" / "radar")
+    report.files += plots.interval_plot(report.cells, folder / "figures" / "intervals")
+    report.files += plots.box_effect_plot(report.cells, folder / "figures" / "box_effect")  # lesion QA only
+    report.files += plots.slice_context_plot(report.cells, folder / "figures" / "slice_context")  # likewise
+    report.files += search_views.write_search_views(runs, folder / "search")  # stopped trials count there
+
+
+def _write_comparisons(
+    report: Report, finished: pd.DataFrame, tracking_uri: str, baseline: str, n_resamples: int, margins
+) -> None:
+    """Each schema against the baseline, on the test split and out of fold, and lesion QA's distractor kinds."""
+    comparisons = schema_comparisons(finished, tracking_uri, baseline, n_resamples, margins)
+    report.significance = stats.significance_table(comparisons) if comparisons else None
+    report.save(report.significance, "significance")
+    oof_cells, oof_comparisons = out_of_fold(finished, tracking_uri, baseline, n_resamples, margins)
+    if not oof_cells.empty:
+        report.out_of_fold = oof_cells
+        report.out_of_fold_significance = stats.significance_table(oof_comparisons) if oof_comparisons else None
+        report.save(oof_cells, "out_of_fold")
+        report.save(report.out_of_fold_significance, "out_of_fold_significance")
+    kinds = distractor_comparisons(finished, tracking_uri, n_resamples)
+    if kinds:
+        report.distractors = stats.significance_table(kinds)
+        report.save(report.distractors, "distractors")
+
+
+def _beside_markdown(report: Report, cohort: str) -> str:
+    """Our cells beside the paper's numbers (all of them in ``beside_paper.csv``, the printed ones in the summary),
+    then beside CT-Bench's and the endoscopy paper's: other datasets, for scale."""
+    paper = reference.beside_paper(report.cells, reference.load_reference(), cohort)
+    report.save(paper, "beside_paper")
+    beside = reference.beside_paper_markdown(paper[paper.filter(like="paper: ").notna().any(axis=1)])
+    related = reference.load_related()
+    for other in (reference.beside_related_markdown, reference.beside_endoscopy_markdown):
+        section = other(report.cells, related)
+        if section:
+            beside += "\n" + section
+    return beside
 
 
 def _chance_directions(cells: pd.DataFrame) -> pd.DataFrame:

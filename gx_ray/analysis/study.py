@@ -352,16 +352,7 @@ def equivalence(
             raise ValueError(f"an interval is (low, high) with low <= high, got {differences}")
         low, high = (float(v) for v in differences)
     else:
-        d = np.asarray(differences, dtype=float)
-        d = d[~np.isnan(d)]
-        if len(d) + 1 < 1 / alpha:
-            raise ValueError(f"{len(d)} replicates cannot test at alpha {alpha}: the smallest p is 1 / (B + 1)")
-        low, high = (float(q) for q in np.quantile(d, [alpha, 1 - alpha]))
-        oriented, size = sign * d, len(d) + 1
-        p["p_noninferior"] = float((np.sum(oriented <= -margin) + 1) / size) if margin else math.nan
-        upper = float((np.sum(oriented >= margin) + 1) / size) if margin else math.nan
-        p["p_equivalence"] = max(p["p_noninferior"], upper)
-        p["p_worse"] = float((np.sum(oriented >= 0) + 1) / size)
+        low, high, p = _one_sided_tests(np.asarray(differences, dtype=float), margin, alpha, sign)
     worst, best = sorted((sign * low, sign * high))  # the interval, positive = A better
     if isinstance(differences, tuple):
         noninferior = margin is not None and worst > -margin
@@ -373,13 +364,23 @@ def equivalence(
     out["beyond_margin"] = bool(margin is not None and best < -margin)
     if margin is None:
         return {**out, "verdict": "equivalence not tested"}
-    if within:
-        verdict = f"equivalent within ±{margin:g}"
-    elif noninferior:
-        verdict = f"non-inferior (margin {margin:g})"
-    else:
-        verdict = "worse" if worse else "not shown"
-    return {**out, "verdict": verdict}
+    if within or noninferior:
+        return {**out, "verdict": f"equivalent within ±{margin:g}" if within else f"non-inferior (margin {margin:g})"}
+    return {**out, "verdict": "worse" if worse else "not shown"}
+
+
+def _one_sided_tests(d: np.ndarray, margin: float | None, alpha: float, sign: float) -> tuple[float, float, dict]:
+    """``(low, high, p-values)`` of :func:`equivalence` on replicates ``d`` of A - B: the 1 - 2 alpha interval and each
+    one-sided test's ``(count + 1) / (B + 1)``, on ``sign * d`` (positive = A better)."""
+    d = d[~np.isnan(d)]
+    if len(d) + 1 < 1 / alpha:
+        raise ValueError(f"{len(d)} replicates cannot test at alpha {alpha}: the smallest p is 1 / (B + 1)")
+    low, high = (float(q) for q in np.quantile(d, [alpha, 1 - alpha]))
+    oriented, size = sign * d, len(d) + 1
+    p_noninferior = float((np.sum(oriented <= -margin) + 1) / size) if margin else math.nan
+    upper = float((np.sum(oriented >= margin) + 1) / size) if margin else math.nan
+    p_worse = float((np.sum(oriented >= 0) + 1) / size)
+    return low, high, {"p_equivalence": max(p_noninferior, upper), "p_noninferior": p_noninferior, "p_worse": p_worse}
 
 
 # --- p-values at the bootstrap's floor ------------------------------------------------------------------------------
