@@ -32,6 +32,8 @@ import psutil
 import ray
 from ray.exceptions import RayActorError
 
+from gx_ray.compat import drain_node, draining_nodes
+
 POLL_S = 1.0
 """How often a trial asks the GCS whether its node is draining (one small request)."""
 DEFAULT_GRACE_S = 90
@@ -75,8 +77,7 @@ class DrainWatch:
     def _poll(self) -> None:
         while not self._stop.wait(self.interval_s):
             with contextlib.suppress(Exception):  # a GCS hiccup: asked again at the next poll
-                # Ray's own drain state, as Ray Train's preemption watcher reads it (no public API in Ray 2.60)
-                drained = ray._private.state.state.get_draining_nodes()
+                drained = draining_nodes()  # Ray's own drain state
                 if self.node_id in drained:
                     self.deadline_ms = drained[self.node_id] or None
                     self._draining.set()
@@ -121,12 +122,7 @@ def drain_here(grace_s: float) -> int:
 
 def drain(node_id: str, gcs_address: str, grace_s: float, message: str) -> bool:
     """Drain the node for preemption with a deadline ``grace_s`` from now (what ``ray drain-node`` does)."""
-    from ray.core.generated import autoscaler_pb2
-
-    deadline_ms = int((time.time() + grace_s) * 1000)
-    accepted, rejected = ray._raylet.GcsClient(address=gcs_address).drain_node(
-        node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), message, deadline_ms
-    )
+    accepted, rejected = drain_node(node_id, gcs_address, int((time.time() + grace_s) * 1000), message)
     if not accepted:
         print(f"gx-ray watcher: the drain of node {node_id} was refused: {rejected}", file=sys.stderr, flush=True)
     return accepted

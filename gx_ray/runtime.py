@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import ray
-import ray._private.services
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import gx_ray
@@ -55,6 +54,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: 
     """
     if ray.is_initialized():
         return
+    from gx_ray import compat  # Tune's classes with it: not for the processes that import this module to read data
+
     found = running_cluster(address)
     if found and not address:
         sizes = ", ".join(f"{k}={v}" for k, v in (("num_cpus", num_cpus), ("num_gpus", num_gpus)) if v is not None)
@@ -93,7 +94,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: 
         log_to_driver=True,
         configure_logging=True,
         logging_level="WARNING",
-        _system_config={"num_workers_soft_limit": soft_limit} if soft_limit else None,
+        **compat.system_config({"num_workers_soft_limit": soft_limit} if soft_limit else {}),
     )
     quiet_data_context()
 
@@ -106,7 +107,9 @@ def running_cluster(address: str | None) -> str | None:
     if address in (None, "auto") and os.environ.get(ADDRESS_ENV):
         address = os.environ[ADDRESS_ENV]
     if address is None:
-        return ray._private.services.find_bootstrap_address(None)
+        from gx_ray.compat import ray_started_here  # as in init_ray
+
+        return ray_started_here()
     return None if address == "local" else address
 
 

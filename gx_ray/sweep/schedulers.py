@@ -28,6 +28,7 @@ from typing import Any
 from ray import tune
 
 from gx_ray import storage
+from gx_ray.compat import DonorCheckpointPBT, ScheduleReplay, resumable_bohb
 from gx_ray.sweep.spaces import SearchSpace, SpaceError
 from gx_ray.train.config import TrialConfig
 
@@ -67,70 +68,6 @@ def tune_domain(spec: dict[str, Any]) -> Any:
     return tune.choice(spec["choices"])
 
 
-class DonorCheckpointPBT(tune.schedulers.PopulationBasedTraining):
-    """Tune's PBT, holding an exploited trial to its donor's checkpoint until it reports again. In synchronous PBT a
-    trial that reached the perturbation epoch first is paused with a save of its own; should that save register
-    after the trial was exploited (trials arriving together), Tune would restore the trial's own, stale weights under
-    the donor's config. The trial is pointed at the donor's checkpoint again whenever it is chosen to run."""
-
-    def __init__(self, **kwargs: Any):
-        super().__init__(**kwargs)
-        self._donor_checkpoints: dict[Any, Any] = {}
-
-    def _exploit(self, tune_controller: Any, trial: Any, trial_to_clone: Any) -> None:
-        super()._exploit(tune_controller, trial, trial_to_clone)
-        self._donor_checkpoints[trial] = trial.run_metadata.checkpoint_manager._latest_checkpoint_result
-
-    def choose_trial_to_run(self, tune_controller: Any) -> Any:
-        trial = super().choose_trial_to_run(tune_controller)
-        trials = tune_controller.get_trials()
-        waiting = [self._trial_state[t].last_train_time for t in trials if t.status in ("PENDING", "PAUSED")]
-        if trial is None and waiting and not any(t.status == "RUNNING" for t in trials):
-            # every trial paused past the next synchronisation point: a resumed sweep's scheduler is built anew, its
-            # first point at the first interval, and Tune moves it to the epoch reached rather than past it
-            self._next_perturbation_sync = min(waiting) + self._perturbation_interval
-            trial = super().choose_trial_to_run(tune_controller)
-        if trial in self._donor_checkpoints:
-            trial.run_metadata.checkpoint_manager._latest_checkpoint_result = self._donor_checkpoints[trial]
-        return trial
-
-    def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
-        self._donor_checkpoints.pop(trial, None)  # restored: it trains from the donor's weights
-        return super().on_trial_result(tune_controller, trial, result)
-
-    def _quantiles(self) -> tuple[list[Any], list[Any]]:
-        """Tune's quantiles, with the diverged trials (a NaN validation score) at the bottom: Tune ranks only finite
-        scores, so a trial whose weights became NaN would never be exploited and would train on, scoring nothing.
-        Each is replaced by a trial of the top quantile (the one finite trial, when only one is left)."""
-        lower, upper = super()._quantiles()
-        live = [
-            (t, s.last_score) for t, s in self._trial_state.items() if s.last_score is not None and not t.is_finished()
-        ]
-        diverged = [t for t, score in live if math.isnan(score)]
-        finite = [t for t, score in live if not math.isnan(score)]
-        if not diverged or not finite:  # nothing to replace, or no trial to replace it from
-            return lower, upper
-        upper = upper or [max(finite, key=lambda t: self._trial_state[t].last_score)]
-        return diverged + [t for t in lower if t not in upper], upper
-
-    def _log_config_on_step(self, trial_state: Any, new_state: Any, trial: Any, trial_to_clone: Any,
-                            new_config: dict) -> None:  # fmt: skip
-        """Tune's policy files (``pbt_global.txt``, ``pbt_policy_<trial>.txt``: a trial's schedule, the donor's
-        before its own), each exploit at the perturbation's epoch. Tune logs the trials' last counted results, one
-        epoch behind for the trial whose result PBT is handling, and a replay would change its config too early."""
-        from ray.tune.utils.util import SafeFallbackEncoder
-
-        at = new_state.last_train_time  # in synchronous PBT, every trial's at the perturbation
-        row = [trial_state.orig_tag, new_state.orig_tag, at, at, trial_to_clone.config, new_config]
-        line = json.dumps(row, cls=SafeFallbackEncoder) + "\n"
-        folder = Path(trial.local_experiment_path)
-        with open(folder / "pbt_global.txt", "a", encoding="utf-8") as log:
-            log.write(line)
-        donors = folder / f"pbt_policy_{trial_to_clone.trial_id}.txt"
-        history = donors.read_text(encoding="utf-8") if donors.is_file() else ""
-        (folder / f"pbt_policy_{trial.trial_id}.txt").write_text(history + line, encoding="utf-8")
-
-
 class ResumableHyperBand(tune.schedulers.HyperBandForBOHB):
     """Tune's HyperBandForBOHB that survives ``--resume``. A resumed sweep's scheduler is built anew and Tune adds it
     every trial of the saved experiment, the ended ones too: HyperBand put those in a bracket that waits for each of
@@ -142,23 +79,6 @@ class ResumableHyperBand(tune.schedulers.HyperBandForBOHB):
         if trial.status in ("TERMINATED", "ERROR"):  # ended before the resume: no rung waits for it
             return
         super().on_trial_add(tune_controller, trial)
-
-
-class ScheduleReplay(tune.schedulers.PopulationBasedTrainingReplay):
-    """Tune's PBT replay (the policy read, the trial started from its first config), each change made the way
-    synchronous PBT pauses a trial: the config set and a PAUSE returned, so that Tune saves the trial's checkpoint,
-    stops it, and restarts it from that checkpoint with the new config. Tune's own replay saves and stops the trial in
-    one step; the save, finishing after the stop, fails the trial, and the retried trial is refused as a second one."""
-
-    def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
-        step = result.get(TIME_ATTR)
-        if step is None or not self._next_policy or step < self._next_policy[0]:
-            return tune.schedulers.TrialScheduler.CONTINUE
-        self.current_config = self._next_policy[1]
-        trial.set_config(self.current_config)
-        self._current_step, self._num_perturbations = step, self._num_perturbations + 1
-        self._next_policy = next(self._policy_iter, None)
-        return tune.schedulers.TrialScheduler.PAUSE
 
 
 def scheduler_for(space: SearchSpace) -> Any:
@@ -188,23 +108,7 @@ def searcher_for(space: SearchSpace, seed: int) -> Any:
     None for ``grid`` and ``random`` (Tune's variant generator)."""
     if space.searcher != "bohb":
         return None
-    from ray.tune.search.bohb import TuneBOHB
-
-    class ResumableBOHB(TuneBOHB):
-        """TuneBOHB that survives ``--resume``: its saved state may predate trials it suggested (ray#39900), whose
-        results then fail it; such a trial is known again from the config its results carry."""
-
-        def on_trial_result(self, trial_id: str, result: dict) -> None:
-            if trial_id not in self.trial_to_params:
-                given = {k.removeprefix("config/"): v for k, v in result.items() if k.startswith("config/")}
-                self.trial_to_params[trial_id] = {k: v for k, v in given.items() if k in self._space}
-            super().on_trial_result(trial_id, result)
-
-        def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
-            self.trial_to_params.setdefault(trial_id, {})
-            super().on_trial_complete(trial_id, result, error)
-
-    return ResumableBOHB(metric=METRIC, mode="max", seed=seed)
+    return resumable_bohb(METRIC, "max", seed)
 
 
 def mutations(space: SearchSpace) -> dict[str, Any]:

@@ -18,9 +18,10 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from ray.tune.search.optuna import OptunaSearch
-
 from gx_ray import storage
+
+# a sweep's saved Tune state names the searcher's class by the module it was defined in: older sweeps' name this one
+from gx_ray.compat import ResumableOptunaSearch  # noqa: F401
 
 JOURNAL_FILE = "optuna.journal"
 RDB_SCHEMES = ("postgresql", "mysql", "sqlite", "oracle", "mssql")
@@ -61,27 +62,3 @@ def driver_seed(study_name: str, output: Path) -> int:
 def dashboard_command(location: str) -> str:
     """The command that opens the study in optuna-dashboard (it reads the same store the sweep writes)."""
     return f"optuna-dashboard {location} --host 127.0.0.1 --port 8080"
-
-
-class ResumableOptunaSearch(OptunaSearch):
-    """Tune's Optuna searcher over a study that outlives the driver. A driver killed after a trial ended, but before
-    Tune saved its searcher, leaves the study holding the trial as finished while the resumed sweep runs it again
-    from its checkpoint: its results are not reported, nor its end told, a second time. Optuna refuses both (an
-    ``UpdateFinishedTrialError`` that ended the resumed sweep), and the study already holds the same values."""
-
-    def on_trial_result(self, trial_id: str, result: dict) -> None:
-        if not self._finished_in_study(trial_id):
-            super().on_trial_result(trial_id, result)
-
-    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
-        if self._finished_in_study(trial_id):
-            self._completed_trials.add(trial_id)
-            return
-        super().on_trial_complete(trial_id, result, error)
-
-    def _finished_in_study(self, trial_id: str) -> bool:
-        asked = self._ot_trials.get(trial_id)
-        if asked is None or self._ot_study is None:
-            return False
-        # the store's state of the trial, not the copy this searcher was saved with
-        return self._ot_study._storage.get_trial(asked._trial_id).state.is_finished()
