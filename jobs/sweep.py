@@ -25,9 +25,22 @@ from gx_ray.sweep.share import SweepAlreadyRunning, sweep_name, weight
 from gx_ray.sweep.spaces import SpaceError
 from gx_ray.tracking import UnreachableTrackingError
 
+REFUSALS = (
+    SpaceError,
+    ResumeError,
+    ShardIntegrityError,
+    UnreachableTrackingError,
+    UnreachableStorageError,
+    FileExistsError,
+    SweepAlreadyRunning,
+    FileNotFoundError,
+    BudgetError,
+)
+"""What the sweep refuses before its trials, said in one line (exit status 2)."""
 
-def main(argv: list[str] | None = None) -> int:
-    tolerant_console()
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command's flags: each one is the :class:`SweepOptions` field of its name."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--space", required=True, help="a name in search_spaces/ or a YAML file")
     parser.add_argument(
@@ -46,7 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--mlflow-uri", help="an MLflow server every node reaches; default: a local one")
     parser.add_argument(
-        "--preset", action="append", default=[], help="a preset of the space (repeatable): smoke, gpu, compiled"
+        "--preset",
+        dest="presets",
+        metavar="PRESET",
+        action="append",
+        default=[],
+        help="a preset of the space (repeatable): smoke, gpu, compiled",
     )
     parser.add_argument("--resume", action="store_true", help="continue an interrupted sweep with the same arguments")
     parser.add_argument("--max-concurrent", type=int, help="cap on trials running at once")
@@ -81,40 +99,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--demo-cases", type=int, default=SweepOptions.demo_cases, help="size of the demo cohort (without --data)"
     )
-    args = parser.parse_args(argv)
-    options = SweepOptions(
-        space=args.space,
-        output=args.output,
-        data=args.data,
-        storage=args.storage,
-        address=args.address,
-        mlflow_uri=args.mlflow_uri,
-        presets=tuple(args.preset),
-        resume=args.resume,
-        max_concurrent=args.max_concurrent,
-        demo_cases=args.demo_cases,
-        verify=args.verify,
-        study=args.study,
-        study_name=args.study_name,
-        share=args.share,
-        name=args.name,
-        gpu_hours=args.gpu_hours,
-        cpu_hours=args.cpu_hours,
-        replay=args.replay,
-    )
+    return parser
+
+
+def parse_options(argv: list[str] | None) -> SweepOptions:
+    """The command line as the sweep's options."""
+    args = vars(build_parser().parse_args(argv))
+    return SweepOptions(**{**args, "presets": tuple(args["presets"])})
+
+
+def main(argv: list[str] | None = None) -> int:
+    tolerant_console()
+    options = parse_options(argv)
     try:
         result = run_sweep(options)
-    except (
-        SpaceError,
-        ResumeError,
-        ShardIntegrityError,
-        UnreachableTrackingError,
-        UnreachableStorageError,
-        FileExistsError,
-        SweepAlreadyRunning,
-        FileNotFoundError,
-        BudgetError,
-    ) as err:
+    except REFUSALS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:  # a signal before the trials started: nothing to resume yet

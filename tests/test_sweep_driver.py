@@ -287,3 +287,28 @@ def test_the_report_s_imports_are_warmed_once_the_first_trial_ends(tmp_path, mon
     first.join(10)
     assert sys.modules["warmed_for_the_report"].VALUE == 1
     monkeypatch.delitem(sys.modules, "warmed_for_the_report")
+
+
+def test_the_checkpoints_kept_hold_a_minimised_task_s_best_weights(ray_cluster, tmp_path):
+    """Every checkpoint the loop writes holds the best weights so far: those Tune keeps of a trial must be the latest,
+    whichever way the task's primary metric goes. Ranked by the validation score, highest first, a plug-in task whose
+    primary metric is minimised (the tumour volume's mean absolute error) kept its worst epochs' checkpoints."""
+    from ray import tune
+
+    from gx_ray.sweep.driver import checkpoint_config
+
+    space = load_space(str(ROOT / "tests" / "plugins" / "tumour_volume.yaml"))
+    assert space.fixed["task"] == "tests.plugins.tumour_volume:TumourVolume"  # lower is better
+
+    def trainable(config: dict) -> None:
+        for epoch, error in enumerate([4.0, 3.0, 5.0, 2.0]):  # the best so far: epoch 0, 1, 1, 3
+            folder = tmp_path / f"epoch{epoch}"
+            folder.mkdir()
+            checkpoint = tune.Checkpoint.from_directory(str(folder))
+            tune.report({"val_primary": error, "epoch": epoch}, checkpoint=checkpoint)
+
+    run_config = tune.RunConfig(storage_path=str(tmp_path / "state"), checkpoint_config=checkpoint_config(space),
+                                verbose=0)  # fmt: skip
+    (result,) = tune.Tuner(trainable, run_config=run_config).fit()
+    kept = sorted(metrics["epoch"] for _, metrics in result.best_checkpoints)
+    assert kept == [2, 3]  # the latest two: the last holds the best weights (epoch 3's), the one before epoch 1's

@@ -1,5 +1,5 @@
 """Tune callbacks of a sweep: a progress bar of its trials in place of Tune's tables, one line per failed or retried
-trial, and the report's imports warmed up while the trials run."""
+trial, the report's imports warmed up while the trials run, and Tune's trials as the experiment ends."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import contextlib
 import importlib
 import sys
 import threading
-from typing import Any
+from typing import Any, ClassVar
 
 import ray
 from ray import tune
@@ -53,6 +53,21 @@ class TrialProgress(tune.Callback):
         self.on_step_end(0, trials)
         if self.bar is not None:
             self.bar.close()
+
+
+class TrialRecord(tune.Callback):
+    """Tune's trials as its experiment ends: the list its ``ResultGrid``'s results are made from, in their order, with
+    each trial's id and status. Tune restores a resumed sweep's callbacks from its first run's pickle, not the ones
+    the driver builds again: the trials are kept by sweep id here, where the driver finds them whichever copy saw
+    them (:data:`ended`)."""
+
+    ended: ClassVar[dict[str, list[Any]]] = {}
+
+    def __init__(self, sweep_id: str) -> None:
+        self.sweep_id = sweep_id
+
+    def on_experiment_end(self, trials: list, **info: Any) -> None:
+        TrialRecord.ended[self.sweep_id] = list(trials)
 
 
 REPORT_MODULES = ("gx_ray.analysis.report",)

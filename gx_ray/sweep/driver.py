@@ -17,7 +17,6 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -25,9 +24,9 @@ from typing import Any
 import ray
 from mlflow.tracking import MlflowClient
 from ray import tune
-from ray.tune.utils.util import warn_if_slow
 
 from gx_ray import storage
+from gx_ray.compat import ResumableOptunaSearch
 from gx_ray.data.demo.cohort import DemoConfig
 from gx_ray.data.fingerprint import FINGERPRINT_FORMAT, read_fingerprint
 from gx_ray.data.folds import fold_patients, fold_sha256, read_custom_folds, write_fold_file
@@ -36,7 +35,7 @@ from gx_ray.data.preprocess import PreprocessConfig
 from gx_ray.data.shards import FORMAT_VERSION, MANIFEST_FILE, check_shards, read_manifest
 from gx_ray.runtime import init_ray, mlflow_retries, nodes_without
 from gx_ray.sweep.budget import budgeted, sweep_budget, write_ledger
-from gx_ray.sweep.callbacks import ReportWarmUp, TrialProgress, report_modules
+from gx_ray.sweep.callbacks import ReportWarmUp, TrialProgress, TrialRecord, report_modules
 from gx_ray.sweep.gpu_plan import concurrency, gpu_plan, gpu_usage
 from gx_ray.sweep.objectives import objectives, search_metric
 from gx_ray.sweep.resume import check_resumable, record_inputs, sweep_inputs
@@ -52,15 +51,9 @@ from gx_ray.sweep.schedulers import (
     tune_domain,
 )
 from gx_ray.sweep.share import named, refuse_a_live_twin, share_cluster, trial_footprint
-from gx_ray.sweep.signals import signals_stop_the_sweep
+from gx_ray.sweep.signals import Interruption, signals_stop_the_sweep
 from gx_ray.sweep.spaces import SearchSpace, available_presets, load_space
-from gx_ray.sweep.study import (
-    ResumableOptunaSearch,
-    dashboard_command,
-    driver_seed,
-    optuna_storage,
-    study_location,
-)
+from gx_ray.sweep.study import dashboard_command, driver_seed, optuna_storage, study_location
 from gx_ray.sweep.summary import format_summary, result_rows, summarise, trial_dirname, trial_name, write_sweep_file
 from gx_ray.sweep.trial import SweepContext, run_trial, task_key
 from gx_ray.tasks import task_class
@@ -79,7 +72,6 @@ from gx_ray.tracking.server import LocalMlflowServer, free_port
 from gx_ray.train.telemetry import GpuSampler
 
 EXPERIMENT = "gx-ray"
-METRIC = "val_primary"  # every task reports its primary metric under this name too; all are "higher is better"
 
 
 @dataclass
@@ -125,15 +117,17 @@ class SweepOptions:
     """Appended to the sweep id: another sweep of the same space and cohort, with outputs and runs of its own."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SweepResult:
+    """What a sweep ran and how it ended (``sweep.json`` holds it, :func:`~gx_ray.sweep.summary.write_sweep_file`)."""
+
     sweep_id: str
     output: Path
     tracking_uri: str
     experiment: str
     parent_run_id: str
-    finished: int
-    failed: int
+    finished: int = 0
+    failed: int = 0
     stopped_early: int = 0
     """Trials the scheduler (ASHA) stopped before their last epoch: no test metrics, by design."""
     best: list[dict[str, Any]] = field(default_factory=list)
@@ -228,19 +222,57 @@ def _param_space(space: SearchSpace) -> dict[str, Any]:
     return {**params, **{key: tune_domain(spec) for key, spec in space.sample.items()}}
 
 
+@dataclass(kw_only=True)
+class SweepRun:
+    """One run of a sweep (a ``--resume`` is another run of it), as the driver's steps share it."""
+
+    options: SweepOptions
+    space: SearchSpace
+    sweep_id: str
+    shards: str
+    """The cohort's shards: an absolute path or a URI."""
+    output: Path
+    """The driver's own files of the sweep: ``OPTIONS.output/<sweep id>``."""
+    state: str
+    """Tune's and Train's state, on storage every node reaches."""
+    started: float
+    """``time.perf_counter()`` at the launch; ``timings["launched_at"]`` is its ``time.time()``."""
+    timings: dict[str, float] = field(default_factory=dict)
+    interruption: Interruption = field(default_factory=Interruption)
+
+
 def run_sweep(options: SweepOptions) -> SweepResult:
     """Run (or resume) a sweep; writes ``OUTPUT/sweep.json`` and prints a summary table.
 
     Ctrl-C or SIGTERM stops it cleanly: Tune saves its trials' state, the MLflow server is stopped, ``sweep.json`` is
     written and the result says ``interrupted``; ``--resume`` goes on from there."""
-    started = time.perf_counter()
-    launched_at = time.time()
-    # on the built-in demo cohort a space's "demo" preset (CPU-sized models) comes first, when it has one
+    run = plan_sweep(options, time.perf_counter(), time.time())
+    mlflow_retries()  # an unreachable server fails a call after ~30 s, not ~4 minutes
+    _quiet_tune()
+    with signals_stop_the_sweep() as run.interruption:
+        # the MLflow server, Ray and the demo cohort start side by side: the server is only waited for once both are up
+        server = LocalMlflowServer(run.output / "mlflow").launch() if options.mlflow_uri is None else None
+        try:
+            context = _start(run, options.mlflow_uri or server.uri)
+            result = _tune(run, context, server)
+            if not result.interrupted and result.mlflow_error is None:  # one who pressed Ctrl-C wants out, not a report
+                result.report = _write_report(result, run.shards)
+        finally:
+            if server:
+                server.stop()
+    _finish(run, result, server)
+    return result
+
+
+def plan_sweep(options: SweepOptions, started: float, launched_at: float) -> SweepRun:
+    """The sweep the options name, checked before anything starts: its space (a malformed one, a PBT interval or BOHB
+    rung between two checkpoints, a changed space or cohort on ``--resume`` and a bad budget are refused here), its
+    id, and where its files go."""
     presets = options.presets
     if options.data is None and "demo" not in presets and "demo" in available_presets(options.space):
-        presets = ("demo", *presets)
-    space = load_space(options.space, presets)  # a malformed space fails here, before Ray starts
-    check_schedule(space)  # a PBT interval or BOHB rung between two checkpoints is refused here
+        presets = ("demo", *presets)  # on the built-in demo cohort a space's "demo" preset (CPU-sized models) first
+    space = load_space(options.space, presets)
+    check_schedule(space)
     shards = _shard_path(options)
     sweep_id = named(_sweep_id(space, shards), options.name)  # --name: one more sweep of this space and cohort
     if options.replay:  # the schedule a PBT sweep found, trained again as a sweep of its own
@@ -249,16 +281,21 @@ def run_sweep(options: SweepOptions) -> SweepResult:
         options = replace(options, replay=str(policy))
     output = Path(options.output).resolve() / sweep_id
     state = storage.normalize(options.storage or output / "ray")  # Tune's and Train's, on storage every node reaches
-    if options.resume:  # a changed space or cohort is refused before anything starts
+    if options.resume:
         check_resumable(Path(options.output), sweep_id, sweep_inputs(space, shards, _named_study(options)))
     elif storage.exists(storage.join(state, sweep_id)):
         where = f"--storage {options.storage}" if options.storage else output
         raise FileExistsError(f"{where} holds this sweep already: pass --resume to continue it, or another --output")
     output.mkdir(parents=True, exist_ok=True)
-    sweep_budget(options, space, output)  # a bad budget fails before Ray starts; a given one is recorded for --resume
-    mlflow_retries()  # an unreachable server fails a call after ~30 s, not ~4 minutes
+    sweep_budget(options, space, output)  # a given budget is recorded for --resume
+    return SweepRun(options=options, space=space, sweep_id=sweep_id, shards=shards, output=output, state=state,
+                    started=started, timings={"launched_at": launched_at})  # fmt: skip
+
+
+def _quiet_tune() -> None:
+    """Tune's and MLflow's console output that the sweep says its own way, or that is not the user's to act on."""
     # Tune snapshots its state whenever a trial has checkpointed num_to_keep times, i.e. every 2 epochs of a short
-    # trial, and warns about it each time: expected here, and not the user's to act on
+    # trial, and warns about it each time: expected here
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
     # MLflow prints emoji links whenever a run ends, to a server that stops with the sweep: the sweep prints its own
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
@@ -268,211 +305,251 @@ def run_sweep(options: SweepOptions) -> SweepResult:
     # Tune's console output (its tables, "View detailed results", a TensorBoard hint) gives way to the sweep's own
     # progress bar of trials and summary; Tune's classic reporter at verbosity 0 prints nothing
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
-    # "The `process_trial_result` operation took 0.512 s, which may be a performance bottleneck": Tune's 0.5 s
-    # threshold (TUNE_WARN_THRESHOLD_S, read when Tune is imported) trips on a loaded 2-core machine; 5 s still warns
-    warn_if_slow.DEFAULT_THRESHOLD = float(os.environ.get("TUNE_WARN_THRESHOLD_S", 5.0))
-    with signals_stop_the_sweep() as interrupted:
-        # the MLflow server, Ray and the demo cohort start side by side: the server is only waited for once both are up
-        server = LocalMlflowServer(output / "mlflow").launch() if options.mlflow_uri is None else None
-        try:
-            init_ray(options.address)
-            # nodes on several hosts: a loopback MLflow (the sweep's own) is refused before any work
-            check_reachable_from(
-                options.mlflow_uri or server.uri, [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]
-            )
-            timings: dict[str, float] = {"ray_seconds": time.perf_counter() - started, "launched_at": launched_at}
-            _prepare_demo(options)
-            timings["data_seconds"] = time.perf_counter() - started - timings["ray_seconds"]
-            _check_every_node_reaches({"--data": shards, "--storage": state})
-            check_shards(shards, verify=options.verify)  # a truncated or altered shard is named before any trial
-            record_inputs(output, sweep_inputs(space, shards, _named_study(options)))
-            tracking_uri = options.mlflow_uri or server.uri
-
-            def mlflow_ready() -> str:  # launched before Ray, the data and the GPU plan: what is left of its start
-                if server:
-                    waited = time.perf_counter()
-                    server.wait().keep_alive()
-                    timings["mlflow_seconds"] = time.perf_counter() - waited
-                return tracking_uri
-
-            provenance_tags = provenance(storage.join(shards, MANIFEST_FILE))
-            context = SweepContext(sweep_id, space, shards, state, provenance_tags)
-            result = _tune(space, options, context, output, timings, interrupted, mlflow_ready)
-            if not result.interrupted and result.mlflow_error is None:  # one who pressed Ctrl-C wants out, not a report
-                result.report = _write_report(result, shards)
-        finally:
-            if server:
-                server.stop()
-    result.timings["total_seconds"] = time.perf_counter() - started
-    write_sweep_file(result, space)
-    if server:  # its own server has stopped: a UI on a free port, and where its runs table will be
-        port = free_port()
-        print(f"\nbrowse the runs:  {server.ui_command(port)}")
-        print(f"then open:        {runs_table_url(f'http://127.0.0.1:{port}', result.experiment_id, result.view)}")
-    elif result.experiment_id:
-        print(f"\nthe runs:  {runs_table_url(tracking_uri, result.experiment_id, result.view)}")
-    if options.storage:  # the summary and report beside the sweep's state, where the whole team reaches them
-        storage.copy_tree(output, storage.join(state, sweep_id, "driver"), skip=("mlflow", "ray"))
-    return result
 
 
-def _tune(
-    space: SearchSpace,
-    options: SweepOptions,
-    context: SweepContext,
-    output: Path,
-    timings: dict[str, float],
-    interrupted: dict[str, bool],
-    mlflow_ready: Callable[[], str],
-) -> SweepResult:
-    # what trials need before any of them starts (a task's sweep inputs, the GPU plan's measured steps) is built while
-    # the MLflow server is still starting: the parent run is the first thing that needs it
-    root = options.storage or str(Path(options.output).resolve())  # where what a cohort's sweeps share is kept
-    if space.cv:  # every run is tagged with the folds' hash
-        folds_file = fold_file(space.cv, context.shards, root)
-        tags = {**context.provenance, "gx_ray.folds_sha256": fold_sha256(folds_file)}
-        context = replace(context, folds_file=folds_file, provenance=tags)
-    context = replace(context, task_inputs=task_inputs(context, root))
-    started = time.perf_counter()
-    context = replace(context, gpu_plan=gpu_plan(context, output))
-    if context.gpu_plan:
-        timings["gpu_plan_seconds"] = time.perf_counter() - started
-    tracking_uri = mlflow_ready()
+def _start(run: SweepRun, tracking_uri: str) -> SweepContext:
+    """Ray, the data checked (on every node, whole), what trials share: what the sweep needs before its first trial."""
+    init_ray(run.options.address)
+    # nodes on several hosts: a loopback MLflow (the sweep's own) is refused before any work
+    check_reachable_from(tracking_uri, [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]])
+    run.timings["ray_seconds"] = time.perf_counter() - run.started
+    _prepare_demo(run.options)
+    run.timings["data_seconds"] = time.perf_counter() - run.started - run.timings["ray_seconds"]
+    _check_every_node_reaches({"--data": run.shards, "--storage": run.state})
+    check_shards(run.shards, verify=run.options.verify)  # a truncated or altered shard is named before any trial
+    record_inputs(run.output, sweep_inputs(run.space, run.shards, _named_study(run.options)))
+    tags = provenance(storage.join(run.shards, MANIFEST_FILE))
+    return SweepContext(run.sweep_id, run.space, run.shards, run.state, tags)
+
+
+def _tune(run: SweepRun, context: SweepContext, server: LocalMlflowServer | None) -> SweepResult:
+    """The trials: what they share, the parent run, Tune's searcher, scheduler and configs, the fit, the summary."""
+    context = _trial_inputs(run, context)
+    tracking_uri = _mlflow_ready(run, server)
     client = MlflowClient(tracking_uri)
-    if not options.resume:  # a live sweep of this id on this server would share its parent run
-        refuse_a_live_twin(client, EXPERIMENT, context.sweep_id, tracking_uri)
-    parent = parent_run(
-        client,
-        EXPERIMENT,
-        context.sweep_id,
-        {
-            "space": space.name,
-            "presets": ",".join(space.presets_applied),
-            "data": context.shards,  # the report reads its manifest (which cohort) from anywhere
-            **{f"fixed.{k}": v for k, v in space.fixed.items()},
-            **{f"grid.{k}": v for k, v in space.grid.items()},
-            # the report's equivalence tests read the margin(s) here
-            **({"analysis.margin": json.dumps(space.analysis["margin"])} if "margin" in space.analysis else {}),
-            # the report's Pareto front reads the objectives and their directions here
-            **(
-                {"objectives": json.dumps(objectives(space.metric, task=space.fixed.get("task")))}
-                if space.multi_objective
-                else {}
-            ),
-        },
-        context.provenance,
-    )
-    if fingerprint := read_fingerprint(context.shards, read_manifest(context.shards)):
-        client.log_dict(parent, fingerprint, "fingerprint.json")  # what the cohort looked like, beside its runs
-    if context.folds_file:  # which patients each fold held, beside the runs that trained on them
-        client.log_text(parent, storage.read_text(context.folds_file), "folds.json")
+    parent = _parent_run(run, context, client)
     # the live sweep's MLflow reaches trials through the trainable (tune.with_parameters), never through their saved
     # configs: a resumed sweep's trials log to its own MLflow server and parent run
     context = replace(context, tracking_uri=tracking_uri, parent_run_id=parent)
     experiment_id = client.get_run(parent).info.experiment_id
     view = share_trials_view(client, experiment_id, context.sweep_id)  # the runs table as the links below open it
-    trainable = tune.with_resources(tune.with_parameters(run_trial, context=context), context.resources)
-    metric, mode = search_metric(space.metric, space.fixed.get("task"))  # costs minimised (gx_ray.sweep.objectives)
-    seed = driver_seed(options.study_name or context.sweep_id, output)
-    if space.searcher == "optuna":
-        search_alg = optuna_search(options, context, output, metric, mode)
-    else:
-        search_alg = searcher_for(space, seed)  # gx_ray.sweep.schedulers: BOHB's, or none (grid, random)
-    scheduler = scheduler_for(space)
-    param_space = _param_space(space)
-    if options.replay:  # one trial, its config changed at the epochs the policy found
-        scheduler, param_space = replay_scheduler(Path(options.replay))[0], {}
-    at_once = concurrency(context, options.max_concurrent)
-    timings["concurrency"] = at_once
-    budget = budgeted(options, context, output, client, parent, at_once)  # forecast; stops the sweep when spent
+    search_alg, scheduler, param_space = _search(run, context)
+    at_once = run.timings["concurrency"] = concurrency(context, run.options.max_concurrent)
+    budget = budgeted(run.options, context, run.output, client, parent, at_once)  # forecast; stops the sweep when spent
     nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
-    check_cluster(space, at_once, nodes, context.resources(space.cells()[0]))  # a trial must fit; BOHB's brackets
-    tune_config = tune.TuneConfig(
-        # the searcher and the scheduler carry their own metric; Tune refuses it given twice
-        metric=None if search_alg or scheduler else metric,
-        mode=None if search_alg or scheduler else mode,
+    check_cluster(run.space, at_once, nodes, context.resources(run.space.cells()[0]))  # a trial fits; BOHB's brackets
+    tune_config = _tune_config(run, context, search_alg, scheduler, at_once)
+    tuner = _tuner(run, context, param_space, tune_config, _run_config(run, context, budget))
+    print(
+        f"sweep {context.sweep_id}: {run.space.trial_count()} trials, {at_once} at a time\n"
+        f"watch the runs:  {runs_table_url(tracking_uri, experiment_id, view)}",
+        file=sys.stderr,
+    )
+    grid, host = _fit(run, tuner)
+    time_left = tune_config.time_budget_s
+    cut_short = run.interruption.signalled or budget.spent or (time_left and run.timings["tune_seconds"] >= time_left)
+    # Tune's trials, ended or not (in the grid's order): their status, and which runs are theirs
+    trials = TrialRecord.ended.pop(context.sweep_id, None) or tune.ExperimentAnalysis(_experiment(context)).trials
+    result = SweepResult(sweep_id=context.sweep_id, output=run.output, tracking_uri=tracking_uri, experiment=EXPERIMENT,
+                         parent_run_id=parent, experiment_id=experiment_id, view=view, timings=run.timings,
+                         interrupted=run.interruption.signalled)  # fmt: skip
+    rows = result_rows(grid, trials, context, cut_short=bool(cut_short))
+    stopped, total = _summarise(result, rows, run.space)
+    _close(result, client, total, stopped, {t.trial_id for t in trials}, host)
+    return result
+
+
+def _mlflow_ready(run: SweepRun, server: LocalMlflowServer | None) -> str:
+    """The tracking URI, once the sweep's own server (launched before Ray, the data and the GPU plan) is up."""
+    if server is None:
+        return run.options.mlflow_uri
+    waited = time.perf_counter()
+    server.wait().keep_alive()
+    run.timings["mlflow_seconds"] = time.perf_counter() - waited
+    return server.uri
+
+
+def _trial_inputs(run: SweepRun, context: SweepContext) -> SweepContext:
+    """What trials need before any of them starts: the folds, a task's sweep inputs, the GPU plan's measured steps;
+    built while the MLflow server is still starting (the parent run is the first thing that needs it)."""
+    root = run.options.storage or str(Path(run.options.output).resolve())  # where a cohort's sweeps share files
+    if run.space.cv:  # every run is tagged with the folds' hash
+        folds_file = fold_file(run.space.cv, context.shards, root)
+        tags = {**context.provenance, "gx_ray.folds_sha256": fold_sha256(folds_file)}
+        context = replace(context, folds_file=folds_file, provenance=tags)
+    context = replace(context, task_inputs=task_inputs(context, root))
+    started = time.perf_counter()
+    context = replace(context, gpu_plan=gpu_plan(context, run.output))
+    if context.gpu_plan:
+        run.timings["gpu_plan_seconds"] = time.perf_counter() - started
+    return context
+
+
+def _parent_run(run: SweepRun, context: SweepContext, client: MlflowClient) -> str:
+    """The sweep's parent run (the one of an earlier run of it on ``--resume``), its params, the cohort's fingerprint
+    and the folds beside it."""
+    space = run.space
+    if not run.options.resume:  # a live sweep of this id on this server would share its parent run
+        refuse_a_live_twin(client, EXPERIMENT, context.sweep_id, client.tracking_uri)
+    params = {
+        "space": space.name,
+        "presets": ",".join(space.presets_applied),
+        "data": context.shards,  # the report reads its manifest (which cohort) from anywhere
+        **{f"fixed.{k}": v for k, v in space.fixed.items()},
+        **{f"grid.{k}": v for k, v in space.grid.items()},
+    }
+    if "margin" in space.analysis:  # the report's equivalence tests read the margin(s) here
+        params["analysis.margin"] = json.dumps(space.analysis["margin"])
+    if space.multi_objective:  # the report's Pareto front reads the objectives and their directions here
+        params["objectives"] = json.dumps(objectives(space.metric, task=space.fixed.get("task")))
+    parent = parent_run(client, EXPERIMENT, context.sweep_id, params, context.provenance)
+    if fingerprint := read_fingerprint(context.shards, read_manifest(context.shards)):
+        client.log_dict(parent, fingerprint, "fingerprint.json")  # what the cohort looked like, beside its runs
+    if context.folds_file:  # which patients each fold held, beside the runs that trained on them
+        client.log_text(parent, storage.read_text(context.folds_file), "folds.json")
+    return parent
+
+
+def _search(run: SweepRun, context: SweepContext) -> tuple[Any, Any, dict[str, Any]]:
+    """Tune's searcher (None: its variant generator), scheduler (None: FIFO) and param space for the space
+    (:mod:`gx_ray.sweep.schedulers`; Optuna's over the sweep's study); a replay runs one trial under its policy."""
+    space, options = run.space, run.options
+    if space.searcher == "optuna":
+        metric, mode = search_metric(space.metric, space.fixed.get("task"))  # costs minimised (sweep.objectives)
+        search_alg = optuna_search(options, context, run.output, metric, mode)
+    else:  # BOHB's, or none (grid, random)
+        search_alg = searcher_for(space, driver_seed(options.study_name or context.sweep_id, run.output))
+    if options.replay:  # one trial, its config changed at the epochs the policy found
+        return search_alg, replay_scheduler(Path(options.replay))[0], {}
+    return search_alg, scheduler_for(space), _param_space(space)
+
+
+def _tune_config(run: SweepRun, context: SweepContext, search_alg: Any, scheduler: Any, at_once: int) -> Any:
+    """Tune's TuneConfig: the searcher and scheduler, how many trials and how many at once, the time left of the
+    budget, the trials' names; under ``--share`` its trials wait for the cluster's share registry."""
+    space = run.space
+    metric, mode = search_metric(space.metric, space.fixed.get("task"))
+    given = search_alg or scheduler  # they carry their own metric; Tune refuses it given twice
+    config = tune.TuneConfig(
+        metric=None if given else metric,
+        mode=None if given else mode,
         search_alg=search_alg,
         scheduler=scheduler,
         num_samples=space.samples,
         max_concurrent_trials=at_once,
-        time_budget_s=_budget_left(options.time_budget_s or space.time_s, timings["launched_at"]),
+        time_budget_s=_budget_left(run.options.time_budget_s or space.time_s, run.timings["launched_at"]),
         trial_name_creator=functools.partial(trial_name, space.fixed),
         trial_dirname_creator=trial_dirname,
         reuse_actors=True,
     )
-    if options.share is not None:  # trials created only when the cluster's share registry grants their resources
-        tune_config = share_cluster(tune_config, context.sweep_id, options.share, trial_footprint(context))
-    run_config = tune.RunConfig(
+    if run.options.share is not None:  # trials created only when the cluster's share registry grants their resources
+        config = share_cluster(config, context.sweep_id, run.options.share, trial_footprint(context))
+    return config
+
+
+def checkpoint_config(space: SearchSpace) -> tune.CheckpointConfig:
+    """The checkpoints Tune keeps of a trial: the latest two. Each holds the best weights so far (the loop's ``best``),
+    whichever way the task's primary metric goes: ranked by the validation score, a task whose metric is minimised
+    kept its worst. PBT keeps every one: a donor's may be restored after the donor has trained on (a trial paused
+    while others run), and Tune's retention could have deleted it by then."""
+    return tune.CheckpointConfig(num_to_keep=None if space.scheduler == "pbt" else 2)
+
+
+def _run_config(run: SweepRun, context: SweepContext, budget: tune.Callback) -> tune.RunConfig:
+    """Tune's RunConfig: where its state goes, retries, the checkpoints kept, the sweep's callbacks."""
+    space = run.space
+    return tune.RunConfig(
         name=context.sweep_id,
         storage_path=context.storage_path,
         # a trial that fails three times is reported, not fatal. Twice would do but for Tune's reuse of processes: a
         # retry can land on a cached trial process that died in the same event (a lost node, a kill), before Tune
         # has heard of its death, and that counts as a failure too (seen in tests/test_faults_searchers.py, random+asha)
         failure_config=tune.FailureConfig(max_failures=2),
-        # PBT keeps every checkpoint: a donor's may be restored after the donor has trained on (a trial paused
-        # while others run), and Tune's own retention (the latest and the best) could have deleted it by then
-        checkpoint_config=tune.CheckpointConfig(
-            num_to_keep=None if space.scheduler == "pbt" else 2,
-            checkpoint_score_attribute=METRIC,
-            checkpoint_score_order="max",
-        ),
-        stop=trained_to_the_end if space.scheduler in PAUSING or options.replay else None,
+        checkpoint_config=checkpoint_config(space),
+        stop=trained_to_the_end if space.scheduler in PAUSING or run.options.replay else None,
         verbose=0,
-        callbacks=[TrialProgress(space.trial_count()), ReportWarmUp(report_modules(space)), budget],
+        callbacks=[
+            TrialProgress(space.trial_count()),
+            ReportWarmUp(report_modules(space)),
+            budget,
+            TrialRecord(context.sweep_id),
+        ],
     )
-    path = storage.join(context.storage_path, context.sweep_id)  # absolute: Tune reads a relative path as a URI
-    if options.resume and tune.Tuner.can_restore(path):
-        tuner = tune.Tuner.restore(
-            path,
-            trainable,
-            resume_unfinished=True,
-            resume_errored=False,
-            restart_errored=True,
-            param_space=param_space,
-        )
-    else:
-        tuner = tune.Tuner(trainable, param_space=param_space, tune_config=tune_config, run_config=run_config)
-    print(
-        f"sweep {context.sweep_id}: {space.trial_count()} trials, {at_once} at a time\n"
-        f"watch the runs:  {runs_table_url(tracking_uri, experiment_id, view)}",
-        file=sys.stderr,
-    )
+
+
+def _experiment(context: SweepContext) -> str:
+    """The sweep's Tune experiment: absolute (Tune reads a relative path as a URI)."""
+    return storage.join(context.storage_path, context.sweep_id)
+
+
+def _tuner(run: SweepRun, context: SweepContext, param_space: dict, tune_config: tune.TuneConfig,
+           run_config: tune.RunConfig) -> tune.Tuner:  # fmt: skip
+    """The sweep's Tuner: restored from its saved state on ``--resume`` (with the configs it was started with), else
+    new."""
+    path = _experiment(context)
+    trainable = tune.with_resources(tune.with_parameters(run_trial, context=context), context.resources)
+    if run.options.resume and tune.Tuner.can_restore(path):
+        return tune.Tuner.restore(path, trainable, resume_unfinished=True, resume_errored=False,
+                                  restart_errored=True, param_space=param_space)  # fmt: skip
+    return tune.Tuner(trainable, param_space=param_space, tune_config=tune_config, run_config=run_config)
+
+
+def _fit(run: SweepRun, tuner: tune.Tuner) -> tuple[tune.ResultGrid, GpuSampler | None]:
+    """Tune's fit, timed; on GPUs every GPU of the driver's node sampled meanwhile. A signal meanwhile is Tune's to
+    stop (its trials' state saved)."""
     tune_started = time.perf_counter()
-    host = GpuSampler(None, interval_s=1.0).start() if space.gpus_per_worker != 0 else None  # every GPU of the node
-    interrupted["tuning"] = True
+    host = GpuSampler(None, interval_s=1.0).start() if run.space.gpus_per_worker != 0 else None
+    run.interruption.tuning = True
     try:
         grid = tuner.fit()
     finally:
-        interrupted["tuning"] = False
+        run.interruption.tuning = False
         if host:
             host.stop()
-    timings["tune_seconds"] = time.perf_counter() - tune_started
-    time_left = tune_config.time_budget_s
-    cut_short = interrupted["interrupted"] or budget.spent or (time_left and timings["tune_seconds"] >= time_left)
-    trials = grid._experiment_analysis.trials  # Tune's trials, ended or not: their status, and which runs are theirs
-    rows = result_rows(grid, trials, context, cut_short=bool(cut_short))
-    failed = sum(1 for r in rows if r["error"])
-    finished = sum(1 for r in rows if r["completed"] and not r["error"])
+    run.timings["tune_seconds"] = time.perf_counter() - tune_started
+    return grid, host
+
+
+def _summarise(result: SweepResult, rows: list[dict[str, Any]], space: SearchSpace) -> tuple[list[str], int]:
+    """The result's counts and best trials from the rows, the summary printed; the trials the scheduler stopped and
+    the sweep's total of trials."""
+    result.failed = sum(1 for r in rows if r["error"])
+    result.finished = sum(1 for r in rows if r["completed"] and not r["error"])
     stopped = [r["trial"] for r in rows if r["stopped_early"]]
-    best = summarise(rows)
+    result.stopped_early, result.best = len(stopped), summarise(rows)
     # Tune's results hold only the trials it created: an interrupted or time-boxed sweep has more cells than that
     total = max(len(rows), space.trial_count())
-    print(format_summary(best, finished, failed, total, len(stopped)))
-    result = SweepResult(
-        context.sweep_id, output, tracking_uri, EXPERIMENT, parent, finished, failed, len(stopped), best, timings,
-        interrupted=interrupted["interrupted"], experiment_id=experiment_id, view=view,
-    )  # fmt: skip
+    print(format_summary(result.best, result.finished, result.failed, total, len(stopped)))
+    return stopped, total
+
+
+def _close(result: SweepResult, client: MlflowClient, total: int, stopped: list[str], known: set[str],
+           host: GpuSampler | None) -> None:  # fmt: skip
+    """The runs closed and the ledger written; MLflow unreachable, the summary and ``sweep.json`` still say what ran."""
     try:
-        _close_runs(client, parent, total, stopped, {t.trial_id for t in trials}, result, timings, host)
-        result.costs = write_ledger(client, parent, output, context.sweep_id)  # ledger.csv, totals on the parent
-    except Exception as err:  # MLflow unreachable: the summary and sweep.json still tell what ran
+        _close_runs(client, result, total, stopped, known, host)
+        result.costs = write_ledger(client, result.parent_run_id, result.output, result.sweep_id)  # ledger.csv
+    except Exception as err:
         result.mlflow_error = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
         print(
             f"MLflow could not be reached at the sweep's end ({result.mlflow_error}); run statuses, GPU figures and "
             "the report are missing: write the report later with python analysis/report.py",
             file=sys.stderr,
         )
-    return result
+
+
+def _finish(run: SweepRun, result: SweepResult, server: LocalMlflowServer | None) -> None:
+    """``sweep.json`` written, where to browse the runs printed, the driver's files copied beside the sweep's state."""
+    result.timings["total_seconds"] = time.perf_counter() - run.started
+    write_sweep_file(result, run.space)
+    if server:  # its own server has stopped: a UI on a free port, and where its runs table will be
+        port = free_port()
+        print(f"\nbrowse the runs:  {server.ui_command(port)}")
+        print(f"then open:        {runs_table_url(f'http://127.0.0.1:{port}', result.experiment_id, result.view)}")
+    elif result.experiment_id:
+        print(f"\nthe runs:  {runs_table_url(result.tracking_uri, result.experiment_id, result.view)}")
+    if run.options.storage:  # the summary and report beside the sweep's state, where the whole team reaches them
+        storage.copy_tree(run.output, storage.join(run.state, run.sweep_id, "driver"), skip=("mlflow", "ray"))
 
 
 def _named_study(options: SweepOptions) -> dict[str, str]:
@@ -524,10 +601,12 @@ def task_inputs(context: SweepContext, root: str) -> dict[str, dict[str, Any]]:
     return {key: inputs for key, inputs in built.items() if inputs}
 
 
-def _close_runs(client, parent, total: int, stopped, known: set[str], result: SweepResult, timings, host) -> None:
+def _close_runs(client: MlflowClient, result: SweepResult, total: int, stopped: list[str], known: set[str],
+                host: GpuSampler | None) -> None:  # fmt: skip
     """End the sweep's runs in MLflow: the scheduler's stopped trials KILLED and tagged, trials a signal stopped
     KILLED (``--resume`` opens them again), runs of trials Tune does not hold deleted, the sweep's counts and GPU
     figures on the parent, and its status."""
+    parent, timings = result.parent_run_id, result.timings
     runs = child_runs(client, parent)
     end_open_runs(client, runs, stopped)  # Tune has ended: no trial of this sweep runs any more
     if abandoned := abandon_unknown_runs(client, runs, known):
