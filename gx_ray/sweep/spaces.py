@@ -214,37 +214,9 @@ def _check_config_key(path: Path, section: str, key: str) -> None:
 
 
 def _parse(path: Path, doc: dict[str, Any], presets: tuple[str, ...]) -> SearchSpace:
-    fixed, grid, sample = doc.get("fixed") or {}, doc.get("grid") or {}, doc.get("sample") or {}
-    for section, mapping in (("fixed", fixed), ("grid", grid), ("sample", sample)):
-        if not isinstance(mapping, dict):
-            raise SpaceError(path, section, "expected a mapping of trial config keys")
-        for key in mapping:
-            _check_config_key(path, section, key)
-    for key, values in grid.items():
-        if not isinstance(values, list) or not values:
-            raise SpaceError(path, f"grid.{key}", "a grid axis is a non-empty list of values")
-    for key, spec in sample.items():
-        if not isinstance(spec, dict) or spec.get("type") not in DISTRIBUTIONS:
-            raise SpaceError(path, f"sample.{key}", f"needs a type; valid: {', '.join(DISTRIBUTIONS)}")
-        missing = [p for p in DISTRIBUTIONS[spec["type"]] if p not in spec]
-        if missing:
-            raise SpaceError(path, f"sample.{key}", f"a {spec['type']} distribution needs {', '.join(missing)}")
-    overlap = (set(fixed) & set(grid)) | (set(fixed) & set(sample)) | (set(grid) & set(sample))
-    if overlap:
-        raise SpaceError(path, sorted(overlap)[0], "set in more than one of fixed, grid and sample")
-    searcher, scheduler = doc.get("searcher", "grid"), doc.get("scheduler", "none")
-    if searcher not in SEARCHERS:
-        raise SpaceError(path, "searcher", f"unknown searcher {searcher!r}; valid: {', '.join(SEARCHERS)}")
-    if scheduler not in SCHEDULERS:
-        raise SpaceError(path, "scheduler", f"unknown scheduler {scheduler!r}; valid: {', '.join(SCHEDULERS)}")
-    if searcher == "grid" and sample:
-        raise SpaceError(path, "sample", "sampled parameters need searcher: random, optuna or bohb")
-    if searcher == "bohb" and grid:
-        raise SpaceError(path, "grid", "searcher bohb takes no grid axes: put them in `sample` as categorical")
-    scheduler_options = _scheduler_options(path, doc, searcher, scheduler, sample)
-    if searcher == "optuna" and grid:
-        # OptunaSearch cannot take Tune's grid_search; factorial axes belong to a grid space
-        raise SpaceError(path, "grid", "searcher optuna takes no grid axes: put them in `sample` as categorical")
+    """A space's document (its presets overlaid) as a :class:`SearchSpace`, each section checked in turn."""
+    fixed, grid, sample = _parameters(path, doc)
+    searcher, scheduler, scheduler_options = _search_kind(path, doc, grid, sample)
     if "task" not in fixed and "task" not in grid and "task" not in sample:
         raise SpaceError(
             path,
@@ -252,16 +224,7 @@ def _parse(path: Path, doc: dict[str, Any], presets: tuple[str, ...]) -> SearchS
             f"every space sets the task (fixed, grid or sample); valid: {', '.join(TASKS)}, or a plug-in task "
             "(module:Class, or an entry point of group gx_ray.tasks)",
         )
-    overrides = doc.get("overrides") or []
-    if not isinstance(overrides, list):
-        raise SpaceError(path, "overrides", "expected a list of {when: {...}, set: {...}}")
-    for i, rule in enumerate(overrides):
-        _check_keys(path, f"overrides[{i}]", rule, ("when", "set"))
-        for part in ("when", "set"):
-            if not isinstance(rule.get(part), dict) or not rule[part]:
-                raise SpaceError(path, f"overrides[{i}].{part}", "expected a non-empty mapping of trial config keys")
-            for key in rule[part]:
-                _check_config_key(path, f"overrides[{i}].{part}", key)
+    overrides = _overrides(path, doc.get("overrides") or [])
     metric = doc.get("metric", "primary")
     try:  # every objective named and directed (gx_ray.sweep.objectives)
         objectives(metric, searcher, fixed.get("task"))
@@ -278,19 +241,7 @@ def _parse(path: Path, doc: dict[str, Any], presets: tuple[str, ...]) -> SearchS
     cv = _cv(path, doc.get("cv"), searcher, fixed, grid, sample)
     if cv:  # every cell on every fold: a grid axis as any other
         grid = {**grid, "data.fold": list(range(cv["folds"]))}
-    analysis = doc.get("analysis") or {}
-    _check_keys(path, "analysis", analysis, ANALYSIS_KEYS)
-    margin = analysis.get("margin")
-    margins = margin.values() if isinstance(margin, dict) else [margin]
-    if margin is not None and not all(
-        isinstance(m, int | float) and not isinstance(m, bool) and m > 0 for m in margins
-    ):
-        raise SpaceError(
-            path, "analysis.margin", f"{margin!r}: a positive number in the metric's units, or one per task"
-        )
-    names = [*TASKS, *_plugin_names(fixed, grid, sample)]  # a plug-in's margin goes under its name, as its cells
-    if isinstance(margin, dict) and (unknown := sorted(set(margin) - set(names))):
-        raise SpaceError(path, "analysis.margin", f"unknown task {unknown[0]!r}; valid: {', '.join(names)}")
+    analysis = _analysis(path, doc.get("analysis") or {}, [*TASKS, *_plugin_names(fixed, grid, sample)])
     return SearchSpace(
         name=path.stem,
         path=path,
@@ -312,6 +263,79 @@ def _parse(path: Path, doc: dict[str, Any], presets: tuple[str, ...]) -> SearchS
         analysis=analysis,
         scheduler_options=scheduler_options,
     )
+
+
+def _parameters(path: Path, doc: dict[str, Any]) -> tuple[dict, dict, dict]:
+    """The ``fixed``, ``grid`` and ``sample`` sections: trial config keys, grid axes that are lists, distributions
+    with their parameters, and no key in two of them."""
+    fixed, grid, sample = doc.get("fixed") or {}, doc.get("grid") or {}, doc.get("sample") or {}
+    for section, mapping in (("fixed", fixed), ("grid", grid), ("sample", sample)):
+        if not isinstance(mapping, dict):
+            raise SpaceError(path, section, "expected a mapping of trial config keys")
+        for key in mapping:
+            _check_config_key(path, section, key)
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise SpaceError(path, f"grid.{key}", "a grid axis is a non-empty list of values")
+    for key, spec in sample.items():
+        if not isinstance(spec, dict) or spec.get("type") not in DISTRIBUTIONS:
+            raise SpaceError(path, f"sample.{key}", f"needs a type; valid: {', '.join(DISTRIBUTIONS)}")
+        missing = [p for p in DISTRIBUTIONS[spec["type"]] if p not in spec]
+        if missing:
+            raise SpaceError(path, f"sample.{key}", f"a {spec['type']} distribution needs {', '.join(missing)}")
+    overlap = (set(fixed) & set(grid)) | (set(fixed) & set(sample)) | (set(grid) & set(sample))
+    if overlap:
+        raise SpaceError(path, sorted(overlap)[0], "set in more than one of fixed, grid and sample")
+    return fixed, grid, sample
+
+
+def _search_kind(path: Path, doc: dict[str, Any], grid: dict, sample: dict) -> tuple[str, str, dict]:
+    """The searcher, the scheduler and its options: known names, and the sections each takes."""
+    searcher, scheduler = doc.get("searcher", "grid"), doc.get("scheduler", "none")
+    if searcher not in SEARCHERS:
+        raise SpaceError(path, "searcher", f"unknown searcher {searcher!r}; valid: {', '.join(SEARCHERS)}")
+    if scheduler not in SCHEDULERS:
+        raise SpaceError(path, "scheduler", f"unknown scheduler {scheduler!r}; valid: {', '.join(SCHEDULERS)}")
+    if searcher == "grid" and sample:
+        raise SpaceError(path, "sample", "sampled parameters need searcher: random, optuna or bohb")
+    if searcher == "bohb" and grid:
+        raise SpaceError(path, "grid", "searcher bohb takes no grid axes: put them in `sample` as categorical")
+    options = _scheduler_options(path, doc, searcher, scheduler, sample)
+    if searcher == "optuna" and grid:
+        # OptunaSearch cannot take Tune's grid_search; factorial axes belong to a grid space
+        raise SpaceError(path, "grid", "searcher optuna takes no grid axes: put them in `sample` as categorical")
+    return searcher, scheduler, options
+
+
+def _overrides(path: Path, overrides: Any) -> list[dict[str, dict[str, Any]]]:
+    """The ``overrides`` rules: each a non-empty ``when`` and ``set`` of trial config keys."""
+    if not isinstance(overrides, list):
+        raise SpaceError(path, "overrides", "expected a list of {when: {...}, set: {...}}")
+    for i, rule in enumerate(overrides):
+        _check_keys(path, f"overrides[{i}]", rule, ("when", "set"))
+        for part in ("when", "set"):
+            if not isinstance(rule.get(part), dict) or not rule[part]:
+                raise SpaceError(path, f"overrides[{i}].{part}", "expected a non-empty mapping of trial config keys")
+            for key in rule[part]:
+                _check_config_key(path, f"overrides[{i}].{part}", key)
+    return overrides
+
+
+def _analysis(path: Path, analysis: Any, tasks: list[str]) -> dict[str, Any]:
+    """The ``analysis`` section: an equivalence margin, positive, one number or one per task of ``tasks`` (a
+    plug-in's goes under its name, as its cells)."""
+    _check_keys(path, "analysis", analysis, ANALYSIS_KEYS)
+    margin = analysis.get("margin")
+    margins = margin.values() if isinstance(margin, dict) else [margin]
+    if margin is not None and not all(
+        isinstance(m, int | float) and not isinstance(m, bool) and m > 0 for m in margins
+    ):
+        raise SpaceError(
+            path, "analysis.margin", f"{margin!r}: a positive number in the metric's units, or one per task"
+        )
+    if isinstance(margin, dict) and (unknown := sorted(set(margin) - set(tasks))):
+        raise SpaceError(path, "analysis.margin", f"unknown task {unknown[0]!r}; valid: {', '.join(tasks)}")
+    return analysis
 
 
 def _scheduler_options(path: Path, doc: dict[str, Any], searcher: str, scheduler: str, sample: dict) -> dict:
