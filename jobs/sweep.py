@@ -58,14 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
         "`ray start` runs here, else a local one",
     )
     parser.add_argument("--mlflow-uri", help="an MLflow server every node reaches; default: a local one")
-    parser.add_argument(
-        "--preset",
-        dest="presets",
-        metavar="PRESET",
-        action="append",
-        default=[],
-        help="a preset of the space (repeatable): smoke, gpu, compiled",
-    )
+    parser.add_argument("--preset", dest="presets", metavar="PRESET", action="append", default=[],
+                        help="a preset of the space (repeatable): smoke, gpu, compiled")  # fmt: skip
     parser.add_argument("--resume", action="store_true", help="continue an interrupted sweep with the same arguments")
     parser.add_argument("--max-concurrent", type=int, help="cap on trials running at once")
     parser.add_argument("--verify", action="store_true", help="check every shard's SHA-256 first (reads all data)")
@@ -75,14 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
         "journal in the sweep's state); optuna-dashboard opens it",
     )
     parser.add_argument("--study-name", help="the study's name (default: the sweep id); two drivers may share one")
-    parser.add_argument(
-        "--share",
-        type=weight,
-        nargs="?",
-        const=1.0,
-        metavar="W",
-        help="share the cluster's CPUs and GPUs with the other sweeps given --share, by weight W (default 1)",
-    )
+    parser.add_argument("--share", type=weight, nargs="?", const=1.0, metavar="W",
+                        help="share the cluster's CPUs and GPUs with the other sweeps given --share, by weight W "
+                        "(default 1)")  # fmt: skip
     parser.add_argument(
         "--name", type=sweep_name, help="appended to the sweep id: another sweep of the same space and cohort"
     )

@@ -312,3 +312,18 @@ def test_the_checkpoints_kept_hold_a_minimised_task_s_best_weights(ray_cluster, 
     (result,) = tune.Tuner(trainable, run_config=run_config).fit()
     kept = sorted(metrics["epoch"] for _, metrics in result.best_checkpoints)
     assert kept == [2, 3]  # the latest two: the last holds the best weights (epoch 3's), the one before epoch 1's
+
+
+def test_tune_s_trials_are_recorded_at_the_experiment_s_end_by_whichever_copy_of_the_callback_tune_holds():
+    """Tune restores a resumed sweep's callbacks from its first run's pickle: the copy it unpickles records the trials
+    where the driver, which built another, finds them by sweep id."""
+    import pickle
+    from types import SimpleNamespace
+
+    from gx_ray.sweep.callbacks import TrialRecord
+
+    restored = pickle.loads(pickle.dumps(TrialRecord("sweep-a")))  # the copy in Tune's saved state
+    trials = [SimpleNamespace(trial_id="a_00000", status="TERMINATED"), SimpleNamespace(trial_id="a_00001")]
+    restored.on_experiment_end(trials)
+    TrialRecord("sweep-b").on_experiment_end([])
+    assert TrialRecord.ended.pop("sweep-a") == trials and TrialRecord.ended.pop("sweep-b") == []

@@ -348,7 +348,8 @@ def _tune(run: SweepRun, context: SweepContext, server: LocalMlflowServer | None
     grid, host = _fit(run, tuner)
     time_left = tune_config.time_budget_s
     cut_short = run.interruption.signalled or budget.spent or (time_left and run.timings["tune_seconds"] >= time_left)
-    # Tune's trials, ended or not (in the grid's order): their status, and which runs are theirs
+    # Tune's trials, ended or not (in the grid's order): their status, and which runs are theirs. A sweep resumed from
+    # a state saved without the callback: the trials as Tune saved them last
     trials = TrialRecord.ended.pop(context.sweep_id, None) or tune.ExperimentAnalysis(_experiment(context)).trials
     result = SweepResult(sweep_id=context.sweep_id, output=run.output, tracking_uri=tracking_uri, experiment=EXPERIMENT,
                          parent_run_id=parent, experiment_id=experiment_id, view=view, timings=run.timings,
