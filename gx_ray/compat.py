@@ -8,6 +8,7 @@ data import too, imports it where it is used.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -15,7 +16,6 @@ from typing import Any
 
 import ray
 from ray import tune
-from ray.tune.search.optuna import OptunaSearch
 
 # --- Ray core --------------------------------------------------------------------------------------------------------
 
@@ -160,26 +160,41 @@ def resumable_bohb(metric: str, mode: str, seed: int) -> Any:
     return ResumableBOHB(metric=metric, mode=mode, seed=seed)
 
 
-class ResumableOptunaSearch(OptunaSearch):
-    """Tune's Optuna searcher over a study that outlives the driver. A driver killed after a trial ended, but before
-    Tune saved its searcher, leaves the study holding the trial as finished while the resumed sweep runs it again
-    from its checkpoint: its results are not reported, nor its end told, a second time. Optuna refuses both (an
-    ``UpdateFinishedTrialError`` that ended the resumed sweep), and the study already holds the same values.
-    Ray 2.60's OptunaSearch keeps its study and trials private, and Optuna its storage."""
+def __getattr__(name: str) -> Any:
+    """``ResumableOptunaSearch``, built on first use: Optuna's imports stay out of the trial processes that import this
+    module for the drain calls (a saved sweep's searcher unpickles by this name, which builds it)."""
+    if name == "ResumableOptunaSearch":
+        return _resumable_optuna_search()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    def on_trial_result(self, trial_id: str, result: dict) -> None:
-        if not self._finished_in_study(trial_id):
-            super().on_trial_result(trial_id, result)
 
-    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
-        if self._finished_in_study(trial_id):
-            self._completed_trials.add(trial_id)
-            return
-        super().on_trial_complete(trial_id, result, error)
+@functools.cache
+def _resumable_optuna_search() -> type:
+    from ray.tune.search.optuna import OptunaSearch
 
-    def _finished_in_study(self, trial_id: str) -> bool:
-        asked = self._ot_trials.get(trial_id)
-        if asked is None or self._ot_study is None:
-            return False
-        # the store's state of the trial, not the copy this searcher was saved with
-        return self._ot_study._storage.get_trial(asked._trial_id).state.is_finished()
+    class ResumableOptunaSearch(OptunaSearch):
+        """Tune's Optuna searcher over a study that outlives the driver. A driver killed after a trial ended, but before
+        Tune saved its searcher, leaves the study holding the trial as finished while the resumed sweep runs it again
+        from its checkpoint: its results are not reported, nor its end told, a second time. Optuna refuses both (an
+        ``UpdateFinishedTrialError`` that ended the resumed sweep), and the study already holds the same values.
+        Ray 2.60's OptunaSearch keeps its study and trials private, and Optuna its storage."""
+
+        def on_trial_result(self, trial_id: str, result: dict) -> None:
+            if not self._finished_in_study(trial_id):
+                super().on_trial_result(trial_id, result)
+
+        def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+            if self._finished_in_study(trial_id):
+                self._completed_trials.add(trial_id)
+                return
+            super().on_trial_complete(trial_id, result, error)
+
+        def _finished_in_study(self, trial_id: str) -> bool:
+            asked = self._ot_trials.get(trial_id)
+            if asked is None or self._ot_study is None:
+                return False
+            # the store's state of the trial, not the copy this searcher was saved with
+            return self._ot_study._storage.get_trial(asked._trial_id).state.is_finished()
+
+    ResumableOptunaSearch.__module__ = __name__
+    return ResumableOptunaSearch
