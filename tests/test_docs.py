@@ -7,7 +7,11 @@ belong there, so the word list skips it (its links are still checked).
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import functools
 import gzip
+import importlib
 import importlib.util
 import json
 import re
@@ -360,3 +364,222 @@ def test_cff_schema_refuses_a_broken_citation():
         {**citation, "references": [{"title": "no type, no authors"}]},
     ):
         assert list(jsonschema.Draft7Validator(schema).iter_errors(broken)), broken
+
+
+# --- what the pages name exists --------------------------------------------------------------------------------------
+
+OTHER_TOOLS = {
+    "--address": "ray start's and ray job submit's head address, in the cluster commands",
+    "--block": "ray start's: the node runs in the foreground",
+    "--env-manager": "mlflow models serve's",
+    "--dist": "pytest-xdist's, in tests/README.md",
+    "--no-loadscope-reorder": "pytest-xdist's",
+    "--host": "mlflow models serve's and optuna-dashboard's",
+    "--port": "mlflow models serve's and optuna-dashboard's",
+}
+"""Flags of other tools' commands that pages name: not gx-ray's, so no parser of ours holds them."""
+SECTIONS = ("schema", "model", "optimiser", "schedule", "data", "resources", "vlm", "views", "task_options", "cv",
+            "pbt", "bohb", "budget", "analysis")  # fmt: skip
+COMMAND = re.compile(r"python (?:-m (gx_ray(?:\.\w+)+)|((?:jobs|analysis)/\w+\.py))((?:\s+[^\s|;&]+)*)")
+ROOTS = r"(?:gx_ray|jobs|docs|search_spaces|tests|analysis|benchmarks)/"
+PATH = re.compile(rf"(?<![\w./<>-])({ROOTS}[^\s`'\"),:;]*)")
+KEY = re.compile(rf"(?<![\w./<>-])((?:{'|'.join(SECTIONS)})(?:\.(?:\w+|\*|<\w+>))+)(?![\w/(-])")
+DOTTED = re.compile(r"(?<![\w./<>-])((?:gx_ray|tests)(?:\.(?:\w+|\*))+)")
+PRESET = re.compile(r"--preset[ =](?!name\b)(\w+)|`(\w+)` presets?\b|\bpresets? `(\w+)`")
+METRIC = re.compile(r"^(?:val|test|best_val)_(\w+)$")
+
+
+def script_flags(script: str) -> set[str]:
+    """Every option of ``script``'s parser (``jobs/X.py``, ``analysis/report.py`` or ``gx_ray.M``) and of its
+    subcommands: the parser its ``build_parser()`` returns, or the one its ``main`` builds, caught as it parses."""
+    import argparse
+
+    module = importlib.import_module(script) if script.startswith("gx_ray") else load_script_at(ROOT / script)
+
+    class Caught(Exception):
+        pass
+
+    def catch(parser, *args, **kwargs):
+        raise Caught(parser)
+
+    parsers, flags = [], set()
+    if hasattr(module, "build_parser"):
+        parsers.append(module.build_parser())
+    else:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(argparse.ArgumentParser, "parse_args", catch)
+            with pytest.raises(Caught) as caught:
+                module.main([])
+        parsers.append(caught.value.args[0])
+    while parsers:
+        for action in parsers.pop()._actions:
+            flags |= set(action.option_strings)
+            if isinstance(action, argparse._SubParsersAction):
+                parsers += action.choices.values()
+    return flags
+
+
+def load_script_at(path: Path):
+    spec = importlib.util.spec_from_file_location(f"gx_docs_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.cache
+def code_index() -> SimpleNamespace:
+    """What the pages may name: each script's flags, the presets, config keys, task options, the string literals and
+    class members of gx_ray/ (tags and metric names are literals there)."""
+    from gx_ray.data.preprocess import _PRESETS
+    from gx_ray.schema import TASKS
+    from gx_ray.sweep.spaces import ANALYSIS_KEYS, CV_KEYS, SCHEDULER_OPTIONS, available_presets
+    from gx_ray.tasks import task_class
+    from gx_ray.train.config import RETIRED_KEYS, valid_keys
+
+    scripts = ["analysis/report.py", "gx_ray.preemption", *(f"jobs/{p.name}" for p in (ROOT / "jobs").glob("*.py"))]
+    flags = {script: script_flags(script) for script in scripts}
+    presets = {p.stem: set(available_presets(str(p))) for p in (ROOT / "search_spaces").glob("*.yaml")}
+    classes = [task_class(t) for t in TASKS]
+    options = {f.name for c in classes if dataclasses.is_dataclass(c) for f in dataclasses.fields(c)}
+    keys = {*valid_keys(), *RETIRED_KEYS, *(f"task_options.{o}" for o in options), *(f"cv.{k}" for k in CV_KEYS)}
+    keys |= {f"analysis.{k}" for k in ANALYSIS_KEYS} | {"budget.samples", "budget.time_s"}
+    keys |= {f"{s}.{k}" for s, o in SCHEDULER_OPTIONS.items() for k in o}
+    literals, members = set(), {}
+    for path in (ROOT / "gx_ray").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                literals.add(node.value)
+            elif isinstance(node, ast.ClassDef):
+                body = [n.target if isinstance(n, ast.AnnAssign) else n for n in node.body]
+                members.setdefault(node.name, set()).update(getattr(n, "name", getattr(n, "id", "")) for n in body)
+    return SimpleNamespace(flags=flags, all_flags=set().union(*flags.values()), presets=presets,
+                           prepare_presets=set(_PRESETS), keys=keys, literals=literals, members=members)  # fmt: skip
+
+
+def python_name_exists(name: str) -> bool:
+    """``gx_ray.x.y``: a module, or an attribute of the longest importable module before it."""
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            target = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for part in parts[cut:]:
+            fields = getattr(target, "__dataclass_fields__", {})
+            if not hasattr(target, part) and part not in fields:
+                return False
+            target = getattr(target, part, None)
+        return True
+    return False
+
+
+def composed(name: str) -> bool:
+    """``name`` is a string literal of gx_ray/, or an f-string's literal head (``gx_ray.in_memory.``, ``val_``)
+    followed by one: the names of the tags and metrics the code sets."""
+    literals = code_index().literals
+    return name in literals or any(
+        len(head) > 2 and head[-1] in "._" and name.startswith(head) and composed(name[len(head) :])
+        for head in literals
+    )
+
+
+def unknown_names(text: str, code: bool) -> list[str]:
+    """What ``text`` (a code span or a fenced line, ``code``; else a prose line) names that the code does not hold."""
+    index, found = code_index(), []
+    for match in PRESET.finditer(text):
+        name = next(filter(None, match.groups()))
+        if name not in set().union(*index.presets.values(), index.prepare_presets):
+            found.append(f"preset {name!r}: no space has it")
+    if not code:
+        return found
+    for module, script, arguments in COMMAND.findall(text):
+        script = script or module
+        if script not in index.flags:
+            found += [] if module and python_name_exists(module) else [f"{script}: no such script"]
+            continue
+        words = arguments.split(" ray ", 1)[0].split()
+        found += [f"{script} has no option {w.split('=')[0]}" for w in words
+                  if w.startswith("--") and w.split("=")[0] not in index.flags[script]]  # fmt: skip
+        pairs = list(zip(words, words[1:], strict=False))
+        space = next((b for a, b in pairs if a == "--space"), None)
+        for preset in (b for a, b in pairs if a == "--preset"):
+            if script == "jobs/sweep.py" and space in index.presets and preset not in index.presets[space]:
+                found.append(f"space {space!r} has no preset {preset!r}")
+    if not COMMAND.search(text):
+        found += [f"no script has the option {f}" for f in re.findall(r"(?<![\w-])--[a-z][\w-]*", text)
+                  if f not in index.all_flags and f not in OTHER_TOOLS]  # fmt: skip
+    for path in PATH.findall(text):
+        pattern = re.sub(r"\{([^,}]*)[^}]*\}", r"\1", re.sub(r"<[^>]*>|…|\.\.\.$", "*", path.rstrip(".")))
+        if not list(ROOT.glob(pattern)) and not (ROOT / pattern).exists():
+            found.append(f"{path}: no such path")
+    for key in KEY.findall(text):
+        wildcard = key.endswith(("*", ">")) and any(k.startswith(key.split(".")[0]) for k in index.keys)
+        # a PBT trial logs its changed keys as metrics schedule.<key>
+        if key not in index.keys and key.removeprefix("schedule.") not in index.keys and not wildcard:
+            found.append(f"{key}: not a config key")
+    for name in DOTTED.findall(text):
+        tag = composed(name) or (name.endswith("*") and any(s.startswith(name[:-1]) for s in index.literals))
+        if not tag and not (name.endswith("*") or python_name_exists(name)):
+            found.append(f"{name}: neither a tag the code sets nor a Python name")
+    span = text.strip()
+    if re.fullmatch(r"[\w/]+\.py", span) and not any(ROOT.glob(f"**/{span}")):
+        found.append(f"{span}: no such file")
+    member = re.fullmatch(r"([A-Z]\w+)\.(\w+)\b.*", span)
+    if member and member.group(1) in index.members and member.group(2) not in index.members[member.group(1)]:
+        found.append(f"{span}: {member.group(1)} has no {member.group(2)}")
+    metric = METRIC.match(span)
+    if metric and not composed(span) and not composed(metric.group(1)):
+        found.append(f"{span}: no metric of that name is logged")
+    return found
+
+
+def page_problems(path: Path) -> list[str]:
+    """Every name a page gives, in prose, in `code` and in fenced blocks, that does not exist: each as file:line."""
+    lines, fenced, problems = path.read_text(encoding="utf-8").splitlines(), False, []
+    for number, line in enumerate(lines, 1):
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        while fenced and line.rstrip().endswith("\\") and number < len(lines):
+            line, number = line.rstrip()[:-1] + " " + lines[number], number + 1
+        texts = [(line, True)] if fenced else [(line, False), *((s[1:-1], True) for s in CODE_SPAN.findall(line))]
+        problems += [f"{rel(path)}:{number}: {p}" for text, code in texts for p in unknown_names(text, code)]
+    return problems
+
+
+@pytest.mark.parametrize("path", doc_files(include_lab=False), ids=rel)
+def test_what_the_pages_name_exists(path: Path):
+    problems = page_problems(path)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_name_check_catches_what_does_not_exist(tmp_path: Path):
+    """Each line of the fake page names one thing the code lacks, and is reported; the real names beside are not."""
+    page = tmp_path / "page.md"
+    caught = [
+        "`python jobs/sweep.py --space fusion --no-such-flag`",
+        "`python jobs/sweep.py --space fusion --preset slice`",
+        "`python jobs/no_such_job.py`",
+        "```\npython analysis/report.py --sweep X \\\n  --no-such-flag\n```",
+        "set `--no-such-flag`",
+        "the `no_such` preset",
+        "`model.no_such_key: 1`",
+        "`task_options.no_such_option`",
+        "`gx_ray/no_such_module.py`",
+        "`no_such_module.py`",
+        "`gx_ray.sweep.spaces.no_such_function`",
+        "the tag `gx_ray.no_such_tag_name`",
+        "`val_no_such_metric_name`",
+        "`Task.no_such_method`",
+    ]
+    for text in caught:
+        page.write_text(text + "\n", encoding="utf-8")
+        assert page_problems(page), f"the name check misses {text!r}"
+    page.write_text(
+        "`python jobs/sweep.py --space modality_ablation --preset slice --resume` the `cv` preset, `--share W`\n"
+        "`model.text_kwargs` `schedule.optimiser.lr` `task_options.tnm_heads` `cv.folds` `gx_ray/sweep/driver.py`\n"
+        "`gx_ray.sweep.spaces.load_space` `gx_ray.python` `gx_ray.version.*` `gx_ray.in_memory.train` `Task.combine`\n"
+        "`val_auc` `test_primary` `best_val_primary` `mlflow models serve --env-manager local` `spaces.py`\n",
+        encoding="utf-8",
+    )
+    assert not page_problems(page), page_problems(page)
