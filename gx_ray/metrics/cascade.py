@@ -3,30 +3,22 @@
 A generative model (a VLM) is asked with MedEvalKit's prompts (:func:`question_prompt`, :data:`REPORT_PROMPT`) and
 answers in words; each answer is scored by the first stage that can decide it:
 
-1. **rule**: a multiple-choice answer that is exactly one option's text (normalised), else that names exactly one
-   option letter (:func:`~gx_ray.metrics.mcq.named_options`, read with the options' own texts blanked out, so that
-   "C. difficile colitis" is not option C); naming two is a parse failure.
-   A close- or open-ended answer is right when its final answer (:func:`final_answer`: the ``\\boxed{}`` or
-   ``<answer>`` content, else what follows the last "answer is"/"answer:") equals the reference, both normalised
-   (lower case, punctuation and articles dropped); a close-ended yes/no question is right when the answer says the
-   reference's word and not the other (MedEvalKit's ``judge_judgement``, on whole words). Close-ended answers are
-   decided here, right or wrong, as MedEvalKit decides them: no similarity, so "lymph node metastasis" is not "no
-   lymph node metastasis";
-2. **similarity**: a multiple-choice answer that names no letter takes the option whose text it says most of (MMMU's
-   fallback: the share of the option's tokens in the answer, at least :data:`MIN_SIMILARITY`, then token F1; a tie
-   or less is no option named: a parse failure);
-3. **judge**: an open-ended answer the rules did not match, when a judge is given: an LLM asked with MedEvalKit's
-   judge prompt (:data:`JUDGE_PROMPT`, versioned by :data:`JUDGE_PROMPT_VERSION`), answering
-   ``<judge>0</judge>`` for correct (its convention) or ``1``; a reply whose ``<judge>`` tags disagree, or hold
-   anything else, names no verdict. Verdicts are cached by (prompt version, question, reference, answer), so a rerun
-   asks nothing twice. The judge is any ``ask(prompt) -> reply``; the backends (a local transformers model, an
-   OpenAI-compatible endpoint) are in :mod:`gx_ray.models.judge`. Without a judge an open answer the rules did not
-   match is wrong (MedEvalKit's exact match), decided by the rule.
+1. **rule**: an MCQ answer that is exactly one option's text, else names exactly one option letter
+   (:func:`~gx_ray.metrics.mcq.named_options`, with the options' own texts blanked out: "C. difficile colitis" is not
+   option C); naming two is a parse failure. A close- or open-ended answer is right when its :func:`final_answer`
+   equals the reference, both normalised; a yes/no question when the answer says the reference's word and not the
+   other (MedEvalKit's ``judge_judgement``, on whole words). Close-ended answers are decided here, as MedEvalKit
+   does: no similarity, so "lymph node metastasis" is not "no lymph node metastasis";
+2. **similarity**: an MCQ answer naming no letter takes the option whose tokens it says most of (MMMU's fallback:
+   at least :data:`MIN_SIMILARITY`, then token F1; a tie is a parse failure);
+3. **judge**: an open-ended answer the rules did not match, when a judge (any ``ask(prompt) -> reply``, backends in
+   :mod:`gx_ray.models.judge`) is given: MedEvalKit's :data:`JUDGE_PROMPT`, ``<judge>0</judge>`` for correct, and a
+   reply with no single verdict names none. Verdicts are cached, so a rerun asks nothing twice. Without a judge
+   such an answer is wrong (MedEvalKit's exact match).
 
-:func:`cascade_metrics` reports accuracy, the parse-failure rate apart from it (an MCQ answer naming no option or
-several, a judge reply naming no verdict), the share each stage decided, and, where the judge also saw answers the
-rules decided (``audit``), how often the two agree. docs/reference/answer-scoring.md says where this departs from
-MedEvalKit, and why.
+:func:`cascade_metrics` reports accuracy, the parse-failure rate apart from it, the share each stage decided, and,
+where the judge also saw answers the rules decided (``audit``), how often the two agree.
+docs/reference/answer-scoring.md says where this departs from MedEvalKit, and why.
 """
 
 from __future__ import annotations
@@ -36,8 +28,8 @@ import math
 import re
 import string
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from gx_ray.metrics.mcq import named_options, parse_choice
@@ -259,7 +251,3 @@ def cascade_metrics(scored: Sequence[Scored]) -> dict[str, float]:
         **{f"decided_by_{stage}": 100.0 * stages[stage] / total for stage in ("rule", "similarity", "judge")},
         "judge_rule_agreement": 100.0 * sum(s.judge == s.correct for s in both) / len(both) if both else math.nan,
     }
-
-
-def scored_records(scored: Sequence[Scored]) -> list[Mapping[str, object]]:
-    return [asdict(s) for s in scored]

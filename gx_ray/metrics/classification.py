@@ -1,13 +1,9 @@
 """Classification metrics for stage classification (Table 5) and VQA (Table 2a), on the paper's percent scale.
 
-Computed from the confusion matrix (numpy) and from ranks (scipy), so that scikit-learn can serve the tests
-as an independent reference.
-
-Classes absent from ``labels``: precision, recall, F1 and AUC are averaged over the classes that occur in
-``labels`` (scikit-learn's ``labels=np.unique(y_true)``). A prediction of an absent class still counts as
-an error (it lowers the true class's recall and the accuracy), but the absent class's own precision and
-recall, which have no ground truth to mean anything against, are left out of the average. scikit-learn's
-default (``labels=None``) would also average in classes that were only predicted, each with precision 0.
+Computed from the confusion matrix (numpy) and ranks (scipy), so that scikit-learn is an independent reference.
+Precision, recall, F1 and AUC are averaged over the classes that occur in ``labels`` (scikit-learn's
+``labels=np.unique(y_true)``): a prediction of an absent class still counts as an error, but the absent class's own
+precision and recall, which have no ground truth, are left out (scikit-learn's default would average them in as 0).
 """
 
 from __future__ import annotations
@@ -35,9 +31,8 @@ def classification_metrics(probabilities: np.ndarray, labels: np.ndarray, averag
         the averaged precision and recall), as scikit-learn does.
 
     Raises:
-        ValueError: naming what is wrong: probabilities not numeric, not ``(N, C)`` or not finite (the first
-            NaN or inf by ``[row, column]``); labels not of shape ``(N,)``, not of an integer dtype, or outside
-            ``[0, C)`` (the first such by index); an unknown ``average``.
+        ValueError: naming the first bad value: probabilities not numeric, finite, ``(N, C)``; labels not integer
+            class indices of shape ``(N,)``; an unknown ``average``.
     """
     probabilities, labels = _validated(probabilities, labels)
     n, num_classes = probabilities.shape
@@ -75,10 +70,7 @@ def classification_metrics(probabilities: np.ndarray, labels: np.ndarray, averag
 
 def _validated(probabilities, labels) -> tuple[np.ndarray, np.ndarray]:
     """``probabilities`` as finite float64 ``(N, C)`` and ``labels`` as int64 ``(N,)`` in ``[0, C)``, or ValueError.
-
-    Labels are widened to int64: a narrow dtype (uint8 with 17 or more classes) would overflow in the
-    confusion-matrix index ``label * C + prediction``.
-    """
+    int64: uint8 labels with 17 or more classes would overflow the confusion index ``label * C + prediction``."""
     where = "classification_metrics"
     probabilities, labels = np.asarray(probabilities), np.asarray(labels)
     if probabilities.dtype.kind not in "biuf":

@@ -1,22 +1,16 @@
 """Lesion-detection metrics (Table 6): COCO-style AP on 3D boxes, F1@0.5 and localization accuracy@0.5.
 
-:func:`detection_metrics` matches boxes in 3D with MONAI's port of COCO's matching
-(``monai.apps.detection.metrics.matching``, the first half of its ``COCOMetric``) and turns the matches
-into AP with pycocotools' own accumulation (float64, where ``COCOMetric``'s second half counts in float32:
-see :func:`_coco_precision`). :func:`detection_metrics_axial` gives the same metrics from pycocotools alone
-on the axial (y, x) projection. Both use COCO's settings: IoU thresholds 0.50:0.95:0.05, 101 recall points,
-at most ``max_detections`` (default 100) highest-scoring predictions per image, greedy matching in
-descending score order, no area ranges.
+:func:`detection_metrics` matches boxes in 3D with MONAI's port of COCO's matching and turns the matches into AP
+with pycocotools' own accumulation (float64; MONAI's ``COCOMetric`` counts in float32: :func:`_coco_precision`).
+:func:`detection_metrics_axial` gives the same metrics from pycocotools alone on the axial (y, x) projection. Both
+use COCO's settings: IoU 0.50:0.95:0.05, 101 recall points, the ``max_detections`` (100) highest-scoring
+predictions per image, greedy matching by descending score, no area ranges. At IoU 0.5:
 
-Definitions shared by both (derived from the same COCO matching at IoU 0.5):
-
-* ``f1_50``: the best F1 over score thresholds (a threshold never splits tied scores); with
-  ``f1_score_threshold`` set, the F1 of the predictions scoring at least that. F1 = 2 TP / (predictions
-  kept + target boxes), pooled over images.
-* ``loc_acc_50``: fraction of target boxes hit by their image's top predictions: in an image with ``k``
-  target boxes, the ``k`` highest-scoring predictions are matched one-to-one (COCO's greedy matching) and
-  each target matched at IoU >= 0.5 counts as localized. With one target per image this is "the top-scoring
-  prediction overlaps the target with IoU >= 0.5". Images without targets do not count.
+* ``f1_50``: the best F1 = 2 TP / (predictions kept + target boxes), pooled over images, over score thresholds (a
+  threshold never splits tied scores), or at ``f1_score_threshold`` when set.
+* ``loc_acc_50``: in an image with ``k`` target boxes, the ``k`` highest-scoring predictions are matched one-to-one
+  and each target matched counts as localized (one target: "the top prediction hits it"); images without targets
+  do not count.
 
 All values are percent. With no target box at all every metric is NaN (undefined); with targets but no
 predictions every metric is 0. Single class (lesion); boxes are :class:`gx_ray.schema.Box` coordinates.
@@ -58,9 +52,8 @@ def detection_metrics(
         ``{ap_50, ap_75, f1_50, map_50_95, loc_acc_50}`` in percent.
 
     Raises:
-        ValueError: naming the image and field (``predictions[3].boxes``) where boxes are not ``(N, 6)``,
-            scores not ``(N,)`` or not one per box, a value is not a finite number (NaN, inf, a string), a box
-            is empty or inverted; where ``max_detections`` is not an integer >= 1.
+        ValueError: naming the field (``predictions[3].boxes``) of a box not ``(N, 6)``, empty or inverted, scores
+            not one per box, a value not a finite number; or a ``max_detections`` not an integer >= 1.
     """
     return summarise_matches(match_detections(predictions, targets, max_detections), max_detections, f1_score_threshold)
 
@@ -122,11 +115,8 @@ def detection_metrics_axial(
     max_detections: int = 100,
     f1_score_threshold: float | None = None,
 ) -> dict[str, float]:
-    """The metrics of :func:`detection_metrics`, from pycocotools on the boxes' axial (y, x) projection.
-
-    Same inputs; each 3D box becomes the 2D box ``(y0, x0, y1, x1)``. Where all boxes of an image share
-    one z range the 3D and 2D IoUs are equal, and so are the two functions' results.
-    """
+    """The metrics of :func:`detection_metrics` from pycocotools on the boxes' axial ``(y0, x0, y1, x1)``
+    projection: equal to them where all boxes of an image share one z range."""
     from pycocotools.coco import COCO
     from pycocotools.cocoeval import COCOeval
 
@@ -188,12 +178,8 @@ def _summarise(
 def _coco_precision(
     per_image: list[dict | None], max_detections: int, iou_thresholds: np.ndarray = COCO_IOU_THRESHOLDS
 ) -> np.ndarray:
-    """COCO's interpolated precision at its 101 recall points, by pycocotools' own ``accumulate``.
-
-    Used for the 3D results too: MONAI's ``COCOMetric`` performs the same steps but counts true positives
-    in float32, so a recall that lies exactly on one of the recall points (k/100, e.g. 3 of 25 targets) can
-    round below it and AP then differs from pycocotools' by up to a point or so.
-    """
+    """COCO's interpolated precision at its 101 recall points, by pycocotools' own ``accumulate``; for 3D too, as
+    MONAI counts in float32, where a recall exactly on a recall point (3 of 25) can round below it (AP off by ~1)."""
     from pycocotools.cocoeval import COCOeval
 
     evaluation = COCOeval(iouType="bbox")
@@ -302,12 +288,8 @@ def _score_threshold(value: object) -> float | None:
 
 
 def box_iou(boxes1: np.ndarray, boxes2: np.ndarray) -> np.ndarray:
-    """Pairwise IoU of corner boxes ``(N, 2d)`` × ``(M, 2d)``, in float64.
-
-    Replaces MONAI's ``box_iou``, which computes in float32 and adds an epsilon to the union: an IoU that
-    lies exactly on a COCO threshold (common with integer voxel boxes, e.g. 3/5) then lands on either side
-    of it, where pycocotools, computing in float64, counts it as reaching the threshold.
-    """
+    """Pairwise IoU of corner boxes ``(N, 2d)`` × ``(M, 2d)`` in float64. MONAI's float32 ``box_iou`` with an
+    epsilon puts an IoU exactly on a COCO threshold (3/5 with voxel boxes) on either side; pycocotools counts it."""
     dims = boxes1.shape[1] // 2
     low = np.maximum(boxes1[:, None, :dims], boxes2[None, :, :dims])
     high = np.minimum(boxes1[:, None, dims:], boxes2[None, :, dims:])

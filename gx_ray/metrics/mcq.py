@@ -1,14 +1,10 @@
 """Multiple-choice scoring: accuracy with a Wilson 95 % interval, and a parse-failure rate kept apart from it.
 
-CT-Bench reports each task's accuracy with a binomial 95 % interval (chance with four options: 25 %). The interval is
-Wilson's score interval (``scipy.stats.binomtest(...).proportion_ci(method="wilson")``), which stays inside [0, 1]
-and keeps its coverage at the small counts of a per-task, per-condition cell, where the normal approximation
-does not.
-
-A model that answers in free text (a VLM) may name no option at all, or several: :func:`parse_choice` reads the
-option letter, and an answer it cannot read (none named, or more than one) counts as wrong *and* as a parse failure,
-reported beside the accuracy, so that a format failure (CT-Bench's fine-tuned RadFM scoring 0.0 everywhere) is not
-mistaken for not knowing.
+CT-Bench reports each task's accuracy with a binomial 95 % interval (chance with four options: 25 %); Wilson's
+score interval stays inside [0, 1] and keeps its coverage at the small counts of a per-task cell, where the normal
+approximation does not. A free-text answer (a VLM) that names no option or several (:func:`parse_choice`) counts as
+wrong *and* as a parse failure, so that a format failure (CT-Bench's RadFM scoring 0.0 everywhere) is not mistaken
+for not knowing.
 """
 
 from __future__ import annotations

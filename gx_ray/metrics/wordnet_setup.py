@@ -2,18 +2,11 @@
 
 Usage: ``python -m gx_ray.metrics.wordnet_setup [--target DIR] [--source DIR]``
 
-Where the data comes from, first that works:
-
-1. nothing to do when nltk already finds WordNet;
-2. Debian's ``wordnet-base`` package (installed here with ``apt-get`` when it is missing and we are root),
-   whose database lives in
-   ``/usr/share/wordnet``. It lacks two files nltk's reader opens: ``lexnames`` (written here from the table
-   in the package's ``lexnames(5WN)`` man page) and ``index.sense`` (sense keys, which METEOR never uses, so
-   an empty file does);
-3. ``nltk.download("wordnet")``, the usual path on a machine with internet access.
-
-The corpus goes to ``<target>/corpora/wordnet``; the default target is the first folder on nltk's search
-path (``$NLTK_DATA`` if set, else ``~/nltk_data``), so nltk finds it with no further setting.
+The first that works: nothing, when nltk already finds WordNet; Debian's ``wordnet-base`` (``apt-get`` installs
+it when missing and we are root) from ``/usr/share/wordnet``, plus the two files nltk's reader opens that it lacks:
+``lexnames`` (from its ``lexnames(5WN)`` man page) and an empty ``index.sense`` (METEOR never reads sense keys);
+else ``nltk.download("wordnet")``. The corpus goes to ``<target>/corpora/wordnet``, by default in the first folder
+on nltk's search path, so nltk finds it with no further setting.
 """
 
 from __future__ import annotations
