@@ -151,6 +151,23 @@ def test_the_box_effect_is_with_box_minus_without_per_model_and_family(tmp_path)
     assert box_effect_plot(cells[~cells["task"].str.startswith("lesion_qa")], tmp_path / "none") == []
 
 
+def test_the_box_effect_writes_its_values_as_the_tables_do():
+    """A box effect that rounds to zero reads "0.0", never "-0.0"; one that has no value reads "—"."""
+    means = {("a+bert", "img2txt", "image_only"): 40.0, ("a+bert", "img2txt", "image_bbox"): 39.99,
+             ("a+bert", "ct2txt", "image_only"): 50.0, ("a+bert", "ct2txt", "image_bbox"): 52.0,
+             ("b+bert", "img2txt", "image_only"): 30.0, ("b+bert", "img2txt", "image_bbox"): 30.0}  # fmt: skip
+    cells = pd.DataFrame(
+        [{"task": f"lesion_qa.{family}.matched", "model": model, "schema": schema, "metric": "accuracy", "mean": mean}
+         for (model, family, schema), mean in means.items()]
+    )  # fmt: skip
+    fig = box_effect_figure(cells)
+    try:
+        texts = sorted(t.get_text() for t in fig.axes[0].texts)
+    finally:
+        plt.close(fig)
+    assert texts == ["0.0", "0.0", "2.0", "—"]
+
+
 def test_one_slice_or_nine_pairs_img2txt_with_ct2txt_per_schema(tmp_path):
     """CT-Bench's Figure 3 from random cells: each pair's two bars are exactly the two families' means; a family
     without its partner, or another task, draws nothing."""

@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from gx_ray.analysis.runs import headline_metric, higher_is_better, lesion_qa_cells
-from gx_ray.analysis.tables import metric_label, schema_label, schema_order, shown_interval, task_order
+from gx_ray.analysis.tables import metric_label, number, schema_label, schema_order, shown_interval, task_order
 
 SCHEMA_COLOURS = {  # colour-blind-safe (Okabe–Ito)
     "image_only": "#0072B2",
@@ -213,7 +213,7 @@ def box_effect_figure(cells: pd.DataFrame, metric: str = "accuracy"):
     fig, ax = plt.subplots(figsize=(2.5 + 1.3 * values.shape[1], 1.5 + 0.45 * values.shape[0]))
     image = ax.imshow(values, cmap="RdBu", vmin=-limit, vmax=limit, aspect="auto")
     for (row, column), value in np.ndenumerate(values):
-        ax.text(column, row, "—" if np.isnan(value) else f"{value:+.1f}", ha="center", va="center", fontsize=8)
+        ax.text(column, row, number(value), ha="center", va="center", fontsize=8)  # as the tables: never "-0.0"
     ax.set_xticks(range(values.shape[1]), list(effect.columns), rotation=30, ha="right", fontsize=8)
     ax.set_yticks(range(values.shape[0]), list(effect.index), fontsize=8)
     fig.colorbar(image, ax=ax, label=f"{metric_label(metric)}: with box − without (points)")
