@@ -62,6 +62,22 @@ def test_a_tie_goes_to_the_cheaper_configuration_and_a_cross_validated_seed_scor
     assert sorted(trials["fold"]) == [0, 1]
 
 
+def test_within_the_tie_the_cheaper_configuration_wins_even_scoring_lower_and_just_outside_it_the_score_wins():
+    # 75.00 at 10 s against 75.03 at 100 s: a tie (0.03 <= TIE), so the cheaper one, though it scores lower
+    configs, trials = choose(_candidates([("slow", 0, None, 75.03, 100), ("fast", 0, None, 75.0, 10)]))
+    assert list(configs["key"].map(lambda k: json.loads(k)["lr"])) == ["fast", "slow"]
+    assert list(configs["tied"]) == [True, True] and set(trials["run_id"]) == {"r1"}
+    # 75.00 at 10 s against 75.06 at 100 s: no tie, the higher score wins whatever it costs
+    configs, _ = choose(_candidates([("slow", 0, None, 75.06, 100), ("fast", 0, None, 75.0, 10)]))
+    assert list(configs["key"].map(lambda k: json.loads(k)["lr"])) == ["slow", "fast"]
+    assert list(configs["tied"]) == [True, False]
+    # lower is better: the tie is just as close below the best
+    table = _candidates([("slow", 0, None, 3.0, 100), ("fast", 0, None, 3.04, 10), ("worse", 0, None, 3.1, 1)])
+    table["metric"] = "median_rank"
+    configs, _ = choose(table)
+    assert list(configs["key"].map(lambda k: json.loads(k)["lr"])) == ["fast", "slow", "worse"]
+
+
 def test_a_lower_is_better_metric_chooses_the_smallest_and_nan_scores_never_win():
     table = _candidates([("a", 0, None, 5.0, 1), ("b", 0, None, 3.0, 1), ("c", 0, None, math.nan, 1)])
     table["metric"] = "median_rank"

@@ -154,7 +154,8 @@ def choose(candidates: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
         raise ValueError(f"no configuration has a validation {metric}: every trial's score was undefined (NaN)")
     best = configs["score"].max() if sign > 0 else configs["score"].min()
     configs["tied"] = (configs["score"] - best).abs() <= TIE
-    configs = configs.sort_values(["tied", "score", "seconds"], ascending=[False, sign < 0, True])
+    cost = configs["seconds"].where(configs["tied"], 0.0)  # within the tie cost decides, outside it the score
+    configs = configs.assign(cost=cost).sort_values(["tied", "cost", "score"], ascending=[False, True, sign < 0])
     chosen = candidates[candidates["key"] == configs["key"].iloc[0]]
     return configs.reset_index(drop=True), chosen
 
