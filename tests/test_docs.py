@@ -1,5 +1,7 @@
 """The documentation's rules, checked: a short README, docs that describe the product and not how it was built, links
-that resolve, the README's commands the ones CI runs, every trial config key documented, a valid CITATION.cff.
+that resolve, the README's commands the ones CI runs, every trial config key documented, a valid CITATION.cff; and
+the other way round, every script, flag, preset, config key, path, ``gx_ray.*`` name, tag and metric a page names
+exists in the code.
 
 Each check reports the file and line that breaks it. ``docs/lab/`` is the lab notebook: dated runs and history
 belong there, so the word list skips it (its links are still checked).
@@ -384,7 +386,7 @@ COMMAND = re.compile(r"python (?:-m (gx_ray(?:\.\w+)+)|((?:jobs|analysis)/\w+\.p
 ROOTS = r"(?:gx_ray|jobs|docs|search_spaces|tests|analysis|benchmarks)/"
 PATH = re.compile(rf"(?<![\w./<>-])({ROOTS}[^\s`'\"),:;]*)")
 KEY = re.compile(rf"(?<![\w./<>-])((?:{'|'.join(SECTIONS)})(?:\.(?:\w+|\*|<\w+>))+)(?![\w/(-])")
-DOTTED = re.compile(r"(?<![\w./<>-])((?:gx_ray|tests)(?:\.(?:\w+|\*))+)")
+DOTTED = re.compile(r"(?<![\w./<>-])((?:gx_ray|tests)(?:\.(?:\w+|\*|<\w+>))+)")
 PRESET = re.compile(r"--preset[ =](?!name\b)(\w+)|`(\w+)` presets?\b|\bpresets? `(\w+)`")
 METRIC = re.compile(r"^(?:val|test|best_val)_(\w+)$")
 
@@ -517,9 +519,9 @@ def unknown_names(text: str, code: bool) -> list[str]:
         # a PBT trial logs its changed keys as metrics schedule.<key>
         if key not in index.keys and key.removeprefix("schedule.") not in index.keys and not wildcard:
             found.append(f"{key}: not a config key")
-    for name in DOTTED.findall(text):
+    for name in (re.sub(r"<\w+>", "*", n) for n in DOTTED.findall(text)):
         tag = composed(name) or (name.endswith("*") and any(s.startswith(name[:-1]) for s in index.literals))
-        if not tag and not (name.endswith("*") or python_name_exists(name)):
+        if not tag and not python_name_exists(name.removesuffix(".*")):
             found.append(f"{name}: neither a tag the code sets nor a Python name")
     span = text.strip()
     if re.fullmatch(r"[\w/]+\.py", span) and not any(ROOT.glob(f"**/{span}")):
@@ -535,19 +537,21 @@ def unknown_names(text: str, code: bool) -> list[str]:
 
 def page_problems(path: Path) -> list[str]:
     """Every name a page gives, in prose, in `code` and in fenced blocks, that does not exist: each as file:line."""
-    lines, fenced, problems = path.read_text(encoding="utf-8").splitlines(), False, []
+    lines, fenced, problems, joined = path.read_text(encoding="utf-8").splitlines(), False, [], 0
     for number, line in enumerate(lines, 1):
         if FENCE.match(line):
             fenced = not fenced
+        if FENCE.match(line) or number <= joined:  # a fence, or a line joined to the command it continues
             continue
         while fenced and line.rstrip().endswith("\\") and number < len(lines):
             line, number = line.rstrip()[:-1] + " " + lines[number], number + 1
+        joined = number
         texts = [(line, True)] if fenced else [(line, False), *((s[1:-1], True) for s in CODE_SPAN.findall(line))]
         problems += [f"{rel(path)}:{number}: {p}" for text, code in texts for p in unknown_names(text, code)]
     return problems
 
 
-@pytest.mark.parametrize("path", doc_files(include_lab=False), ids=rel)
+@pytest.mark.parametrize("path", [*doc_files(include_lab=False), ROOT / "tests" / "README.md"], ids=rel)
 def test_what_the_pages_name_exists(path: Path):
     problems = page_problems(path)
     assert not problems, "\n".join(problems)
@@ -569,6 +573,7 @@ def test_the_name_check_catches_what_does_not_exist(tmp_path: Path):
         "`no_such_module.py`",
         "`gx_ray.sweep.spaces.no_such_function`",
         "the tag `gx_ray.no_such_tag_name`",
+        "the tags `gx_ray.no_such_prefix.<package>`",
         "`val_no_such_metric_name`",
         "`Task.no_such_method`",
     ]
@@ -578,8 +583,8 @@ def test_the_name_check_catches_what_does_not_exist(tmp_path: Path):
     page.write_text(
         "`python jobs/sweep.py --space modality_ablation --preset slice --resume` the `cv` preset, `--share W`\n"
         "`model.text_kwargs` `schedule.optimiser.lr` `task_options.tnm_heads` `cv.folds` `gx_ray/sweep/driver.py`\n"
-        "`gx_ray.sweep.spaces.load_space` `gx_ray.python` `gx_ray.version.*` `gx_ray.in_memory.train` `Task.combine`\n"
-        "`val_auc` `test_primary` `best_val_primary` `mlflow models serve --env-manager local` `spaces.py`\n",
+        "`gx_ray.sweep.spaces.load_space` `gx_ray.python` `gx_ray.version.<package>` `gx_ray.in_memory.train`\n"
+        "`Task.combine` `val_auc` `test_primary` `best_val_primary` `mlflow models serve --env-manager local`\n",
         encoding="utf-8",
     )
     assert not page_problems(page), page_problems(page)
