@@ -10,7 +10,7 @@ A space file is data::
     scheduler: none | asha | pbt | bohb            # pbt: with searcher random; bohb: with searcher bohb
     pbt:      {interval: 2, quantile: 0.25, resample_probability: 0.25}   # gx_ray.sweep.schedulers
     bohb:     {reduction_factor: 3}
-    metric:   primary | <metric name> | [names]    # per task: its primary metric unless named
+    metric:   primary | val_<metric> | [names]     # primary: per task its own; a list may add the costs
     budget:   {samples: 1, time_s: null}           # samples per grid cell (grid) or in total (optuna)
     resources: {workers: 1, cpus_per_worker: 1, gpus_per_worker: 0}
     overrides:                                     # settings that depend on others, applied to each trial
