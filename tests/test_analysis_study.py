@@ -16,7 +16,15 @@ from gx_ray.analysis.bootstrap import paired_bootstrap
 from gx_ray.analysis.power import Design, design_power, pilot_components, plan_power, power_curve
 from gx_ray.analysis.simulation import StudyModel, coverage
 from gx_ray.analysis.stats import holm, seed_summary
-from gx_ray.analysis.study import CaseAUC, CaseMeans, equivalence, format_p, p_floor, two_level_bootstrap
+from gx_ray.analysis.study import (
+    CaseAUC,
+    CaseMeans,
+    Resampling,
+    equivalence,
+    format_p,
+    p_floor,
+    two_level_bootstrap,
+)
 
 
 def plain(scorer):
@@ -85,16 +93,17 @@ def test_patients_only_level_is_the_paired_bootstrap():
     """Same seed, same draws: the "none" level reproduces gx_ray.analysis.bootstrap.paired_bootstrap."""
     a, b = arms(np.random.default_rng(2), seeds=3, seed_sd=3.0)
     old = paired_bootstrap([plain(s) for s in a], [plain(s) for s in b], 40, n_resamples=300, seed=5)
-    new = two_level_bootstrap(a, b, 40, n_resamples=300, seed=5, seed_level="none")
+    new = two_level_bootstrap(a, b, 40, options=Resampling(n_resamples=300, seed=5, seed_level="none"))
     for key in ("diff", "ci_low", "ci_high", "p_value", "n_resamples", "dropped"):
-        assert new[key] == pytest.approx(old[key]), key
+        assert getattr(new, key) == pytest.approx(old[key]), key
 
 
 def test_batch_and_per_replicate_scoring_give_the_same_result():
     a, b = arms(np.random.default_rng(3), seeds=4, seed_sd=2.0, shift=1.0)
-    fast = two_level_bootstrap(a, b, 40, n_resamples=200, seed=1)
-    slow = two_level_bootstrap([plain(s) for s in a], [plain(s) for s in b], 40, n_resamples=200, seed=1)
-    assert fast == pytest.approx(slow)
+    options = Resampling(n_resamples=200, seed=1)
+    fast = two_level_bootstrap(a, b, 40, options=options)
+    slow = two_level_bootstrap([plain(s) for s in a], [plain(s) for s in b], 40, options=options)
+    assert fast.to_dict() == pytest.approx(slow.to_dict())
 
 
 def test_both_arms_share_patients_and_seed_draws():
@@ -102,21 +111,20 @@ def test_both_arms_share_patients_and_seed_draws():
     and patients' spread, which only a shared patient draw and a shared seed level give."""
     rng = np.random.default_rng(4)
     base = [rng.normal(60 + 10 * s, 15, 50) for s in range(5)]
-    result = two_level_bootstrap(
-        [CaseMeans(v + 2) for v in base], [CaseMeans(v) for v in base], 50, n_resamples=400, keep_replicates=True
-    )
-    assert result["replicates"] == pytest.approx(np.full(400, 2.0))
-    assert result["se_seeds"] == 0 and result["p_value"] == pytest.approx(2 / 401)
-    assert result["method"] == "two-level bootstrap: patients × seeds"
+    options = Resampling(n_resamples=400, keep_replicates=True)
+    result = two_level_bootstrap([CaseMeans(v + 2) for v in base], [CaseMeans(v) for v in base], 50, options=options)
+    assert result.replicates == pytest.approx(np.full(400, 2.0))
+    assert result.se_seeds == 0 and result.p_value == pytest.approx(2 / 401)
+    assert result.method == "two-level bootstrap: patients × seeds"
 
 
 def test_seed_effects_shared_by_the_arms_cancel_in_the_difference_but_not_in_a_cell():
     a, b = arms(np.random.default_rng(5), n=60, seeds=5, seed_sd=8.0, shift=3.0)
-    cell = two_level_bootstrap(a, None, 60, n_resamples=500)
-    difference = two_level_bootstrap(a, b, 60, n_resamples=500)
-    assert cell["se_seeds"] > 2.0  # 8 / sqrt(5) = 3.6 expected
-    assert difference["se_seeds"] < 0.5 * cell["se_seeds"]
-    assert "diff" in difference and "diff" not in cell
+    cell = two_level_bootstrap(a, None, 60, options=Resampling(n_resamples=500))
+    difference = two_level_bootstrap(a, b, 60, options=Resampling(n_resamples=500))
+    assert cell.se_seeds > 2.0  # 8 / sqrt(5) = 3.6 expected
+    assert difference.se_seeds < 0.5 * cell.se_seeds
+    assert "diff" in difference.to_dict() and "diff" not in cell.to_dict()
 
 
 def test_interaction_noise_is_not_counted_twice_at_the_seed_level():
@@ -127,7 +135,9 @@ def test_interaction_noise_is_not_counted_twice_at_the_seed_level():
     for _ in range(20):
         patient = rng.normal(60, 10, 50)
         values = [patient + rng.normal(0, 20, 50) for _ in range(4)]
-        found.append(two_level_bootstrap([CaseMeans(v) for v in values], None, 50, n_resamples=300)["se_seeds"])
+        found.append(
+            two_level_bootstrap([CaseMeans(v) for v in values], None, 50, options=Resampling(n_resamples=300)).se_seeds
+        )
         naive.append(np.std([v.mean() for v in values], ddof=1) / 2)
     assert np.mean(found) < 0.4 * np.mean(naive)
 
@@ -137,30 +147,30 @@ def test_seed_level_alone_gives_the_t_interval_over_seeds():
     seeds (seed_summary), which a resample of three seeds (their range at most) cannot reach."""
     values = np.array([61.0, 64.0, 70.0])
     scorers = [CaseMeans(np.full(30, v)) for v in values]
-    t_level = two_level_bootstrap(scorers, None, 30, n_resamples=20000, seed=0)
+    t_level = two_level_bootstrap(scorers, None, 30, options=Resampling(n_resamples=20000, seed=0))
     expected = seed_summary(values)
     width = expected["ci_high"] - expected["ci_low"]
-    assert t_level["ci_low"] == pytest.approx(expected["ci_low"], abs=0.03 * width)
-    assert t_level["ci_high"] == pytest.approx(expected["ci_high"], abs=0.03 * width)
-    resampled = two_level_bootstrap(scorers, None, 30, n_resamples=2000, seed_level="resample")
-    assert values.min() <= resampled["ci_low"] and resampled["ci_high"] <= values.max()
-    assert t_level["se_patients"] == 0
+    assert t_level.ci_low == pytest.approx(expected["ci_low"], abs=0.03 * width)
+    assert t_level.ci_high == pytest.approx(expected["ci_high"], abs=0.03 * width)
+    resampled = two_level_bootstrap(scorers, None, 30, options=Resampling(n_resamples=2000, seed_level="resample"))
+    assert values.min() <= resampled.ci_low and resampled.ci_high <= values.max()
+    assert t_level.se_patients == 0
 
 
 def test_one_seed_has_no_seed_level_and_says_so():
     a, b = arms(np.random.default_rng(6), seeds=1)
-    result = two_level_bootstrap(a, b, 40, n_resamples=200)
-    assert result["se_seeds"] == 0 and "one seed" in result["method"]
+    result = two_level_bootstrap(a, b, 40, options=Resampling(n_resamples=200))
+    assert result.se_seeds == 0 and "one seed" in result.method
 
 
 def test_nan_replicates_are_dropped_and_counted():
     labels = np.zeros(12, dtype=int)
     labels[0] = 1  # one positive in 12: a resample often misses it and the AUC is undefined
     scorers = [CaseAUC(labels, np.random.default_rng(s).normal(size=12)) for s in range(3)]
-    result = two_level_bootstrap(scorers, None, 12, n_resamples=500)
+    result = two_level_bootstrap(scorers, None, 12, options=Resampling(n_resamples=500))
     expected_missing = (11 / 12) ** 12  # P(a resample has no positive)
-    assert result["dropped"] + result["n_resamples"] == 500
-    assert result["dropped"] / 500 == pytest.approx(expected_missing, abs=0.06)
+    assert result.dropped + result.n_resamples == 500
+    assert result.dropped / 500 == pytest.approx(expected_missing, abs=0.06)
 
 
 def test_folds_resample_patients_within_their_fold():
@@ -179,12 +189,13 @@ def test_folds_resample_patients_within_their_fold():
         return score
 
     per_fold = [[fold_scorer(v, f) for f in range(3)] for v in values]
-    pooled = two_level_bootstrap([CaseMeans(v) for v in values], None, n, folds=folds, n_resamples=100, seed=3)
-    split = two_level_bootstrap(per_fold, None, n, folds=folds, n_resamples=100, seed=3)
-    assert split == pytest.approx(pooled)
+    options = Resampling(n_resamples=100, seed=3)
+    pooled = two_level_bootstrap([CaseMeans(v) for v in values], None, n, folds=folds, options=options)
+    split = two_level_bootstrap(per_fold, None, n, folds=folds, options=options)
+    assert split.to_dict() == pytest.approx(pooled.to_dict())
     for fold, indices in seen:
         assert (folds[indices] == fold).all() and len(indices) == (folds == fold).sum()
-    assert split["n_folds"] == 3 and "within 3 folds" in split["method"]
+    assert split.n_folds == 3 and "within 3 folds" in split.method
 
 
 def test_fold_models_spread_counts_at_the_seed_level():
@@ -195,8 +206,8 @@ def test_fold_models_spread_counts_at_the_seed_level():
     patient = rng.normal(60, 5, n)
     quiet = [CaseMeans(patient + rng.normal(0, 1, n)) for _ in range(4)]
     loud = [CaseMeans(patient + rng.normal(0, 12, 5)[folds] + rng.normal(0, 1, n)) for _ in range(4)]
-    assert two_level_bootstrap(loud, None, n, folds=folds)["se_seeds"] > 4 * max(
-        two_level_bootstrap(quiet, None, n, folds=folds)["se_seeds"], 0.1
+    assert two_level_bootstrap(loud, None, n, folds=folds).se_seeds > 4 * max(
+        two_level_bootstrap(quiet, None, n, folds=folds).se_seeds, 0.1
     )
 
 
@@ -206,7 +217,7 @@ def test_fold_models_spread_counts_at_the_seed_level():
         ({"score_b": [CaseMeans(np.ones(5))] * 2}, "same seeds"),
         ({"folds": np.zeros(4)}, "one fold per patient"),
         ({"folds": np.array([0, 0, 0, 0, 1])}, "fewer than 2 patients"),
-        ({"seed_level": "bca"}, "seed_level"),
+        ({"options": Resampling(seed_level="bca")}, "seed_level"),
         ({"score_a": [CaseMeans(np.ones(5)), [CaseMeans(np.ones(5))] * 3], "folds": [0, 0, 1, 1, 1]}, "seed 1"),
     ],
 )
@@ -337,18 +348,17 @@ def test_bootstrap_tost_agrees_with_the_t_based_tost_on_normal_differences():
     for case in range(25):
         x = rng.normal(rng.uniform(-3, 3), rng.uniform(3, 9), n)
         base = rng.normal(60, 10, n)
-        result = two_level_bootstrap(
-            [CaseMeans(base + x)], [CaseMeans(base)], n, n_resamples=4000, seed=case, keep_replicates=True
-        )
-        got = equivalence(result["replicates"], margin, alpha)
+        options = Resampling(n_resamples=4000, seed=case, keep_replicates=True)
+        result = two_level_bootstrap([CaseMeans(base + x)], [CaseMeans(base)], n, options=options)
+        got = equivalence(result.replicates, margin, alpha)
         se = x.std(ddof=1) / math.sqrt(n)
         lower = stats.t.sf((x.mean() + margin) / se, n - 1)  # H0: difference <= -margin
         upper = stats.t.cdf((x.mean() - margin) / se, n - 1)  # H0: difference >= margin
         closed = max(lower, upper)
-        assert got["p_equivalence"] == pytest.approx(closed, abs=0.012 + 0.08 * closed), case
-        assert got["p_noninferior"] == pytest.approx(lower, abs=0.012 + 0.08 * lower), case
+        assert got.p_equivalence == pytest.approx(closed, abs=0.012 + 0.08 * closed), case
+        assert got.p_noninferior == pytest.approx(lower, abs=0.012 + 0.08 * lower), case
         if abs(closed - alpha) > 0.015:
-            assert got["verdict"].startswith("equivalent") == (closed <= alpha), (case, got, closed)
+            assert got.verdict.startswith("equivalent") == (closed <= alpha), (case, got, closed)
 
 
 @pytest.mark.parametrize(
@@ -365,8 +375,8 @@ def test_bootstrap_tost_agrees_with_the_t_based_tost_on_normal_differences():
 )
 def test_verdicts_from_an_interval(interval: tuple, verdict: str, beyond: bool):
     got = equivalence(interval, 1.0)
-    assert got["verdict"] == verdict and got["beyond_margin"] == beyond
-    assert np.isnan(got["p_equivalence"])
+    assert got.verdict == verdict and got.beyond_margin == beyond
+    assert np.isnan(got.p_equivalence)
 
 
 def test_lower_is_better_flips_the_direction_and_replicates_agree_with_intervals():
@@ -374,14 +384,14 @@ def test_lower_is_better_flips_the_direction_and_replicates_agree_with_intervals
     for centre in (-4.0, -1.2, 0.0, 0.4, 1.5, 4.0):
         d = rng.normal(centre, 0.5, 3000)
         from_replicates = equivalence(d, 1.0, higher_is_better=False)
-        assert from_replicates["verdict"] == equivalence(-d, 1.0)["verdict"]
-        interval = (from_replicates["ci_low"], from_replicates["ci_high"])
-        assert equivalence(interval, 1.0, higher_is_better=False)["verdict"] == from_replicates["verdict"]
-    assert equivalence(rng.normal(3, 0.2, 500), 1.0, higher_is_better=False)["verdict"] == "worse"
+        assert from_replicates.verdict == equivalence(-d, 1.0).verdict
+        interval = (from_replicates.ci_low, from_replicates.ci_high)
+        assert equivalence(interval, 1.0, higher_is_better=False).verdict == from_replicates.verdict
+    assert equivalence(rng.normal(3, 0.2, 500), 1.0, higher_is_better=False).verdict == "worse"
 
 
 def test_without_a_margin_equivalence_is_not_tested_and_bad_input_is_refused():
-    assert equivalence(np.zeros(100), None)["verdict"] == "equivalence not tested"
+    assert equivalence(np.zeros(100), None).verdict == "equivalence not tested"
     with pytest.raises(ValueError, match="margin must be positive"):
         equivalence(np.zeros(100), 0.0)
     with pytest.raises(ValueError, match="low <= high"):
@@ -410,9 +420,9 @@ def test_floor_bound_is_true_and_is_what_a_huge_effect_gives():
         assert float(shown.split()[1]) >= floor and float(shown.split()[1]) <= 1.1 * floor + 1e-12, shown
         assert not format_p(floor * 1.01 + 1e-9, replicates, m).startswith("≤")
     a, b = arms(np.random.default_rng(18), seeds=3, shift=40.0)
-    result = two_level_bootstrap(a, b, 40, n_resamples=1199)
-    assert result["p_value"] == pytest.approx(p_floor(1199))
-    others = np.r_[result["p_value"], rng.uniform(p_floor(1199), 1, 14)]
+    result = two_level_bootstrap(a, b, 40, options=Resampling(n_resamples=1199))
+    assert result.p_value == pytest.approx(p_floor(1199))
+    others = np.r_[result.p_value, rng.uniform(p_floor(1199), 1, 14)]
     assert holm(others).min() == pytest.approx(p_floor(1199, 15))  # the demo's 0.025
     assert format_p(holm(others).min(), 1199, 15) == "≤ 0.025 (floor of 1,199 replicates)"
 

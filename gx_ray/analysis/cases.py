@@ -242,7 +242,7 @@ def bootstrap_job(job: BootstrapJob, n_resamples: int) -> dict | None:
     difference's standard error (both levels), a normal approximation."""
     from scipy.stats import norm
 
-    from gx_ray.analysis.study import equivalence, two_level_bootstrap
+    from gx_ray.analysis.study import Resampling, equivalence, two_level_bootstrap
 
     scorers = [s for arm in job.arms for unit in arm for s in _scorers(unit)]
     if not scorers or any(s is None for s in scorers):
@@ -259,15 +259,15 @@ def bootstrap_job(job: BootstrapJob, n_resamples: int) -> dict | None:
     if len(common) < 2:
         return None
     score_a, score_b = arms[0], arms[1] if len(arms) > 1 else None
-    result = two_level_bootstrap(score_a, score_b, len(common), folds, n_resamples, keep_replicates=True)
-    replicates = result.pop("replicates")
+    options = Resampling(n_resamples=n_resamples, keep_replicates=True)
+    boot = two_level_bootstrap(score_a, score_b, len(common), folds, options)
+    row = {k: v for k, v in boot.to_dict().items() if k != "replicates"}  # TOST's input, not a column
     if score_b is None:
-        return result
-    tost = equivalence(replicates, job.margin, alpha=ALPHA / 2, higher_is_better=job.higher_is_better)
-    se = math.hypot(result["se_patients"], result["se_seeds"])
-    mde = (norm.ppf(1 - ALPHA / (2 * job.family)) + norm.ppf(POWER)) * se
-    tested = {k: tost[k] for k in ("p_noninferior", "p_equivalence")} if job.margin else {}
-    return {**result, "equivalence": tost["verdict"], "margin": job.margin, **tested, "mde": float(mde)}
+        return row
+    tost = equivalence(boot.replicates, job.margin, alpha=ALPHA / 2, higher_is_better=job.higher_is_better)
+    mde = (norm.ppf(1 - ALPHA / (2 * job.family)) + norm.ppf(POWER)) * math.hypot(boot.se_patients, boot.se_seeds)
+    tested = {"p_noninferior": tost.p_noninferior, "p_equivalence": tost.p_equivalence} if job.margin else {}
+    return {**row, "equivalence": tost.verdict, "margin": job.margin, **tested, "mde": float(mde)}
 
 
 PROCESS_START_S = 2.0

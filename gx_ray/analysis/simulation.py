@@ -17,6 +17,7 @@ from gx_ray.analysis.study import (
     SEED_LEVELS,
     CaseAUC,
     CaseMeans,
+    Resampling,
     Scorer,
     _arm_matrix,
     _Draws,
@@ -178,14 +179,9 @@ def power_check(
     replicates, found = family_resamples(comparisons, alpha=alpha), []
     for index in range(studies):
         values_a, values_b, labels = model.draw(n_patients, n_seeds, np.random.default_rng([seed, 2, index]))
-        result = two_level_bootstrap(
-            model.scorers(values_a, labels),
-            model.scorers(values_b, labels),
-            n_patients,
-            n_resamples=replicates,
-            seed=index,
-        )
-        found.append(result["p_value"] <= alpha / comparisons and result["diff"] > 0)
+        scorers = model.scorers(values_a, labels), model.scorers(values_b, labels)
+        result = two_level_bootstrap(*scorers, n_patients, options=Resampling(n_resamples=replicates, seed=index))
+        found.append(result.p_value <= alpha / comparisons and result.diff > 0)
     measured = float(np.mean(found))
     return {
         "design": design,

@@ -23,7 +23,8 @@ effect away. The order of the two draws does not matter, as they are independent
 
 Assumptions: patients exchangeable draws from the population the test set samples; seeds exchangeable; the seed
 main effect roughly normal (the t interval's assumption; heavy-tailed seed effects need more seeds); the metric
-smooth enough in the patients for a percentile interval (about 20 patients or more). :func:`coverage` measures the
+smooth enough in the patients for a percentile interval (about 20 patients or more).
+:func:`~gx_ray.analysis.simulation.coverage` measures the coverage on simulated studies with a known truth.
 """
 
 from __future__ import annotations
@@ -231,16 +232,6 @@ def _replicates(
     return patients + math.sqrt(levels.var_seeds) * rng.standard_t(seeds - 1, size=len(replicates))
 
 
-def _summary(estimate: float, theta: np.ndarray, confidence: float, null: float) -> dict:
-    out = {"estimate": estimate, "ci_low": math.nan, "ci_high": math.nan, "p_value": math.nan}
-    if len(theta):
-        tail = (1 - confidence) / 2
-        out["ci_low"], out["ci_high"] = (float(q) for q in np.quantile(theta, [tail, 1 - tail]))
-        below = min(np.sum(theta <= null), np.sum(theta >= null))
-        out["p_value"] = float(min(1.0, 2 * (below + 1) / (len(theta) + 1)))
-    return out
-
-
 def _method(seeds: int, n_folds: int, seed_level: str) -> str:
     within = f" (within {n_folds} folds)" if n_folds > 1 else ""
     if seed_level == "none":
@@ -252,41 +243,71 @@ def _method(seeds: int, n_folds: int, seed_level: str) -> str:
     return METHOD if not within else f"two-level bootstrap: patients{within} × seeds"
 
 
+@dataclass(frozen=True, kw_only=True)
+class Resampling:
+    """How :func:`two_level_bootstrap` resamples: ``n_resamples`` replicates from ``seed``, a ``confidence`` interval,
+    the p-value against ``null`` (0 for a difference; a chance level for a cell), the ``seed_level``: ``"t"`` (this
+    module's method), ``"resample"`` (seeds resampled, which under-covers with few seeds) or ``"none"`` (patients
+    only), the last two for comparison; ``keep_replicates`` keeps them in the result."""
+
+    n_resamples: int = 2000
+    confidence: float = 0.95
+    seed: int = 0
+    null: float = 0.0
+    seed_level: str = "t"
+    keep_replicates: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class BootstrapResult:
+    """:func:`two_level_bootstrap`'s answer: ``estimate`` (and ``diff``, the same, for a comparison), the percentile
+    interval ``ci_low``/``ci_high``, the two-sided ``p_value`` (+1 correction), ``n_resamples`` (replicates kept),
+    ``dropped`` (replicates where a score was NaN, e.g. an AUC of one class), ``se_patients``/``se_seeds`` (each
+    level's standard error) and ``replicates`` where kept."""
+
+    estimate: float
+    ci_low: float
+    ci_high: float
+    p_value: float
+    diff: float | None = None
+    n_seeds: int
+    n_cases: int
+    n_folds: int
+    n_resamples: int
+    dropped: int
+    se_patients: float
+    se_seeds: float
+    method: str
+    replicates: np.ndarray | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict:
+        """The report's row: every field in order, without ``diff`` for a cell and ``replicates`` where not kept."""
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+
 def two_level_bootstrap(
     score_a: Arm,
     score_b: Arm | None,
     n_cases: int,
     folds: Sequence[int] | np.ndarray | None = None,
-    n_resamples: int = 2000,
-    confidence: float = 0.95,
-    seed: int = 0,
-    null: float = 0.0,
-    seed_level: str = "t",
-    keep_replicates: bool = False,
-) -> dict:
+    options: Resampling = Resampling(),
+) -> BootstrapResult:
     """One cell (``score_b`` None) or schema A minus schema B, over test patients AND seeds (see the module).
 
     ``score_a[s](indices)``: seed ``s``'s metric on the cases ``indices`` of one ordered list of ``n_cases`` patients
     (repeats allowed), as :func:`~gx_ray.analysis.bootstrap.paired_bootstrap` takes; or, with ``folds`` (each
     patient's fold, the same for every seed), a list of one scorer per fold. Scorers with a ``batch(counts)`` method
-    (:class:`CaseMeans`, :class:`CaseAUC`) score all replicates at once. ``seed_level``: ``"t"`` (this module's
-    method), ``"resample"`` (seeds resampled, which under-covers with few seeds) or ``"none"`` (patients only), the
-    last two for comparison. ``null``: the value the p-value tests (0 for a difference; a chance level for a cell).
-
-    Returns ``estimate`` (and ``diff`` for a comparison), the percentile interval ``ci_low``/``ci_high``, the two-sided
-    ``p_value`` (+1 correction), ``n_seeds``, ``n_cases``, ``n_folds``, ``n_resamples`` (replicates kept),
-    ``dropped`` (replicates where a score was NaN, e.g. an AUC of one class), ``se_patients``/``se_seeds`` (each
-    level's standard error), ``method``; and ``replicates`` with ``keep_replicates``.
+    (:class:`CaseMeans`, :class:`CaseAUC`) score all replicates at once.
     """
-    if seed_level not in SEED_LEVELS:
-        raise ValueError(f"seed_level must be one of {SEED_LEVELS}, got {seed_level!r}")
+    if options.seed_level not in SEED_LEVELS:
+        raise ValueError(f"seed_level must be one of {SEED_LEVELS}, got {options.seed_level!r}")
     if score_b is not None and len(score_a) != len(score_b):
         raise ValueError(f"need the same seeds in both arms, got {len(score_a)} and {len(score_b)}")
-    if not len(score_a) or n_resamples < 1:
-        raise ValueError(f"need at least one seed and one replicate, got {len(score_a)} seeds, {n_resamples}")
+    if not len(score_a) or options.n_resamples < 1:
+        raise ValueError(f"need at least one seed and one replicate, got {len(score_a)} seeds, {options.n_resamples}")
     blocks = _fold_blocks(n_cases, folds)
-    rng = np.random.default_rng(seed)
-    rows = np.concatenate([b[rng.integers(0, len(b), size=(n_resamples, len(b)))] for b in blocks], axis=1)
+    rng = np.random.default_rng(options.seed)
+    rows = np.concatenate([b[rng.integers(0, len(b), size=(options.n_resamples, len(b)))] for b in blocks], axis=1)
     draws = _Draws(rows, n_cases)
     observed, replicates = _arm_matrix(_per_fold(score_a, len(blocks), "A"), draws, blocks, "A")
     if score_b is not None:
@@ -294,26 +315,40 @@ def two_level_bootstrap(
         observed, replicates = observed - observed_b, replicates - replicates_b
     kept = replicates[~np.isnan(replicates).any(axis=1)]
     levels = _levels(observed, kept, blocks)
-    theta = _replicates(observed, kept, levels, seed_level, rng)
-    out = _summary(float(observed.mean()), theta, confidence, null)
-    if score_b is not None:
-        out["diff"] = out["estimate"]
-    out.update(
-        n_seeds=len(observed),
-        n_cases=n_cases,
-        n_folds=len(blocks),
-        n_resamples=len(kept),
-        dropped=n_resamples - len(kept),
-        se_patients=math.sqrt(levels.var_patients),
-        se_seeds=math.sqrt(levels.var_seeds),
-        method=_method(len(observed), len(blocks), seed_level),
-    )
-    if keep_replicates:
-        out["replicates"] = theta
-    return out
+    theta = _replicates(observed, kept, levels, options.seed_level, rng)
+    estimate, seeds, tail = float(observed.mean()), len(observed), (1 - options.confidence) / 2
+    ci_low, ci_high = (float(q) for q in np.quantile(theta, [tail, 1 - tail])) if len(theta) else (math.nan, math.nan)
+    below = min(np.sum(theta <= options.null), np.sum(theta >= options.null))  # the p-value's tail, +1 corrected
+    p_value = float(min(1.0, 2 * (below + 1) / (len(theta) + 1))) if len(theta) else math.nan
+    return BootstrapResult(
+        estimate=estimate, ci_low=ci_low, ci_high=ci_high, p_value=p_value,
+        diff=estimate if score_b is not None else None, n_seeds=seeds, n_cases=n_cases, n_folds=len(blocks),
+        n_resamples=len(kept), dropped=options.n_resamples - len(kept), se_patients=math.sqrt(levels.var_patients),
+        se_seeds=math.sqrt(levels.var_seeds), method=_method(seeds, len(blocks), options.seed_level),
+        replicates=theta if options.keep_replicates else None,
+    )  # fmt: skip
 
 
 # --- equivalence and non-inferiority --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Equivalence:
+    """:func:`equivalence`'s answer: the ``verdict``, the interval ``ci_low``/``ci_high`` of A - B (1 - 2 alpha, as
+    given), ``p_equivalence`` (the larger TOST p), ``p_noninferior`` and ``p_worse`` (NaN when given an interval)."""
+
+    margin: float | None
+    alpha: float
+    ci_low: float
+    ci_high: float
+    p_equivalence: float
+    p_noninferior: float
+    p_worse: float
+    beyond_margin: bool
+    verdict: str
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
 
 
 def equivalence(
@@ -321,10 +356,10 @@ def equivalence(
     margin: float | None,
     alpha: float = 0.05,
     higher_is_better: bool = True,
-) -> dict:
+) -> Equivalence:
     """TOST equivalence and non-inferiority of schema A against schema B within ``margin`` (the metric's units).
 
-    ``differences``: bootstrap replicates of A - B (e.g. :func:`two_level_bootstrap`'s ``replicates``), or a tuple
+    ``differences``: bootstrap replicates of A - B (e.g. :attr:`BootstrapResult.replicates`), or a tuple
     ``(low, high)``: their 1 - 2 alpha interval. Each test is one-sided at ``alpha``; on replicates its p-value is
     ``(count + 1) / (B + 1)``. With d = A - B oriented so that positive is better (sign flipped when lower is better):
 
@@ -337,9 +372,6 @@ def equivalence(
 
     A one-sided test at alpha = 0.05 is the two-sided test at 0.10: "worse" here is not the report's significance at
     0.05 (pass alpha = 0.025 for the report's 95 % intervals), and m comparisons claimed together need alpha / m.
-    Returns ``verdict``, ``margin``, ``alpha``, the interval ``ci_low``/``ci_high`` of A - B (1 - 2 alpha, as given),
-    ``p_equivalence`` (the larger TOST p), ``p_noninferior``, ``p_worse`` (NaN when given an interval) and
-    ``beyond_margin``.
     """
     if margin is not None and not margin > 0:
         raise ValueError(f"margin must be positive (the metric's units), got {margin}")
@@ -360,13 +392,14 @@ def equivalence(
     else:  # the p-values decide; the interval agrees with them up to the +1 correction
         noninferior, within = p["p_noninferior"] <= alpha, p["p_equivalence"] <= alpha
         worse = p["p_worse"] <= alpha
-    out = {"margin": margin, "alpha": alpha, "ci_low": low, "ci_high": high, **p}
-    out["beyond_margin"] = bool(margin is not None and best < -margin)
     if margin is None:
-        return {**out, "verdict": "equivalence not tested"}
-    if within or noninferior:
-        return {**out, "verdict": f"equivalent within ±{margin:g}" if within else f"non-inferior (margin {margin:g})"}
-    return {**out, "verdict": "worse" if worse else "not shown"}
+        verdict = "equivalence not tested"
+    elif within or noninferior:
+        verdict = f"equivalent within ±{margin:g}" if within else f"non-inferior (margin {margin:g})"
+    else:
+        verdict = "worse" if worse else "not shown"
+    beyond = bool(margin is not None and best < -margin)
+    return Equivalence(margin=margin, alpha=alpha, ci_low=low, ci_high=high, **p, beyond_margin=beyond, verdict=verdict)
 
 
 def _one_sided_tests(d: np.ndarray, margin: float | None, alpha: float, sign: float) -> tuple[float, float, dict]:

@@ -39,7 +39,7 @@ from gx_ray import storage
 from gx_ray.analysis.cases import case_scorer
 from gx_ray.analysis.report import open_sweep
 from gx_ray.analysis.runs import higher_is_better, load_runs, test_records
-from gx_ray.analysis.study import two_level_bootstrap
+from gx_ray.analysis.study import Resampling, two_level_bootstrap
 from gx_ray.data.prepare import QC_JSON
 from gx_ray.data.shards import read_manifest
 from gx_ray.data.splits import SPLIT_FILE
@@ -255,9 +255,10 @@ def score_records(
     value = scorer.score(np.arange(n))
     if n < 2 or not math.isfinite(value):  # nothing to resample: too few patients, or undefined (one class's AUC)
         return {"metric": metric, "value": float(value), "low": math.nan, "high": math.nan, "cases": n, "resamples": 0}
-    boot = two_level_bootstrap([scorer.score], None, n, n_resamples=n_resamples, seed=seed, seed_level="none")
-    return {"metric": metric, "value": float(value), "low": float(boot["ci_low"]), "high": float(boot["ci_high"]),
-            "cases": n, "resamples": int(boot["n_resamples"])}  # fmt: skip
+    options = Resampling(n_resamples=n_resamples, seed=seed, seed_level="none")
+    boot = two_level_bootstrap([scorer.score], None, n, options=options)
+    return {"metric": metric, "value": float(value), "low": float(boot.ci_low), "high": float(boot.ci_high),
+            "cases": n, "resamples": int(boot.n_resamples)}  # fmt: skip
 
 
 # --- the whole route ------------------------------------------------------------------------------------------
