@@ -127,7 +127,8 @@ def load(checkpoint: Any, parts: Trainables) -> Restored:
         restore_random_state(state["random"])
     resume = ResumePoint.from_dict(state["partial"]) if state.get("partial") else None
     start = resume.epoch if resume else state["epoch"] + 1
-    return Restored(start, Best.from_dict(state["best"]), resume, state["epoch"], written_by)
+    best = Best.from_dict(state["best"])
+    return Restored(start_epoch=start, best=best, resume=resume, epoch=state["epoch"], written_by=written_by)
 
 
 @dataclass(frozen=True)
