@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from gx_ray.analysis.plan import plan_study
+from gx_ray.analysis.power import PowerSettings
 from gx_ray.analysis.report import open_sweep
 from gx_ray.runtime import tolerant_console
 
@@ -42,9 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     tolerant_console()
     args = build_parser().parse_args(argv)
     with open_sweep(args.pilot, args.mlflow_uri, args.output) as store:
-        result = plan_study(store.uri, store.sweep_id, args.effect, store.folder, args.metric, args.baseline,
-                            args.seeds, args.patients, args.comparisons, args.studies)  # fmt: skip
-    summary = result["folder"] / "summary.md"
+        settings = PowerSettings(seeds=args.seeds, patients=args.patients, studies=args.studies)
+        result = plan_study(store.uri, store.sweep_id, args.effect, store.folder, settings, args.metric, args.baseline,
+                            args.comparisons)  # fmt: skip
+    summary = result.folder / "summary.md"
     print(summary.read_text(encoding="utf-8").split("\n## ")[0])
     print(f"plan: {summary} (power curves beside it)")
     return 0

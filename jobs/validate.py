@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from gx_ray.analysis import simulation
+from gx_ray.analysis.power import Design, PowerSettings
 from gx_ray.runtime import tolerant_console
 from gx_ray.sweep.validate import CT_BENCH_CASES, CV_CASES, cross_validation, ct_bench, demo, planted_signal
 
@@ -102,12 +103,13 @@ def power_table(studies: int, seed: int) -> bool:
     passed = True
     print(f"Planned power against power measured with the two-level bootstrap ({studies:,} studies each)")
     for mix, patients, seeds, comparisons in POWER_DESIGNS:
-        r = simulation.power_check(simulation.MIXES[mix], patients, seeds, comparisons, studies=studies, seed=seed)
-        passed &= abs(r["predicted"] - r["measured"]) <= POWER_TOLERANCE
+        settings = PowerSettings(comparisons=comparisons, studies=studies, seed=seed)
+        r = simulation.power_check(simulation.MIXES[mix], Design(seeds, patients), settings)
+        passed &= abs(r.predicted - r.measured) <= POWER_TOLERANCE
         print(
             f"  accuracy {mix:11}{patients:>4} patients {seeds:>2} seeds, Holm over {comparisons}, effect "
-            f"{r['effect']:.2f}: predicted {100 * r['predicted']:.1f} ± {100 * r['predicted_error']:.1f}, "
-            f"measured {100 * r['measured']:.1f} ± {100 * r['measured_error']:.1f}"
+            f"{r.effect:.2f}: predicted {100 * r.predicted:.1f} ± {100 * r.predicted_error:.1f}, "
+            f"measured {100 * r.measured:.1f} ± {100 * r.measured_error:.1f}"
         )
     return passed
 

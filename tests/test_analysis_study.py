@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,12 +14,23 @@ from scipy import stats
 
 from gx_ray.analysis import simulation, study
 from gx_ray.analysis.bootstrap import paired_bootstrap
-from gx_ray.analysis.power import Design, design_power, pilot_components, plan_power, power_curve
+from gx_ray.analysis.power import (
+    Design,
+    DesignPower,
+    PowerPlan,
+    PowerSettings,
+    design_power,
+    pilot_components,
+    plan_power,
+    power_curve,
+)
 from gx_ray.analysis.simulation import StudyModel, coverage
 from gx_ray.analysis.stats import holm, seed_summary
 from gx_ray.analysis.study import (
+    BootstrapResult,
     CaseAUC,
     CaseMeans,
+    Equivalence,
     Resampling,
     equivalence,
     format_p,
@@ -284,54 +296,54 @@ def test_power_of_normal_differences_is_the_paired_t_tests(comparisons: int, eff
     n = 255
     closed = stats.nct.sf(stats.t.ppf(1 - 0.05 / (2 * comparisons), n - 1), n - 1, effect * math.sqrt(n) / 10)
     for seeds in (1, 3):
-        got = plan_power(
-            differences, effect, (seeds,), (n,), comparisons=comparisons, seed_sd=0.0, studies=3000, seed=seeds
-        )["designs"][0]
-        assert abs(got["power"] - closed) <= 3.5 * got["mc_error"] + 0.005, (seeds, got, closed)
+        settings = PowerSettings(seeds=(seeds,), patients=(n,), comparisons=comparisons, seed_sd=0.0, studies=3000)
+        got = plan_power(differences, effect, dataclasses.replace(settings, seed=seeds)).designs[0]
+        assert abs(got.power - closed) <= 3.5 * got.mc_error + 0.005, (seeds, got, closed)
 
 
 def test_planned_power_matches_the_real_two_level_bootstrap():
     """Studies simulated from a model and analysed by the real two-level bootstrap find the effect as often as the
     planner predicts, within 5 points."""
-    check = simulation.power_check(simulation.MIXES["balanced"], n_patients=64, n_seeds=5, comparisons=1, studies=600)
-    assert abs(check["predicted"] - check["measured"]) <= 0.05, check
-    assert 0.1 < check["measured"] < 0.9  # a design where power can be wrong both ways
+    settings = PowerSettings(comparisons=1, studies=600)
+    check = simulation.power_check(simulation.MIXES["balanced"], Design(seeds=5, patients=64), settings)
+    assert abs(check.predicted - check.measured) <= 0.05, check
+    assert 0.1 < check.measured < 0.9  # a design where power can be wrong both ways
 
 
 def test_planner_design_choice_and_minimum_detectable_effect():
     rng = np.random.default_rng(12)
     differences = rng.normal(2, 12, (3, 400)) + rng.normal(0, 2, (3, 1))
-    plan = plan_power(differences, 3.0, seeds=(2, 3, 5), patients=(64, 128, 255), seed_sd=0.5, studies=600)
-    designs = {(d["seeds"], d["patients"]): d for d in plan["designs"]}
+    settings = PowerSettings(seeds=(2, 3, 5), patients=(64, 128, 255), seed_sd=0.5, studies=600)
+    plan = plan_power(differences, 3.0, settings)
+    designs = {(d.seeds, d.patients): d for d in plan.designs}
     for s in (3, 5):  # more patients, more power (a small seed SD: see the docs for a large one)
-        assert designs[s, 64]["power"] < designs[s, 128]["power"] < designs[s, 255]["power"]
+        assert designs[s, 64].power < designs[s, 128].power < designs[s, 255].power
     for n in (64, 128, 255):  # more seeds, more power (the seed level's t has more degrees of freedom, too)
-        assert designs[2, n]["power"] < designs[3, n]["power"] < designs[5, n]["power"]
-    smallest = plan["smallest"]
-    assert smallest["power"] >= 0.8
-    assert not any(d["power"] >= 0.8 and d["seeds"] < smallest["seeds"] for d in plan["designs"])
+        assert designs[2, n].power < designs[3, n].power < designs[5, n].power
+    smallest = plan.smallest
+    assert smallest.power >= 0.8
+    assert not any(d.power >= 0.8 and d.seeds < smallest.seeds for d in plan.designs)
     assert not any(
-        d["power"] >= 0.8 and d["seeds"] == smallest["seeds"] and d["patients"] < smallest["patients"]
-        for d in plan["designs"]
+        d.power >= 0.8 and d.seeds == smallest.seeds and d.patients < smallest.patients for d in plan.designs
     )
     pilot = pilot_components(differences, 0.5)
     for design in (Design(3, 128), Design(5, 255)):
-        mde = design_power(pilot, design, 1.0, studies=600)["mde"]
-        at_mde = design_power(pilot, design, mde, studies=600)
-        assert at_mde["power"] == pytest.approx(0.8, abs=0.005)
-    assert designs[5, 255]["mde"] < designs[3, 128]["mde"] < designs[2, 64]["mde"]
+        mde = design_power(pilot, design, 1.0, PowerSettings(studies=600)).mde
+        at_mde = design_power(pilot, design, mde, PowerSettings(studies=600))
+        assert at_mde.power == pytest.approx(0.8, abs=0.005)
+    assert designs[5, 255].mde < designs[3, 128].mde < designs[2, 64].mde
 
 
 def test_power_is_zero_below_the_bootstrap_floor():
     """199 replicates cannot give p < 0.01, so a family of 10 at alpha 0.05 never finds anything."""
     pilot = pilot_components(np.random.default_rng(13).normal(0, 1, 500), seed_sd=0.0)
-    result = design_power(pilot, Design(1, 255), 5.0, comparisons=10, n_resamples=199, studies=200)
-    assert result["power"] == 0 and result["mde"] == math.inf
+    result = design_power(pilot, Design(1, 255), 5.0, PowerSettings(comparisons=10, n_resamples=199, studies=200))
+    assert result.power == 0 and result.mde == math.inf
 
 
 def test_power_curve_has_both_axes():
     differences = np.random.default_rng(14).normal(3, 12, (3, 300))
-    curve = power_curve(differences, 3.0, seeds=(2, 5), patients=(64, 255), seed_sd=1.0, studies=300)
+    curve = power_curve(differences, 3.0, PowerSettings(seed_sd=1.0, studies=300), seeds=(2, 5), patients=(64, 255))
     assert [d["seeds"] for d in curve["against_seeds"]] == [2, 5]
     assert [d["patients"] for d in curve["against_patients"]] == [64, 255]
     assert all(d["patients"] == 255 for d in curve["against_seeds"])
@@ -433,10 +445,60 @@ def test_power_curve_plot_draws_both_axes(tmp_path):
     from gx_ray.analysis.plots import power_curve_figure, power_curve_plot
 
     differences = np.random.default_rng(19).normal(3, 12, (3, 300))
-    curve = power_curve(differences, 3.0, seeds=(2, 3, 5), patients=(64, 255), seed_sd=1.0, studies=200)
+    curve = power_curve(differences, 3.0, PowerSettings(seed_sd=1.0, studies=200), seeds=(2, 3, 5), patients=(64, 255))
     figure = power_curve_figure(curve)
     lines = {child.get_gid(): child for ax in figure.axes for child in ax.get_children() if child.get_gid()}
     plt.close(figure)
     assert {"power-seeds", "power-patients"} <= set(lines)
     assert [p.suffix for p in power_curve_plot(curve, tmp_path / "power")] == [".png", ".svg"]
     assert (tmp_path / "power.png").stat().st_size > 1000
+
+
+# --- the typed results keep the dicts' shape -------------------------------------------------------------------------
+
+BOOTSTRAP_KEYS = ["estimate", "ci_low", "ci_high", "p_value", "diff", "n_seeds", "n_cases", "n_folds", "n_resamples",
+                  "dropped", "se_patients", "se_seeds", "method"]  # fmt: skip
+EQUIVALENCE_KEYS = ["margin", "alpha", "ci_low", "ci_high", "p_equivalence", "p_noninferior", "p_worse",
+                    "beyond_margin", "verdict"]  # fmt: skip
+DESIGN_KEYS = ["seeds", "patients", "folds", "power", "mc_error", "mde"]
+CHECK_KEYS = ["design", "comparisons", "effect", "predicted", "predicted_error", "measured", "measured_error"]
+CELL_KEYS = ["task", "model", "fusion", "metric", "schema_a", "schema_b"]
+PLANNED_KEYS = [*CELL_KEYS, "effect", "pilot_seeds", "pilot_patients", "pilot_folds", "observed", "designs", "smallest",
+                "seed_sd", "method", "curve", "figure"]  # fmt: skip
+
+
+def test_typed_results_round_trip_to_their_documented_keys():
+    """MLflow params, sweep.json, plan.json and the report's files are written from to_dict(): the keys (and their
+    order) the dicts had before the results were dataclasses, each value its field's."""
+    from gx_ray.analysis.plan import PlannedComparison, StudyPlan
+
+    a, b = arms(np.random.default_rng(21), seeds=3, seed_sd=1.0, shift=1.0)
+    difference = two_level_bootstrap(a, b, 40, options=Resampling(n_resamples=200))
+    assert list(difference.to_dict()) == BOOTSTRAP_KEYS
+    assert BootstrapResult(**difference.to_dict()) == difference
+    cell = two_level_bootstrap(a, None, 40, options=Resampling(n_resamples=200, keep_replicates=True))
+    assert list(cell.to_dict()) == [k for k in BOOTSTRAP_KEYS if k != "diff"] + ["replicates"]
+    assert cell.to_dict()["replicates"] is cell.replicates
+    for tost in (equivalence(np.random.default_rng(22).normal(0, 0.3, 500), 1.0), equivalence((-0.5, 0.5), None)):
+        assert list(tost.to_dict()) == EQUIVALENCE_KEYS and Equivalence(**tost.to_dict()) == tost
+    settings = PowerSettings(seeds=(2, 3), patients=(64,), seed_sd=0.5, studies=200)
+    plan = plan_power(np.random.default_rng(23).normal(2, 12, (3, 300)), 3.0, settings)
+    for design in plan.designs:
+        assert list(design.to_dict()) == DESIGN_KEYS and DesignPower(**design.to_dict()) == design
+    as_dict = plan.to_dict()
+    assert list(as_dict) == ["designs", "smallest", "seed_sd", "method"]
+    assert as_dict["designs"] == [d.to_dict() for d in plan.designs]
+    assert as_dict["smallest"] == (plan.smallest.to_dict() if plan.smallest else None)
+    assert PowerPlan([DesignPower(**d) for d in as_dict["designs"]], plan.smallest, plan.seed_sd, plan.method) == plan
+    check = simulation.PowerCheck(Design(5, 64), 1, 2.0, 0.5, 0.01, 0.52, 0.02)
+    assert list(check.to_dict()) == CHECK_KEYS and check.to_dict()["design"] is check.design
+    assert simulation.PowerCheck(**check.to_dict()) == check
+    names = dict(zip(CELL_KEYS, ["t", "m", "f", "auc", "image_table", "image_only"], strict=True))
+    planned = PlannedComparison(**names, effect=3.0, pilot_seeds=3, pilot_patients=300, pilot_folds=0, observed=2.1,
+                                plan=plan, curve={"effect": 3.0}, figure="power_t.image_table.png")  # fmt: skip
+    assert list(planned.to_dict()) == PLANNED_KEYS
+    assert planned.to_dict() == {**names, "effect": 3.0, "pilot_seeds": 3, "pilot_patients": 300, "pilot_folds": 0,
+                                 "observed": 2.1, **as_dict, "curve": {"effect": 3.0},
+                                 "figure": "power_t.image_table.png"}  # fmt: skip
+    study_plan = StudyPlan([planned], Path("plan"))
+    assert study_plan.to_dict() == {"comparisons": [planned.to_dict()], "folder": Path("plan")}

@@ -15,6 +15,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from gx_ray.analysis.plan import plan_study
+from gx_ray.analysis.power import PowerSettings
 from gx_ray.analysis.runs import test_records as logged_records
 from gx_ray.data.folds import cohort_splits
 from gx_ray.data.shards import read_shard, split_files
@@ -68,10 +69,10 @@ def test_a_cross_validated_sweep_predicts_every_training_patient_once_a_seed(ray
         assert "| stage_classification |" in section and f"| {len(training)} | 1 | {FOLDS} |" in section
         assert (result.output / "report" / "out_of_fold.csv").is_file()
         # planned from as a pilot: on its out-of-fold predictions, every patient cross-validated one column
-        planned = plan_study(server.uri, result.sweep_id, 10.0, tmp_path, seeds=(3,), patients=(60,), studies=50)
-        (plan,) = planned["comparisons"]
-        assert (plan["schema_a"], plan["pilot_folds"], plan["pilot_seeds"]) == ("image_table", FOLDS, 1)
-        assert plan["pilot_patients"] == len(training)
+        settings = PowerSettings(seeds=(3,), patients=(60,), studies=50)
+        (plan,) = plan_study(server.uri, result.sweep_id, 10.0, tmp_path, settings).comparisons
+        assert (plan.schema_a, plan.pilot_folds, plan.pilot_seeds) == ("image_table", FOLDS, 1)
+        assert plan.pilot_patients == len(training)
         assert f"{FOLDS} folds, kept as the pilot's" in (tmp_path / "plan" / "summary.md").read_text(encoding="utf-8")
 
         # finalized: the chosen schema's fold models as one registered ensemble, which predicts on the test patients

@@ -19,11 +19,11 @@ the pilot's.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pandas as pd
 
 from gx_ray.analysis import plots, power, stats
 from gx_ray.analysis.cases import CaseScorer, case_scorer
@@ -63,21 +63,53 @@ def pilot_differences(
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class PlannedComparison:
+    """One comparison planned (:func:`plan_study`): its cell (as :func:`~gx_ray.analysis.stats.paired_arms` names
+    it), the pilot's size and ``observed`` mean difference, the ``plan``, the power ``curve`` and its ``figure``."""
+
+    task: str
+    model: str
+    fusion: str
+    metric: str
+    schema_a: str
+    schema_b: str
+    effect: float
+    pilot_seeds: int
+    pilot_patients: int
+    pilot_folds: int
+    observed: float
+    plan: power.PowerPlan
+    curve: dict
+    figure: str
+
+    def to_dict(self) -> dict[str, Any]:
+        head = {k: v for k, v in vars(self).items() if k not in ("plan", "curve", "figure")}
+        return {**head, **self.plan.to_dict(), "curve": self.curve, "figure": self.figure}
+
+
+@dataclass(frozen=True)
+class StudyPlan:
+    comparisons: list[PlannedComparison]
+    folder: Path
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"comparisons": [c.to_dict() for c in self.comparisons], "folder": self.folder}
+
+
 def plan_study(
     tracking_uri: str,
     sweep_id: str,
     effect: float,
     output: Path,
+    settings: power.PowerSettings | None = None,
     metric: str | None = None,
     baseline: str = "image_only",
-    seeds: tuple[int, ...] = (3, 5, 10),
-    patients: tuple[int, ...] = (64, 128, 255),
     comparisons: int | None = None,
-    studies: int = 2000,
-) -> dict[str, Any]:
+) -> StudyPlan:
     """Plan every comparison of the pilot sweep ``sweep_id`` (each task's ``metric``, default its headline) for a
-    difference of ``effect`` in the metric's units, over a family of ``comparisons`` (default: the pilot's own);
-    writes ``output/plan/``. Returns ``{"comparisons": [...], "folder": ...}``."""
+    difference of ``effect`` in the metric's units, with ``settings``' designs, over a family of ``comparisons``
+    (default: the pilot's own); writes ``output/plan/``."""
     runs = load_runs(tracking_uri, sweep_id)
     finished = runs[runs["status"] == "FINISHED"]
     if metric is not None:
@@ -86,6 +118,7 @@ def plan_study(
     if not pairs:
         raise ValueError(f"sweep {sweep_id}: no schema can be compared with {baseline} on shared seeds")
     family = comparisons or len(pairs)
+    settings = replace(settings or power.PowerSettings(), comparisons=family)
     folder = Path(output) / PLAN_FOLDER
     folder.mkdir(parents=True, exist_ok=True)
     planned = []
@@ -95,21 +128,18 @@ def plan_study(
             continue  # a trial without predictions: no patients to resample
         folds = len(scorers[0][0]) if isinstance(scorers[0][0], list) else 0
         differences = pilot_differences(*scorers)
-        options = {"comparisons": family, "studies": studies}
-        if len(differences) < 2:
-            options["seed_sd"] = 0.0  # one pilot seed: the spread over seeds is unknown, and planned as none
-        plan = power.plan_power(differences, effect, seeds, patients, **options)
-        name = f"{cell['task']}.{cell['schema_a']}"
-        curve = power.power_curve(differences, effect, **options)
-        figures = plots.power_curve_plot(curve, folder / f"power_{name}")
-        planned.append(
-            {**cell, "effect": effect, "pilot_seeds": len(differences), "pilot_patients": differences.shape[1],
-             "pilot_folds": folds, "observed": float(differences.mean()), **plan, "curve": curve,
-             "figure": figures[0].name}
-        )  # fmt: skip
-    (folder / "plan.json").write_text(json.dumps(planned, indent=1, default=float) + "\n", encoding="utf-8")
+        # one pilot seed: the spread over seeds is unknown, and planned as none
+        options = replace(settings, seed_sd=0.0) if len(differences) < 2 else settings
+        plan = power.plan_power(differences, effect, options)
+        curve = power.power_curve(differences, effect, options)
+        figures = plots.power_curve_plot(curve, folder / f"power_{cell['task']}.{cell['schema_a']}")
+        planned.append(PlannedComparison(
+            **cell, effect=effect, pilot_seeds=len(differences), pilot_patients=differences.shape[1], pilot_folds=folds,
+            observed=float(differences.mean()), plan=plan, curve=curve, figure=figures[0].name))  # fmt: skip
+    plan_json = json.dumps([p.to_dict() for p in planned], indent=1, default=float)
+    (folder / "plan.json").write_text(plan_json + "\n", encoding="utf-8")
     (folder / "summary.md").write_text(_summary(sweep_id, planned, family, effect), encoding="utf-8")
-    return {"comparisons": planned, "folder": folder}
+    return StudyPlan(planned, folder)
 
 
 def _scorer(tracking_uri: str, run_id: Any, task: str, metric: str) -> CaseScorer | list[CaseScorer | None] | None:
@@ -123,17 +153,17 @@ def _scorer_of(records: list[dict] | None, task: str, metric: str) -> CaseScorer
     return case_scorer(task, records, metric) if records else None
 
 
-def _summary(sweep_id: str, planned: list[dict], family: int, effect: float) -> str:
+def _summary(sweep_id: str, planned: list[PlannedComparison], family: int, effect: float) -> str:
     lines = [
         f"# Study plan from pilot sweep {sweep_id}",
         "",
         f"How many seeds and test patients each comparison needs to detect a difference of **{effect:g}** (the "
         f"metric's units) with 80 % power, after Holm over a family of {family} comparisons. Method: "
-        f"{planned[0]['method'] if planned else '—'}; per-patient differences are jackknife pseudo-values of the "
+        f"{planned[0].plan.method if planned else '—'}; per-patient differences are jackknife pseudo-values of the "
         "pilot's test predictions"
         + (
-            f" (cross-validated: its out-of-fold predictions, {planned[0]['pilot_folds']} folds, kept as the pilot's)."
-            if planned and planned[0]["pilot_folds"]
+            f" (cross-validated: its out-of-fold predictions, {planned[0].pilot_folds} folds, kept as the pilot's)."
+            if planned and planned[0].pilot_folds
             else "."
         ),
         "",
@@ -142,28 +172,19 @@ def _summary(sweep_id: str, planned: list[dict], family: int, effect: float) -> 
         "|---|---|---|---|---|---|---|",
     ]
     for p in planned:
-        best = p["smallest"]
+        best = p.plan.smallest
         design = "none of the designs tried"
         if best is not None:
-            size = f"{plural(best['seeds'], 'seed')} × {plural(best['patients'], 'patient')}"
-            design = f"{size} (power {100 * best['power']:.0f} %)"
+            size = f"{plural(best.seeds, 'seed')} × {plural(best.patients, 'patient')}"
+            design = f"{size} (power {100 * best.power:.0f} %)"
         lines.append(
-            f"| {p['task']} | {p['metric']} | {p['schema_a']} | {p['pilot_seeds']} × {p['pilot_patients']} | "
-            f"{p['observed']:.2f} | {p['seed_sd']:.2f} | {design} |"
+            f"| {p.task} | {p.metric} | {p.schema_a} | {p.pilot_seeds} × {p.pilot_patients} | "
+            f"{p.observed:.2f} | {p.plan.seed_sd:.2f} | {design} |"
         )
     for p in planned:
-        lines += ["", f"## {p['task']}: {p['schema_a']} against {p['schema_b']}", ""]
+        lines += ["", f"## {p.task}: {p.schema_a} against {p.schema_b}", ""]
         lines += ["| seeds | patients | power | ± MC | minimum detectable effect (80 %) |", "|---|---|---|---|---|"]
-        for d in p["designs"]:
-            lines.append(
-                f"| {d['seeds']} | {d['patients']} | {100 * d['power']:.1f} % | {100 * d['mc_error']:.1f} | "
-                f"{d['mde']:.2f} |"
-            )
-        lines += ["", f"![power curve]({p['figure']})"]
+        for d in p.plan.designs:
+            lines.append(f"| {d.seeds} | {d.patients} | {100 * d.power:.1f} % | {100 * d.mc_error:.1f} | {d.mde:.2f} |")
+        lines += ["", f"![power curve]({p.figure})"]
     return "\n".join(lines) + "\n"
-
-
-def plan_table(planned: list[dict]) -> pd.DataFrame:
-    """Every design of every comparison, one row each (for scripts)."""
-    return pd.DataFrame([{**{k: p[k] for k in ("task", "metric", "schema_a", "schema_b")}, **d}
-                         for p in planned for d in p["designs"]])  # fmt: skip

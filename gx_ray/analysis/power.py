@@ -6,9 +6,10 @@ patients; :func:`family_resamples` sizes a Holm family's bootstrap.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -115,6 +116,50 @@ class Design:
     folds: int = 1
 
 
+@dataclass(frozen=True, kw_only=True)
+class PowerSettings:
+    """A power plan's settings, shared by :func:`plan_power`, :func:`design_power`, :func:`power_curve` and
+    :func:`~gx_ray.analysis.simulation.power_check`: the designs tried, a Holm family of ``comparisons`` at ``alpha``,
+    the ``target`` power, the seed SD (None: the pilot's), ``n_resamples`` (None: :func:`family_resamples`)."""
+
+    seeds: Sequence[int] = (3, 5, 10)
+    patients: Sequence[int] = (64, 128, 255)
+    folds: Sequence[int] = (1,)
+    comparisons: int = 1
+    alpha: float = 0.05
+    target: float = 0.8
+    seed_sd: float | None = None
+    fold_sd: float = 0.0
+    n_resamples: int | None = None
+    studies: int = 2000
+    seed: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class DesignPower(Design):
+    """A design's ``power`` with its Monte-Carlo error, and ``mde``: the smallest effect found at the target power."""
+
+    power: float
+    mc_error: float
+    mde: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PowerPlan:
+    """:func:`plan_power`'s answer: every design, the ``smallest`` reaching the target (or None), the seed SD used."""
+
+    designs: list[DesignPower]
+    smallest: DesignPower | None
+    seed_sd: float
+    method: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 def _simulate(pilot: Pilot, design: Design, fold_sd: float, studies: int, rng, chunk: int = 250):
     """``(estimate at no effect, var_patients, var_seeds)`` of ``studies`` future studies of ``design``: patients
     resampled from the pilot, each seed's patient x seed noise drawn from the patient's own pilot residuals, a seed
@@ -135,93 +180,56 @@ def _simulate(pilot: Pilot, design: Design, fold_sd: float, studies: int, rng, c
     return tuple(np.concatenate(p) for p in zip(*parts, strict=True))
 
 
-def design_power(
-    pilot: Pilot,
-    design: Design,
-    effect: float,
-    comparisons: int = 1,
-    alpha: float = 0.05,
-    target: float = 0.8,
-    fold_sd: float = 0.0,
-    n_resamples: int | None = None,
-    studies: int = 2000,
-    seed: int = 0,
-) -> dict:
+def design_power(pilot: Pilot, design: Design, effect: float, settings: PowerSettings = PowerSettings()) -> DesignPower:
     """Power of one ``design`` to find a true difference ``effect`` significant in its direction, one comparison of a
     Holm family of ``comparisons`` (Holm's first threshold alpha / m: exact when the others are null, conservative
     otherwise), with its Monte-Carlo error; and ``mde``, the smallest effect found with probability ``target``."""
     if design.seeds < 1 or design.patients < 2 * design.folds or design.folds < 1:
         raise ValueError(f"design: need seeds >= 1, folds >= 1 and 2 patients per fold, got {design}")
-    rng = np.random.default_rng([seed, design.seeds, design.patients, design.folds])
-    replicates = n_resamples or family_resamples(comparisons, alpha=alpha)
-    estimate, var_patients, var_seeds = _simulate(pilot, design, fold_sd, studies, rng)
-    above, below = _critical(var_patients, var_seeds, design.seeds, replicates, alpha / comparisons, rng)
+    rng = np.random.default_rng([settings.seed, design.seeds, design.patients, design.folds])
+    replicates = settings.n_resamples or family_resamples(settings.comparisons, alpha=settings.alpha)
+    estimate, var_patients, var_seeds = _simulate(pilot, design, settings.fold_sd, settings.studies, rng)
+    level = settings.alpha / settings.comparisons
+    above, below = _critical(var_patients, var_seeds, design.seeds, replicates, level, rng)
     found = estimate + effect > above if effect >= 0 else estimate + effect < below
     power = float(found.mean())
-    needed = np.sort(above - estimate)[math.ceil(target * studies) - 1]  # the effect at which `target` are found
-    return {
-        "seeds": design.seeds,
-        "patients": design.patients,
-        "folds": design.folds,
-        "power": power,
-        "mc_error": math.sqrt(power * (1 - power) / studies),
-        "mde": float(max(needed, 0.0)),
-    }
+    needed = np.sort(above - estimate)[math.ceil(settings.target * settings.studies) - 1]  # the effect `target` find
+    error = math.sqrt(power * (1 - power) / settings.studies)
+    return DesignPower(**asdict(design), power=power, mc_error=error, mde=float(max(needed, 0.0)))
 
 
-def plan_power(
-    differences: np.ndarray,
-    effect: float,
-    seeds: Sequence[int] = (3, 5, 10),
-    patients: Sequence[int] = (64, 128, 255),
-    folds: Sequence[int] = (1,),
-    comparisons: int = 1,
-    alpha: float = 0.05,
-    target: float = 0.8,
-    seed_sd: float | None = None,
-    fold_sd: float = 0.0,
-    n_resamples: int | None = None,
-    studies: int = 2000,
-    seed: int = 0,
-) -> dict:
-    """Power of every design of seeds x patients x folds to find ``effect`` (A - B, the metric's units) significant
-    after Holm over ``comparisons``, from a pilot's per-patient paired ``differences`` ``(seeds, patients)``.
+def plan_power(differences: np.ndarray, effect: float, settings: PowerSettings = PowerSettings()) -> PowerPlan:
+    """Power of every design of ``settings``' seeds x patients x folds to find ``effect`` (A - B, the metric's units)
+    significant after Holm over its ``comparisons``, from a pilot's per-patient paired ``differences``
+    ``(seeds, patients)``.
 
     Method: each simulated study resamples the pilot's patients (:func:`pilot_components`), centred and shifted by
     ``effect``, draws its seeds' effects N(0, ``seed_sd``) and applies the report's test, the two-level bootstrap with
-    its p-value rule and floor, with the patient level drawn normal (:func:`_critical`). Returns ``designs`` (one
-    dict per design, see :func:`design_power`), ``smallest``: the design reaching ``target`` with the fewest
-    trainings (seeds x folds), then patients, or None; ``seed_sd`` used; ``method``.
+    its p-value rule and floor, with the patient level drawn normal (:func:`_critical`). The ``smallest`` design
+    reaching ``target`` has the fewest trainings (seeds x folds), then patients.
     """
-    pilot = pilot_components(differences, seed_sd)
-    rows = []
-    for s in seeds:
-        for n in patients:
-            for f in folds:
-                rows.append(
-                    design_power(
-                        pilot, Design(s, n, f), effect, comparisons, alpha, target, fold_sd, n_resamples, studies, seed
-                    )
-                )
-    reaching = [r for r in rows if r["power"] >= target]
-    smallest = min(reaching, key=lambda r: (r["seeds"] * r["folds"], r["patients"]), default=None)
+    pilot = pilot_components(differences, settings.seed_sd)
+    grid = itertools.product(settings.seeds, settings.patients, settings.folds)
+    rows = [design_power(pilot, Design(*design), effect, settings) for design in grid]
+    reaching = [r for r in rows if r.power >= settings.target]
+    smallest = min(reaching, key=lambda r: (r.seeds * r.folds, r.patients), default=None)
     method = "simulated studies resampling the pilot's patients, the two-level bootstrap's test (normal patient level)"
-    return {"designs": rows, "smallest": smallest, "seed_sd": pilot.seed_sd, "method": method}
+    return PowerPlan(rows, smallest, pilot.seed_sd, method)
 
 
 def power_curve(
     differences: np.ndarray,
     effect: float,
+    settings: PowerSettings = PowerSettings(),
     seeds: Sequence[int] = (2, 3, 4, 5, 7, 10),
     patients: Sequence[int] = (32, 64, 128, 255, 512),
     at_seeds: int = 5,
     at_patients: int = 255,
-    **options,
 ) -> dict:
     """Power against seeds (at ``at_patients`` patients) and against patients (at ``at_seeds`` seeds), for a figure
-    (:func:`gx_ray.analysis.plots.power_curve_plot`); ``options`` as :func:`plan_power`'s."""
-    return {
-        "effect": effect,
-        "against_seeds": plan_power(differences, effect, seeds, (at_patients,), **options)["designs"],
-        "against_patients": plan_power(differences, effect, (at_seeds,), patients, **options)["designs"],
+    (:func:`gx_ray.analysis.plots.power_curve_plot`); ``settings`` as :func:`plan_power`'s, but these designs."""
+    axes = {"against_seeds": (seeds, (at_patients,)), "against_patients": ((at_seeds,), patients)}
+    return {"effect": effect} | {
+        axis: plan_power(differences, effect, replace(settings, seeds=s, patients=n)).to_dict()["designs"]
+        for axis, (s, n) in axes.items()
     }

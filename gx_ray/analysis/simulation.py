@@ -7,12 +7,12 @@ real bootstrap finds. ``jobs/validate.py coverage`` runs both.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from scipy import stats
 
-from gx_ray.analysis.power import Design, design_power, family_resamples, pilot_components
+from gx_ray.analysis.power import Design, PowerSettings, design_power, family_resamples, pilot_components
 from gx_ray.analysis.study import (
     SEED_LEVELS,
     CaseAUC,
@@ -154,41 +154,43 @@ def coverage(
     return rows
 
 
-def power_check(
-    model: StudyModel,
-    n_patients: int = 255,
-    n_seeds: int = 5,
-    comparisons: int = 5,
-    alpha: float = 0.05,
-    studies: int = 1000,
-    pilot_patients: int = 4000,
-    pilot_seeds: int = 10,
-    seed: int = 0,
-) -> dict:
-    """The planner's predicted power against the power measured on ``studies`` studies simulated from ``model``
-    (accuracy) and analysed by the real :func:`two_level_bootstrap`, found when p <= alpha / m in the effect's
-    direction. The planner gets a large pilot from the model and the model's seed SD: the check is of its method,
-    not of a small pilot's luck. Returns ``predicted``/``measured`` with their Monte-Carlo errors."""
+@dataclass(frozen=True)
+class PowerCheck:
+    """:func:`power_check`'s answer: the planner's ``predicted`` power and the ``measured`` one, with their errors."""
+
+    design: Design
+    comparisons: int
+    effect: float
+    predicted: float
+    predicted_error: float
+    measured: float
+    measured_error: float
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
+
+
+LARGE_PILOT = Design(seeds=10, patients=4000)
+
+
+def power_check(model: StudyModel, design: Design, settings: PowerSettings, pilot: Design = LARGE_PILOT) -> PowerCheck:
+    """The planner's predicted power for ``design`` against the power measured on ``settings.studies`` studies
+    simulated from ``model`` (accuracy) and analysed by the real :func:`two_level_bootstrap`, found when p <= alpha / m
+    in the effect's direction. The planner gets a large ``pilot`` (seeds x patients) from the model and the model's
+    seed SD: the check is of its method, not of a small pilot's luck."""
     if model.metric != "accuracy":
         raise ValueError("power_check: the planner takes per-patient differences of a mean-of-cases metric (accuracy)")
     truth_a, truth_b = model.truth()
-    values_a, values_b, _ = model.draw(pilot_patients, pilot_seeds, np.random.default_rng([seed, 1]))
-    pilot = pilot_components(values_a - values_b, model.seed_sd_of_difference(seed=seed))
-    design = Design(n_seeds, n_patients)
-    predicted = design_power(pilot, design, truth_a - truth_b, comparisons, alpha, studies=4000, seed=seed)
+    seed, comparisons, alpha = settings.seed, settings.comparisons, settings.alpha
+    values_a, values_b, _ = model.draw(pilot.patients, pilot.seeds, np.random.default_rng([seed, 1]))
+    planned = pilot_components(values_a - values_b, model.seed_sd_of_difference(seed=seed))
+    predicted = design_power(planned, design, truth_a - truth_b, replace(settings, studies=4000))
     replicates, found = family_resamples(comparisons, alpha=alpha), []
-    for index in range(studies):
-        values_a, values_b, labels = model.draw(n_patients, n_seeds, np.random.default_rng([seed, 2, index]))
+    for index in range(settings.studies):
+        values_a, values_b, labels = model.draw(design.patients, design.seeds, np.random.default_rng([seed, 2, index]))
         scorers = model.scorers(values_a, labels), model.scorers(values_b, labels)
-        result = two_level_bootstrap(*scorers, n_patients, options=Resampling(n_resamples=replicates, seed=index))
+        result = two_level_bootstrap(*scorers, design.patients, options=Resampling(n_resamples=replicates, seed=index))
         found.append(result.p_value <= alpha / comparisons and result.diff > 0)
     measured = float(np.mean(found))
-    return {
-        "design": design,
-        "comparisons": comparisons,
-        "effect": truth_a - truth_b,
-        "predicted": predicted["power"],
-        "predicted_error": predicted["mc_error"],
-        "measured": measured,
-        "measured_error": math.sqrt(measured * (1 - measured) / studies),
-    }
+    error = math.sqrt(measured * (1 - measured) / settings.studies)
+    return PowerCheck(design, comparisons, truth_a - truth_b, predicted.power, predicted.mc_error, measured, error)

@@ -38,6 +38,7 @@ from pathlib import Path
 import pandas as pd
 
 from gx_ray.analysis.plan import plan_study
+from gx_ray.analysis.power import PowerSettings
 from gx_ray.analysis.report import CELLS_FILE, CHANCE, open_sweep, out_of_fold, space_margins
 from gx_ray.analysis.runs import headline_metric, higher_is_better, load_runs
 from gx_ray.data.demo.cohort import DemoConfig
@@ -336,12 +337,13 @@ def _planned_design_detects(
     pilot's) and check that its report finds the gain."""
     name = "the planned design detects it"
     with open_sweep(str(pilot.output)) as store:
-        planned = plan_study(store.uri, store.sweep_id, effect, output, seeds=CV_SEEDS, patients=CV_PATIENTS)
-    mine = next((p for p in planned["comparisons"] if p["schema_a"] == TABLE), None)
-    if mine is None or mine["smallest"] is None:
+        settings = PowerSettings(seeds=CV_SEEDS, patients=CV_PATIENTS)
+        planned = plan_study(store.uri, store.sweep_id, effect, output, settings)
+    mine = next((p.plan for p in planned.comparisons if p.schema_a == TABLE), None)
+    if mine is None or mine.smallest is None:
         return DemoCheck(name, False, f"no design of {CV_SEEDS} seeds x {CV_PATIENTS} patients reaches 80 % for "
                          f"{effect:+.1f} AUC")  # fmt: skip
-    seeds, patients = mine["smallest"]["seeds"], mine["smallest"]["patients"]
+    seeds, patients = mine.smallest.seeds, mine.smallest.patients
     data = _cv_cohort(output / "confirmation_cohort", others + patients, seed + 1, address, test=patients)
     presets = ("demo", "planted", "null_input") + (("three_seeds",) if seeds == 3 else ())
     result = run_sweep(
@@ -352,7 +354,7 @@ def _planned_design_detects(
     row = _comparison(result.output / "report" / "significance.csv", TABLE, BASELINE)
     detail = (
         f"planned for {effect:+.1f} AUC: {seeds} seeds x {patients} test patients (power "
-        f"{100 * mine['smallest']['power']:.0f} %); run on {data.rows['test']} new test patients: "
+        f"{100 * mine.smallest.power:.0f} %); run on {data.rows['test']} new test patients: "
     )
     if row is None:
         return DemoCheck(name, False, detail + f"no {TABLE} vs {BASELINE} comparison")
