@@ -557,6 +557,17 @@ def test_what_the_pages_name_exists(path: Path):
     assert not problems, "\n".join(problems)
 
 
+def test_what_the_spaces_comments_name_exists():
+    """The search spaces explain themselves in comments, which name commands, keys, paths and presets as pages do."""
+    problems = [
+        f"{rel(path)}:{number}: {problem}"
+        for path in sorted((ROOT / "search_spaces").glob("*.yaml"))
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        for problem in unknown_names(line.partition("#")[2], code=True)
+    ]
+    assert not problems, "\n".join(problems)
+
+
 def test_the_name_check_catches_what_does_not_exist(tmp_path: Path):
     """Each line of the fake page names one thing the code lacks, and is reported; the real names beside are not."""
     page = tmp_path / "page.md"
