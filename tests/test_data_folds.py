@@ -4,6 +4,7 @@ test split untouched, files of one's own checked and refused when they leak, and
 from __future__ import annotations
 
 import json
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from gx_ray.data.folds import (
     read_fold_file,
     write_fold_file,
 )
-from gx_ray.data.shards import TensorLayout, read_manifest
+from gx_ray.data.shards import MANIFEST_FILE, TensorLayout, read_manifest
 from gx_ray.data.splits import assign_folds
 from gx_ray.data.stream import DataConfig, SplitStream, split_pieces, split_rows
 from gx_ray.sweep.spaces import SpaceError, load_space
@@ -102,6 +103,23 @@ def test_a_fold_file_is_named_by_its_hash_and_belongs_to_its_cohort(demo_prepare
     forged.write_text(json.dumps(document), encoding="utf-8")
     with pytest.raises(FoldError, match="made for another cohort"):
         read_fold_file(str(forged), shards)
+
+
+def test_a_cohort_re_prepared_at_the_same_path_has_its_old_folds_refused_in_the_same_process(demo_prepared, tmp_path):
+    # a long-lived process (a notebook, a driver) reads the folds, the cohort is prepared again where it was: the
+    # folds made for the old cohort are refused, and a fold file rewritten in place is read anew
+    shards = tmp_path / "shards"
+    shutil.copytree(demo_prepared.shard_dir, shards)
+    folds = fold_patients(str(shards), 2)
+    location = write_fold_file(str(shards), str(tmp_path), folds, {"dealt": {"folds": 2}})
+    assert read_fold_file(location, str(shards)) == tuple(tuple(f) for f in folds)
+    document = json.loads(Path(location).read_text(encoding="utf-8"))
+    Path(location).write_text(json.dumps({**document, "fold_patients": folds[::-1]}), encoding="utf-8")
+    assert read_fold_file(location, str(shards)) == tuple(tuple(f) for f in folds[::-1])
+    manifest = json.loads((shards / MANIFEST_FILE).read_text(encoding="utf-8"))
+    (shards / MANIFEST_FILE).write_text(json.dumps({**manifest, "prepared_again": True}), encoding="utf-8")
+    with pytest.raises(FoldError, match="made for another cohort"):
+        read_fold_file(location, str(shards))
 
 
 def _case_ids(rows: list[dict]) -> list[str]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from functools import lru_cache
 from typing import Any
 
 from gx_ray import storage
@@ -143,7 +142,6 @@ def write_fold_file(shards: str, root: str, folds: Sequence[Sequence[str]], how:
     return location
 
 
-@lru_cache(maxsize=8)
 def read_fold_file(location: str, shards: str) -> tuple[tuple[str, ...], ...]:
     """The folds' patients, refused unless the file is of this format and of the cohort at ``shards``."""
     document = json.loads(storage.read_text(location))
