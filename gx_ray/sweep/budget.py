@@ -2,19 +2,15 @@
 start, a hard stop once spent, and the ledger of what every trial cost.
 
 - **The ledger.** Every trial reports its cost with each epoch (:mod:`gx_ray.train.ledger`: reserved GPUs or CPUs ×
-  wall seconds, over its attempts). The sweep writes ``OUTPUT/ledger.csv`` (one row per trial: its device-seconds,
-  parameters, epochs and status) beside ``sweep.json``, logs it to the parent run and puts the totals there.
-- **The forecast.** Each distinct trial setting (model, inputs, batches, resources) is piloted once before the trials:
-  a Ray task holding what its trials hold trains it twice (as a fresh trial process, then as a reused one) for two
-  epochs of a few steps (no test), which gives its set-up time, its seconds per optimiser step and its fixed cost per
-  epoch (validation, checkpoint). With the trials' epochs
-  and steps per epoch (their training rows, batch and ``schedule.max_steps_per_epoch``), that forecasts every trial;
-  the sweep prints the total and how many trials fit the budget. Pilots are kept with the GPU plans' cache, so a
-  repeated sweep of the same settings on the same machine, code and cohort measures nothing.
-- **The hard stop.** :class:`BudgetStop` sums the trials' reported costs (those of earlier drivers read back from
-  MLflow, so a ``--resume`` continues the same budget); once they reach it, it stops the sweep as Ctrl-C does (Tune's
-  graceful stop): running trials keep their last epoch's checkpoint and end, none starts, ``--resume`` (with a
-  larger budget) goes on.
+  wall seconds, over its attempts); the sweep writes ``OUTPUT/ledger.csv`` (one row per trial) and logs it and the
+  totals to the parent run.
+- **The forecast.** Each distinct trial setting is piloted once: a Ray task holding what its trials hold trains it
+  twice (as a fresh trial process, then a reused one) for two epochs of a few steps, giving its set-up time, seconds
+  per optimiser step and fixed cost per epoch; with each trial's epochs and steps that forecasts every trial, and the
+  sweep prints the total and how many fit. Pilots are cached with the GPU plans (same machine, code and cohort).
+- **The hard stop.** :class:`BudgetStop` sums the trials' reported costs (earlier drivers' read back from MLflow, so
+  ``--resume`` continues the same budget); once spent it stops the sweep as Ctrl-C does: running trials keep their
+  last checkpoint and end, none starts, ``--resume`` with a larger budget goes on.
 """
 
 from __future__ import annotations
@@ -253,12 +249,10 @@ def _pilots(keyed: dict[str, TrialSetting], context: SweepContext) -> dict[str, 
 
 
 def pilot(config: TrialConfig, micro_batch: int | None = None, share: float = 1.0) -> dict[str, float]:
-    """Train ``config`` twice in this process, each time for two epochs of at most :data:`PILOT_STEPS` optimiser
-    steps on its device, and time the second, as a trial in a process that ran one before: ``setup_seconds`` (start
-    to the first epoch's report, less a steady epoch), ``step_seconds`` (per optimiser step, second epoch),
-    ``epoch_seconds`` (a steady epoch less its steps: validation, checkpoint), ``test_seconds`` (validation's time
-    scaled to the test split's rows), and ``cold_seconds``: what the first run's set-up took more (the imports and
-    caches a fresh trial process pays once)."""
+    """Train ``config`` twice here, each for two epochs of at most :data:`PILOT_STEPS` optimiser steps, and time the
+    second run: ``setup_seconds`` (to the first report, less a steady epoch), ``step_seconds`` (per optimiser step),
+    ``epoch_seconds`` (a steady epoch less its steps), ``test_seconds`` (validation's time scaled to the test rows)
+    and ``cold_seconds`` (what the first run's set-up took more: a fresh process's imports and caches)."""
     cap = min(PILOT_STEPS, config.schedule.max_steps_per_epoch or PILOT_STEPS)
     schedule = dataclasses.replace(config.schedule, epochs=3, max_steps_per_epoch=cap)
     config = dataclasses.replace(config, schedule=schedule)

@@ -1,25 +1,20 @@
 """Several sweeps on one Ray cluster, sharing its CPUs and GPUs by weight (``--share W``).
 
-Ray Tune runs one experiment per driver and knows nothing of another driver's trials: two sweeps on one cluster
-race for every freed CPU, and the one that asked first keeps winning (Ray's placement-group queue). Tune's scheduler
-is no gate either: its controller requests an actor for every PENDING trial whatever ``choose_trial_to_run`` says.
-What decides how many trials a sweep holds is how many its search algorithm has created, so the gate is there:
-:class:`SharedSearch` wraps whatever search algorithm the sweep would run (the grid's generator, a searcher under its
-concurrency limit) and creates a trial only when the cluster's share registry grants the trial's CPUs and GPUs.
-
-The registry (:class:`ShareRegistry`) is one detached named actor per cluster that every sharing driver registers
-with and heartbeats; it decides grants one at a time, so two drivers never take the same free CPU:
+Tune knows nothing of another driver's trials: two sweeps on one cluster race for every freed CPU and the one that
+asked first keeps winning (Ray's placement-group queue); nor is Tune's scheduler a gate (its controller requests an
+actor for every PENDING trial). What decides how many trials a sweep holds is how many its search algorithm created,
+so :class:`SharedSearch` wraps that algorithm and creates a trial only when the cluster's registry grants its CPUs
+and GPUs. The registry (:class:`ShareRegistry`, one detached named actor per cluster, heartbeated by every sharing
+driver) decides grants one at a time, so two drivers never take the same free CPU:
 
 - a trial is granted only when its resources are free (counted over the registered sweeps' granted trials);
-- of the sweeps with a trial waiting, the one with the lowest dominant share per weight (the larger of its GPU and
-  CPU fractions of the cluster, divided by ``--share``) takes the next free resources: weighted Dominant Resource
-  Fairness, work-conserving (a sweep alone, or the only one waiting, takes idle resources beyond its share) and
-  never pre-emptive (a sweep over its share gives resources back as its own trials end; none is killed);
-- a driver that stops heartbeating (killed, lost) is forgotten after :data:`TTL_S`; its trials died with it.
+- of the sweeps with a trial waiting, the one with the lowest dominant share (the larger of its GPU and CPU fractions)
+  per ``--share`` weight goes next: weighted Dominant Resource Fairness, work-conserving (a sweep alone takes idle
+  resources beyond its share) and never pre-emptive (a sweep over its share gives back as its trials end);
+- a driver that stops heartbeating is forgotten after :data:`TTL_S`; its trials died with it.
 
-A sweep's trial holds its grant until Tune completes it (errored and paused trials keep theirs: they come back).
-Actors are not reused between trials while sharing: a finished trial's cached actor would keep its CPUs from the
-sweep the registry gave them to.
+A trial holds its grant until Tune completes it (errored and paused trials come back). Actors are not reused while
+sharing: a finished trial's cached actor would keep its CPUs from the sweep the registry gave them to.
 """
 
 from __future__ import annotations

@@ -327,9 +327,7 @@ def _analysis(path: Path, analysis: Any, tasks: list[str]) -> dict[str, Any]:
     _check_keys(path, "analysis", analysis, ANALYSIS_KEYS)
     margin = analysis.get("margin")
     margins = margin.values() if isinstance(margin, dict) else [margin]
-    if margin is not None and not all(
-        isinstance(m, int | float) and not isinstance(m, bool) and m > 0 for m in margins
-    ):
+    if margin is not None and not all(_number(m) and m > 0 for m in margins):
         raise SpaceError(
             path, "analysis.margin", f"{margin!r}: a positive number in the metric's units, or one per task"
         )
@@ -412,12 +410,12 @@ def _cv(path: Path, cv: Any, searcher: str, fixed: dict, grid: dict, sample: dic
             raise SpaceError(path, "cv.file", str(err)) from err
         return {"file": str(cv["file"]), "folds": len(folds)}
     folds, stratify, seed = cv.get("folds", 5), cv.get("stratify", ["stage"]), cv.get("seed", 0)
-    if not isinstance(folds, int) or isinstance(folds, bool) or folds < 2:
+    if not _whole(folds) or folds < 2:
         raise SpaceError(path, "cv.folds", f"{folds!r}: a whole number of folds >= 2")
     stratify = [stratify] if isinstance(stratify, str) else list(stratify)
     if unknown := sorted(set(stratify) - set(STRATA_COLUMNS)):
         raise SpaceError(path, "cv.stratify", f"unknown column {unknown[0]!r}; valid: {', '.join(STRATA_COLUMNS)}")
-    if not isinstance(seed, int) or isinstance(seed, bool):
+    if not _whole(seed):
         raise SpaceError(path, "cv.seed", f"{seed!r}: a whole number")
     return {"folds": folds, "stratify": stratify, "seed": seed}
 

@@ -1,33 +1,26 @@
 """Known-answer checks of the whole pipeline: sweeps on demo cohorts whose answer is planted in the data.
 
-``demo``: the README's main command as a new user runs it (``modality_ablation`` on the default demo cohort). The
-demo's planted truth: every modality shows the true stage (:class:`~gx_ray.data.demo.findings.SignalStrength`
-1.0), so each input adds information: the boxes outline the tumour and its nodes (size, extent, location), the lab
-table carries the stage's markers. Checked: (1) on every task the full-input schema's 95 % interval over seeds
-clears the task's chance level (its metric for a predictor that never looks at the patient), (2) image + table +
-boxes beats image only significantly (paired over seeds and test patients, Holm) on at least two tasks, (3) the
-whole command takes at most ten minutes. The project ranks them in that order, and on two cores the third gives way
-to the first two (docs/explanation/demo-cohort.md: 57 min): it is shown (INFO), not checked. The models must learn it:
-nothing here is fitted to the answer.
+``demo``: the README's main command as a new user runs it. Every modality shows the true stage
+(:class:`~gx_ray.data.demo.findings.SignalStrength` 1.0), so each input adds information. Checked, in the project's
+order: (1) on every task the full-input schema's 95 % interval over seeds clears chance, (2) image + table + boxes
+beats image only significantly (paired over seeds and test patients, Holm) on at least two tasks, (3) the command
+takes at most ten minutes; on two cores the third gives way (docs/explanation/demo-cohort.md: 57 min) and is shown
+(INFO), not checked. The models must learn it: nothing here is fitted to the answer.
 
-``ct-bench``: CT-Bench's two findings on a demo cohort, where the drawn box outlines what the lesion's description
-states (its size and place): Img2txt with the box beats Img2txt without it significantly, and, with the box, random
-distractors are answered more often than appearance-based ones (the nearest lesions to an encoder trained on the
-training split), its 95 % interval clear of zero; each paired on seeds and test patients. Without the box the demo's
-models stay near chance, where no distractor can be harder: that comparison is shown (INFO), not checked.
+``ct-bench``: CT-Bench's two findings on a demo cohort whose drawn box outlines what the description states: Img2txt
+with the box beats it without, and, with the box, random distractors are answered more often than appearance-based
+ones (interval clear of zero); each paired on seeds and test patients. Without the box the models stay near chance,
+where no distractor can be harder: shown (INFO), not checked.
 
-``planted-signal``: two demo cohorts with the same patients. In the first the stage shows only in the lab
-table (the CT and endoscopy show decoy stages); in the second the table shows decoys and the images the truth.
-The same stage-classification ablation (image only vs image + table, five seeds) runs on both, and the report
-must find image + table significantly better than image only on the first, and no significant difference on
-the second.
+``planted-signal``: two demo cohorts of the same patients, the stage only in the lab table (decoy images) and the
+other way round; the stage-classification ablation (five seeds) must find image + table significantly better than
+image only on the first, and no significant difference on the second.
 
-``cv``: one 320-case demo cohort whose stage shows only in the lab table (the CT, its boxes and the endoscopy show
-decoys), the stage-classification ablation with image + table + boxes beside image + table and image only, five
-seeds, on one split and then 5-fold cross-validated: the cross-validated (out-of-fold) interval of image + table minus
-image only must find the gain and be narrower than the single split's; adding the decoy boxes to image + table must
-be shown equivalent within the space's margin (5 AUC points); and the planner, given the single split as pilot and
-the cross-validated difference as the effect, must recommend a design that, run on a new cohort, finds the gain.
+``cv``: one 320-case cohort whose stage shows only in the lab table, the ablation on one split and 5-fold
+cross-validated: the out-of-fold interval of image + table minus image only must find the gain and be narrower than
+the single split's; the decoy boxes added to image + table must be shown equivalent within the margin (5 AUC); and
+the planner, given the single split as pilot and the cross-validated effect, must recommend a design that finds the
+gain on a new cohort.
 """
 
 from __future__ import annotations
@@ -73,12 +66,8 @@ class CohortCheck:
         return not significant
 
     def line(self) -> str:
-        c = {
-            "metric": "",
-            "method": "",
-            **{k: float("nan") for k in ("diff", "ci_low", "ci_high", "p_value", "p_holm")},
-        }
-        c.update(self.comparison)
+        nan = dict.fromkeys(("diff", "ci_low", "ci_high", "p_value", "p_holm"), float("nan"))
+        c = {"metric": "", "method": "", **nan, **self.comparison}
         expected = "a significant gain" if self.expected_significant else "no significant difference"
         return (
             f"{'PASS' if self.passed else 'FAIL'}  {self.cohort:<18} image_table - image_only {c['metric']} = "
@@ -263,11 +252,8 @@ margin of 5; at 320, -1.0 [-2.3, +0.2]. Showing equivalence takes more patients 
 
 
 def cross_validation(output: Path, cases: int = CV_CASES, seed: int = 0, address: str | None = None) -> list[DemoCheck]:
-    """The ``cv`` check: on a cohort whose stage shows only in the lab table, (1) 5-fold cross-validation finds image
-    + table better than image only, with a narrower interval than the single split's; (2) adding the boxes (a decoy,
-    a null input) to image + table is shown equivalent within the space's margin; (3) the planner, given the single
-    split as pilot and the cross-validated difference as the effect, recommends a design that, run on new patients,
-    detects the difference."""
+    """The ``cv`` check of the module docstring: the cross-validated gain, the null input's equivalence and the
+    planned design's confirmation."""
     init_ray(address)
     output = Path(output)
     data = _cv_cohort(output / "cohort", cases, seed, address)

@@ -1,14 +1,10 @@
 """GPU telemetry for a trial: which GPUs this process uses, how busy they were, and whether it had them to itself.
 
-A `GpuSampler` thread reads NVML (``nvidia-ml-py``) once a second while a trial trains; `GpuSummary` turns the
-samples into the few numbers a sweep compares (mean utilisation, peak memory, shared or not) and `sample_metrics`
-into the time series MLflow's system metrics would have logged. MLflow's own system-metrics hook works only with
-fluent runs, and our trials log through `MlflowClient` with explicit run ids, so we log these ourselves.
-
-NVML sees every GPU of the host whatever ``CUDA_VISIBLE_DEVICES`` says, and Ray hands trials physical indices
-("2", "0,3") or, with fractional GPUs, one GPU to several trials, so GPUs are matched by UUID, never by index.
-Without a GPU driver (or without the package) everything degrades quietly to "no GPUs": NaN statistics, no
-samples, no warnings.
+A `GpuSampler` thread reads NVML once a second while a trial trains; `GpuSummary` turns the samples into the few
+numbers a sweep compares and `sample_metrics` into MLflow's system-metric series (MLflow's own hook works only with
+fluent runs; our trials log through `MlflowClient`). NVML sees every GPU of the host whatever
+``CUDA_VISIBLE_DEVICES`` says, and Ray hands trials physical indices or shares a GPU, so GPUs are matched by UUID,
+never by index. Without a driver or the package everything degrades quietly to "no GPUs" (NaN, no samples).
 """
 
 from __future__ import annotations
@@ -105,12 +101,8 @@ def _host_uuids(nvml: Any) -> list[str]:
 
 
 def _parse_visible(value: str, host_uuids: Sequence[str]) -> list[str]:
-    """The UUIDs a ``CUDA_VISIBLE_DEVICES`` value selects among the host's GPUs.
-
-    Entries are indices or (unique prefixes of) UUIDs. As CUDA does, the list ends at the first entry that names
-    no GPU, is ambiguous or repeats one. Indices are NVML's (PCI bus order), which is also Ray's and CUDA's on a
-    host of identical GPUs.
-    """
+    """The UUIDs a ``CUDA_VISIBLE_DEVICES`` value (indices in NVML's PCI bus order, or unique UUID prefixes) selects;
+    as in CUDA, the list ends at the first entry that names no GPU, is ambiguous or repeats one."""
     chosen: list[str] = []
     for entry in (e.strip() for e in value.split(",")):
         match = _match_entry(entry, host_uuids)
@@ -145,10 +137,8 @@ def _torch_uuids() -> list[str] | None:
 
 
 def visible_gpu_uuids() -> list[str]:
-    """The NVML UUIDs of the GPUs this process may use, in CUDA ordinal order; [] without NVML.
-
-    torch's view when it has CUDA, else ``CUDA_VISIBLE_DEVICES`` resolved through NVML, else every GPU of the host.
-    """
+    """The NVML UUIDs of the GPUs this process may use, in CUDA ordinal order ([] without NVML): torch's view when it
+    has CUDA, else ``CUDA_VISIBLE_DEVICES`` resolved through NVML, else every GPU of the host."""
     nvml = _nvml()
     if nvml is None:
         return []
@@ -269,11 +259,8 @@ def _active(utilizations: Iterable[float]) -> float:
 
 
 def _shared(samples: Sequence[Sample]) -> bool:
-    """Whether a process other than ours computed on the GPU.
-
-    In a container whose PID namespace differs from the driver's, NVML lists our process under a pid we can't
-    recognise; when our pid never shows up on the GPU, one unrecognised process is taken to be us.
-    """
+    """Whether a process other than ours computed on the GPU. When our pid never shows up (a container's PID
+    namespace differs from the driver's), one unrecognised process is taken to be us."""
     ours_seen = any(not math.isnan(s.process_memory) for s in samples)
     tolerated = 0 if ours_seen else 1
     return any(s.others > tolerated for s in samples)
@@ -326,11 +313,8 @@ def summarise(
 
 
 def busy_fraction(samples: Iterable[Sample], start: float, end: float) -> dict[int, float]:
-    """Per GPU (``Sample.gpu``), the mean utilisation / 100 of the samples taken in ``[start, end]`` (wall clock).
-
-    A sweep asks this of the span from its first trial's start to its last trial's end; a GPU sampled but never
-    inside the window gets NaN.
-    """
+    """Per GPU (``Sample.gpu``), the mean utilisation / 100 of the samples taken in ``[start, end]`` (wall clock);
+    NaN for a GPU sampled but never inside the window."""
     return {
         gpu: _mean(s.utilization / 100 for s in rows if start <= s.t <= end)
         for gpu, rows in sorted(_by_gpu(samples).items())
@@ -339,10 +323,7 @@ def busy_fraction(samples: Iterable[Sample], start: float, end: float) -> dict[i
 
 def sample_metrics(samples: Iterable[Sample], prefix: str = "system/") -> list[MetricPoint]:
     """The samples as MLflow system-metric time series (``system/gpu_0_utilization_percentage``, …), step = round.
-
-    Names, units (MB = 10⁶ bytes) and rounding follow MLflow's GPU monitor; ``gpu_<i>`` is the position in the
-    sampler's list, so the trial's ``cuda:0`` is ``gpu_0``. Unknown values are left out rather than logged as NaN.
-    """
+    Names, units (MB = 10⁶ bytes) and rounding follow MLflow's GPU monitor; unknown values are left out, not NaN."""
     points: list[MetricPoint] = []
     for s in samples:
         stamp, name = int(s.t * 1000), f"{prefix}gpu_{s.gpu}_"
@@ -360,12 +341,9 @@ def sample_metrics(samples: Iterable[Sample], prefix: str = "system/") -> list[M
 
 
 class GpuSampler:
-    """Samples the GPUs ``uuids`` (None: every GPU of the host) every ``interval_s`` seconds on a daemon thread.
-
-    ``with GpuSampler(visible_gpu_uuids()) as sampler: ...`` then ``sampler.summary()``; or ``start()`` and
-    ``stop() -> GpuSummary``. ``drain()`` hands over the samples taken since the last drain, for logging in
-    batches. Memory and processes are attributed to our pid and ``pids``. GPUs NVML can't open are left out.
-    """
+    """Samples the GPUs ``uuids`` (None: every GPU of the host; those NVML can't open are left out) every
+    ``interval_s`` seconds on a daemon thread: ``with GpuSampler(...) as s:`` then ``s.summary()``, or ``start()`` and
+    ``stop()``. Memory and processes are attributed to our pid and ``pids``."""
 
     def __init__(self, uuids: Sequence[str] | None = None, interval_s: float = 1.0, pids: Iterable[int] = ()):
         self.interval_s = interval_s
