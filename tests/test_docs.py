@@ -418,6 +418,7 @@ def script_flags(script: str) -> set[str]:
             flags |= set(action.option_strings)
             if isinstance(action, argparse._SubParsersAction):
                 parsers += action.choices.values()
+                flags |= {f"command {name}" for name in action.choices}
     return flags
 
 
@@ -502,6 +503,9 @@ def unknown_names(text: str, code: bool) -> list[str]:
         words = arguments.split(" ray ", 1)[0].split()
         found += [f"{script} has no option {w.split('=')[0]}" for w in words
                   if w.startswith("--") and w.split("=")[0] not in index.flags[script]]  # fmt: skip
+        command = f"command {next((w for w in words if w[0] != '-'), '').rstrip('):,;.')}"  # where the script has them
+        if any(f.startswith("command ") for f in index.flags[script]) and command not in index.flags[script]:
+            found += [] if re.match(r"command ([<.…]|$)", command) else [f"{script} has no {command!r}"]
         pairs = list(zip(words, words[1:], strict=False))
         space = next((b for a, b in pairs if a == "--space"), None)
         for preset in (b for a, b in pairs if a == "--preset"):
@@ -575,6 +579,7 @@ def test_the_name_check_catches_what_does_not_exist(tmp_path: Path):
         "`python jobs/sweep.py --space fusion --no-such-flag`",
         "`python jobs/sweep.py --space fusion --preset slice`",
         "`python jobs/no_such_job.py`",
+        "`python jobs/validate.py no-such-check`",
         "```\npython analysis/report.py --sweep X \\\n  --no-such-flag\n```",
         "set `--no-such-flag`",
         "the `no_such` preset",
