@@ -294,6 +294,9 @@ def test_registry_builds_gx_by_default_and_monai_on_request():
     with pytest.raises(ValueError, match="Hyena"):
         Swin3d(2, use_hyena=True, **small)
     with pytest.raises(ValueError, match="3D only"):
-        swin.SwinTransformer(2, 6, (4, 4), (2, 2), (1, 1, 1, 1), (1, 1, 1, 1), spatial_dims=2)
+        swin.SwinTransformer(
+            in_chans=2, embed_dim=6, window_size=(4, 4), patch_size=(2, 2), depths=(1,) * 4, num_heads=(1,) * 4,
+            spatial_dims=2,
+        )  # fmt: skip
     with pytest.raises(TypeError, match="unexpected arguments"):
         Swin3d(2, windw_size=4, **small)

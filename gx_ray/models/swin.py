@@ -42,7 +42,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -516,25 +516,17 @@ class Mlp(nn.Module):
 
 
 class SwinTransformerBlock(nn.Module):
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        window_size: Sequence[int],
-        mlp_ratio: float,
-        qkv_bias: bool,
-        drop: float,
-        attn_drop: float,
-        drop_path: float,
-        use_checkpoint: bool,
-    ):
+    def __init__(self, config: SwinConfig, dim: int, num_heads: int, drop_path: float):
         super().__init__()
-        self.use_checkpoint = use_checkpoint
+        self.use_checkpoint = config.use_checkpoint
         self.drop_path = drop_path
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = WindowAttention(dim, num_heads, window_size, qkv_bias, attn_drop, drop)
+        self.attn = WindowAttention(
+            dim, num_heads, config.window_size, config.qkv_bias, config.attn_drop_rate, config.drop_rate,
+            config.attention_backend,
+        )  # fmt: skip
         self.norm2 = nn.LayerNorm(dim)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
+        self.mlp = Mlp(dim, int(dim * config.mlp_ratio), config.drop_rate)
 
     def attention_part(self, x: torch.Tensor, windows: Windows) -> torch.Tensor:
         h = self.attn(partition(layer_norm(x, self.norm1), windows), windows)
@@ -578,30 +570,14 @@ class PatchMerging(nn.Module):
 
 
 class BasicLayer(nn.Module):
-    """One stage: ``depth`` blocks (odd ones shifted) then the patch merging; channels-last in and out."""
+    """One stage: a block per ``drop_path`` rate (odd ones shifted) then the patch merging; channels-last in and out."""
 
-    def __init__(
-        self,
-        dim: int,
-        depth: int,
-        num_heads: int,
-        window_size: Sequence[int],
-        drop_path: Sequence[float],
-        mlp_ratio: float,
-        qkv_bias: bool,
-        drop: float,
-        attn_drop: float,
-        merging_v2: bool,
-        use_checkpoint: bool,
-    ):
+    def __init__(self, config: SwinConfig, dim: int, num_heads: int, drop_path: Sequence[float]):
         super().__init__()
-        self.window_size = tuple(window_size)
-        self.shift_size = tuple(w // 2 for w in window_size)
-        self.blocks = nn.ModuleList(
-            SwinTransformerBlock(dim, num_heads, window_size, mlp_ratio, qkv_bias, drop, attn_drop, p, use_checkpoint)
-            for p in drop_path
-        )
-        self.downsample = PatchMerging(dim, merging_v2)
+        self.window_size = config.window_size
+        self.shift_size = tuple(w // 2 for w in config.window_size)
+        self.blocks = nn.ModuleList(SwinTransformerBlock(config, dim, num_heads, p) for p in drop_path)
+        self.downsample = PatchMerging(dim, config.downsample == "mergingv2")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         size = tuple(x.shape[1:4])
@@ -637,91 +613,93 @@ class PatchEmbed(nn.Module):
 UNSUPPORTED = {"use_hyena": False, "hyena_stages": None}
 
 
-class SwinTransformer(nn.Module):
-    """MONAI's 3D ``SwinTransformer`` (same arguments, parameters and outputs), faster: see the module docstring.
+@dataclass(frozen=True, kw_only=True)
+class SwinConfig:
+    """The arguments of MONAI's 3D ``SwinTransformer`` that gx-ray's takes, and ``attention_backend`` (not MONAI's):
+    :data:`ATTENTION_BACKENDS`. ``use_flash_attention`` (MONAI's switch for its fused attention without gradients) is
+    accepted and ignored: this network always runs fused. 2D and norm layers other than LayerNorm are refused."""
 
-    ``use_flash_attention`` (MONAI's switch for its fused attention without gradients) is accepted and ignored: this
-    one always runs fused. ``attention_backend`` (not MONAI's): :data:`ATTENTION_BACKENDS`. MONAI's Hyena blocks, 2D
-    and norm layers other than LayerNorm are not supported.
-    """
+    in_chans: int
+    embed_dim: int
+    window_size: Sequence[int]
+    patch_size: Sequence[int]
+    depths: Sequence[int]
+    num_heads: Sequence[int]
+    mlp_ratio: float = 4.0
+    qkv_bias: bool = True
+    drop_rate: float = 0.0
+    attn_drop_rate: float = 0.0
+    drop_path_rate: float = 0.0
+    norm_layer: type[nn.Module] = nn.LayerNorm
+    patch_norm: bool = False
+    use_checkpoint: bool = False
+    spatial_dims: int = 3
+    downsample: str = "merging"
+    use_v2: bool = False
+    use_flash_attention: bool = False
+    attention_backend: str = "auto"
 
-    def __init__(
-        self,
-        in_chans: int,
-        embed_dim: int,
-        window_size: Sequence[int],
-        patch_size: Sequence[int],
-        depths: Sequence[int],
-        num_heads: Sequence[int],
-        mlp_ratio: float = 4.0,
-        qkv_bias: bool = True,
-        drop_rate: float = 0.0,
-        attn_drop_rate: float = 0.0,
-        drop_path_rate: float = 0.0,
-        norm_layer: type[nn.Module] = nn.LayerNorm,
-        patch_norm: bool = False,
-        use_checkpoint: bool = False,
-        spatial_dims: int = 3,
-        downsample: str = "merging",
-        use_v2: bool = False,
-        use_flash_attention: bool = False,
-        attention_backend: str = "auto",
-        **unsupported: Any,
-    ):
-        super().__init__()
-        bad = {k: v for k, v in unsupported.items() if k not in UNSUPPORTED and not k.startswith("hyena_")}
+    def __post_init__(self) -> None:
+        dims, window_size, patch_size, depths, num_heads = (
+            self.spatial_dims, self.window_size, self.patch_size, self.depths, self.num_heads
+        )  # fmt: skip
+        if dims != 3 or len(window_size) != 3 or len(patch_size) != 3:
+            raise ValueError(f"gx-ray's SwinTransformer is 3D only: spatial_dims {dims}, window {window_size}")
+        if len(depths) != 4 or len(num_heads) != 4:
+            raise ValueError(f"MONAI's SwinTransformer has four stages: depths {depths}, num_heads {num_heads}")
+        if self.norm_layer is not nn.LayerNorm:
+            raise ValueError(f"gx-ray's SwinTransformer normalises with nn.LayerNorm only, not {self.norm_layer}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend {self.attention_backend!r}; valid: {', '.join(ATTENTION_BACKENDS)}")
+        if self.downsample not in ("merging", "mergingv2"):
+            raise ValueError(f"downsample {self.downsample!r}: gx-ray's SwinTransformer has 'merging' and 'mergingv2'")
+        for name in ("window_size", "patch_size", "depths", "num_heads"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    @classmethod
+    def of(cls, **arguments: Any) -> SwinConfig:
+        """From MONAI's keyword arguments; its Hyena blocks' only at their defaults."""
+        names = {f.name for f in fields(cls)}
+        unsupported = {k: v for k, v in arguments.items() if k not in names}
+        bad = sorted(k for k in unsupported if k not in UNSUPPORTED and not k.startswith("hyena_"))
         if bad:
-            raise TypeError(f"SwinTransformer got unexpected arguments {sorted(bad)}")
+            raise TypeError(f"SwinTransformer got unexpected arguments {bad}")
         used = sorted(k for k, v in unsupported.items() if v != UNSUPPORTED.get(k, v))
         if used:
             raise ValueError(f"gx-ray's SwinTransformer has no Hyena blocks ({used}); use implementation 'monai'")
-        if spatial_dims != 3 or len(window_size) != 3 or len(patch_size) != 3:
-            raise ValueError(f"gx-ray's SwinTransformer is 3D only: spatial_dims {spatial_dims}, window {window_size}")
-        if len(depths) != 4 or len(num_heads) != 4:
-            raise ValueError(f"MONAI's SwinTransformer has four stages: depths {depths}, num_heads {num_heads}")
-        if norm_layer is not nn.LayerNorm:
-            raise ValueError(f"gx-ray's SwinTransformer normalises with nn.LayerNorm only, not {norm_layer}")
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend {attention_backend!r}; valid: {', '.join(ATTENTION_BACKENDS)}")
-        if downsample not in ("merging", "mergingv2"):
-            raise ValueError(f"downsample {downsample!r}: gx-ray's SwinTransformer has 'merging' and 'mergingv2'")
+        return cls(**{k: v for k, v in arguments.items() if k in names})
+
+
+class SwinTransformer(nn.Module):
+    """MONAI's 3D ``SwinTransformer`` (same arguments, parameters and outputs), faster: see the module docstring.
+    Built from a :class:`SwinConfig` or from MONAI's keyword arguments (its fields)."""
+
+    def __init__(self, config: SwinConfig | None = None, **arguments: Any):
+        super().__init__()
+        self.config = config = config or SwinConfig.of(**arguments)
+        depths, embed_dim = config.depths, config.embed_dim
         self.num_layers = len(depths)
         self.embed_dim = embed_dim
-        self.patch_norm = patch_norm
-        self.window_size = tuple(window_size)
-        self.patch_size = tuple(patch_size)
-        self.patch_embed = PatchEmbed(patch_size, in_chans, embed_dim, patch_norm)
-        self.pos_drop = nn.Dropout(p=drop_rate)
-        rates = [x.item() for x in torch.linspace(0, drop_path_rate, sum(depths))]
-        self.use_v2 = use_v2
+        self.patch_norm = config.patch_norm
+        self.window_size = config.window_size
+        self.patch_size = config.patch_size
+        self.patch_embed = PatchEmbed(config.patch_size, config.in_chans, embed_dim, config.patch_norm)
+        self.pos_drop = nn.Dropout(p=config.drop_rate)
+        rates = [x.item() for x in torch.linspace(0, config.drop_path_rate, sum(depths))]
+        self.use_v2 = config.use_v2
         self.layers1, self.layers2, self.layers3, self.layers4 = (nn.ModuleList() for _ in range(4))
-        if use_v2:
+        if self.use_v2:
             self.layers1c, self.layers2c, self.layers3c, self.layers4c = (nn.ModuleList() for _ in range(4))
         for i in range(4):
-            layer = BasicLayer(
-                dim=embed_dim * 2**i,
-                depth=depths[i],
-                num_heads=num_heads[i],
-                window_size=self.window_size,
-                drop_path=rates[sum(depths[:i]) : sum(depths[: i + 1])],
-                mlp_ratio=mlp_ratio,
-                qkv_bias=qkv_bias,
-                drop=drop_rate,
-                attn_drop=attn_drop_rate,
-                merging_v2=downsample == "mergingv2",
-                use_checkpoint=use_checkpoint,
-            )
-            getattr(self, f"layers{i + 1}").append(layer)
-            if use_v2:
+            width, stage_rates = embed_dim * 2**i, rates[sum(depths[:i]) : sum(depths[: i + 1])]
+            getattr(self, f"layers{i + 1}").append(BasicLayer(config, width, config.num_heads[i], stage_rates))
+            if self.use_v2:
                 from monai.networks.blocks import UnetrBasicBlock  # MONAI's residual conv block, its parameters
 
-                block = UnetrBasicBlock(3, embed_dim * 2**i, embed_dim * 2**i, 3, 1, "instance", res_block=True)
+                block = UnetrBasicBlock(3, width, width, 3, 1, "instance", res_block=True)
                 getattr(self, f"layers{i + 1}c").append(block)
         self.num_features = int(embed_dim * 2 ** (self.num_layers - 1))
-        self.attention_backend = attention_backend
-        for module in self.modules():
-            if isinstance(module, WindowAttention):
-                module.backend = attention_backend
+        self.attention_backend = config.attention_backend
 
     @staticmethod
     def proj_out(x: torch.Tensor, normalize: bool = False) -> torch.Tensor:

@@ -66,6 +66,24 @@ def resnet_feature_maps(net: ResNet, x: torch.Tensor) -> list[torch.Tensor]:
     return maps
 
 
+def swin_arguments(
+    in_channels: int, gradient_checkpointing: bool, feature_size: int = 48, depths: tuple[int, ...] = (2, 2, 2, 2),
+    num_heads: tuple[int, ...] = (3, 6, 12, 24), window_size: int = 7, patch_size: int = 2, **overrides: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """Arguments of MONAI's 3D ``SwinTransformer`` from swin3d's ``vision_kwargs`` (cubic windows and patches)."""
+    return {
+        "in_chans": in_channels,
+        "embed_dim": feature_size,
+        "window_size": (window_size,) * 3,
+        "patch_size": (patch_size,) * 3,
+        "depths": tuple(depths),
+        "num_heads": tuple(num_heads),
+        "spatial_dims": 3,
+        "use_checkpoint": gradient_checkpointing,
+        **overrides,
+    }
+
+
 class Swin3d(nn.Module):
     """MONAI's 3D ``SwinTransformer`` (the SwinUNETR encoder); its five normalised stage outputs are the maps.
 
@@ -80,30 +98,11 @@ class Swin3d(nn.Module):
     """
 
     def __init__(
-        self,
-        in_channels: int,
-        feature_size: int = 48,
-        depths: tuple[int, ...] = (2, 2, 2, 2),
-        num_heads: tuple[int, ...] = (3, 6, 12, 24),
-        window_size: int = 7,
-        patch_size: int = 2,
-        gradient_checkpointing: bool = False,
-        attention: str = "fused",
-        implementation: str | None = None,
-        **overrides: Any,
-    ):
+        self, in_channels: int, gradient_checkpointing: bool = False, attention: str = "fused",
+        implementation: str | None = None, **arguments: Any,
+    ):  # fmt: skip
         super().__init__()
-        self.backbone_arguments = {
-            "in_chans": in_channels,
-            "embed_dim": feature_size,
-            "window_size": (window_size,) * 3,
-            "patch_size": (patch_size,) * 3,
-            "depths": tuple(depths),
-            "num_heads": tuple(num_heads),
-            "spatial_dims": 3,
-            "use_checkpoint": gradient_checkpointing,
-            **overrides,
-        }
+        self.backbone_arguments = swin_arguments(in_channels, gradient_checkpointing, **arguments)
         from monai.networks.nets.swin_unetr import SwinTransformer, WindowAttention  # on first use: module docstring
 
         if attention not in SWIN_ATTENTION:
@@ -128,7 +127,8 @@ class Swin3d(nn.Module):
             for module in self.backbone.modules():
                 if isinstance(module, WindowAttention):
                     module.__class__ = fused_window_attention()
-        self.channels = [feature_size * 2**i for i in range(len(depths) + 1)]
+        width, stages = self.backbone_arguments["embed_dim"], len(self.backbone_arguments["depths"])
+        self.channels = [width * 2**i for i in range(stages + 1)]
 
     def forward(self, ct: torch.Tensor) -> list[torch.Tensor]:
         return self.backbone(ct)
