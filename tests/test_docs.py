@@ -371,8 +371,6 @@ def test_cff_schema_refuses_a_broken_citation():
 # --- what the pages name exists --------------------------------------------------------------------------------------
 
 OTHER_TOOLS = {
-    "--address": "ray start's and ray job submit's head address, in the cluster commands",
-    "--block": "ray start's: the node runs in the foreground",
     "--env-manager": "mlflow models serve's",
     "--dist": "pytest-xdist's, in tests/README.md",
     "--no-loadscope-reorder": "pytest-xdist's",
