@@ -139,18 +139,12 @@ def coverage(
     for (target, level), bounds in intervals.items():
         held = (bounds[:, 0] <= targets[target]) & (targets[target] <= bounds[:, 1])
         share = float(held.mean())
-        rows.append(
-            {
-                "target": target,
-                "seed_level": level,
-                "coverage": share,
-                "mc_error": math.sqrt(share * (1 - share) / studies),
-                "width": float(np.mean(bounds[:, 1] - bounds[:, 0])),
-                "se_patients": float(np.sqrt(components[target][:, 0]).mean()),
-                "se_seeds": float(np.sqrt(components[target][:, 1]).mean()),
-                "truth": targets[target],
-            }
-        )
+        rows.append({"target": target, "seed_level": level, "coverage": share,
+                     "mc_error": math.sqrt(share * (1 - share) / studies),
+                     "width": float(np.mean(bounds[:, 1] - bounds[:, 0])),
+                     "se_patients": float(np.sqrt(components[target][:, 0]).mean()),
+                     "se_seeds": float(np.sqrt(components[target][:, 1]).mean()),
+                     "truth": targets[target]})  # fmt: skip
     return rows
 
 
