@@ -285,8 +285,8 @@ def documented_commands() -> list[tuple[str, int, str, list[str]]]:
     return found
 
 
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(f"gx_docs_{name}", ROOT / "jobs" / f"{name}.py")
+def load_script(name: str, folder: str = "jobs"):
+    spec = importlib.util.spec_from_file_location(f"gx_docs_{name}", ROOT / folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -394,7 +394,8 @@ def script_flags(script: str) -> set[str]:
     subcommands: the parser its ``build_parser()`` returns, or the one its ``main`` builds, caught as it parses."""
     import argparse
 
-    module = importlib.import_module(script) if script.startswith("gx_ray") else load_script_at(ROOT / script)
+    folder, _, name = script.removesuffix(".py").rpartition("/")
+    module = importlib.import_module(script) if script.startswith("gx_ray") else load_script(name, folder)
 
     class Caught(Exception):
         pass
@@ -418,13 +419,6 @@ def script_flags(script: str) -> set[str]:
                 parsers += action.choices.values()
                 flags |= {f"command {name}" for name in action.choices}
     return flags
-
-
-def load_script_at(path: Path):
-    spec = importlib.util.spec_from_file_location(f"gx_docs_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @functools.cache
