@@ -1006,8 +1006,21 @@ def _place_in_bands(rng, coords: np.ndarray, bands: list[np.ndarray], radii, pla
     return [i for i in chosen if i is not None]
 
 
-def _template_tumour(rng, findings: Findings, ct: sitk.Image, seg: np.ndarray, surface: np.ndarray, coords):
+@dataclass(frozen=True, kw_only=True)
+class _Template:
+    """A real CT as the findings are placed in it: the image, its TotalSegmentator labels (``seg``) and HU as arrays,
+    the signed distance (mm) to the stomach's surface, and every voxel's physical point (``coords``)."""
+
+    ct: sitk.Image
+    seg: np.ndarray
+    hu: np.ndarray
+    surface: np.ndarray
+    coords: np.ndarray
+
+
+def _template_tumour(rng, findings: Findings, template: _Template):
     """The tumour on a real stomach mask, by the phantom's rules: its mask and its shape."""
+    ct, seg, surface, coords = template.ct, template.seg, template.surface, template.coords
     stomach = seg == TOTALSEG_STOMACH
     points = coords[:, stomach].T
     centre = points.mean(0)
@@ -1053,8 +1066,9 @@ def _template_tumour(rng, findings: Findings, ct: sitk.Image, seg: np.ndarray, s
     return tumour, shape
 
 
-def _template_lesions(rng, findings: Findings, ct: sitk.Image, seg, hu, surface, coords, tissue, shape) -> None:
+def _template_lesions(rng, findings: Findings, template: _Template, tissue, shape) -> None:
     """Nodes in the perigastric fat, metastases in the liver, ascites around liver and spleen, into ``tissue``."""
+    ct, seg, hu, surface, coords = template.ct, template.seg, template.hu, template.surface, template.coords
     free = (seg == 0) & (tissue == 0)
     fat = free & (hu > -190) & (hu < -30)
     if findings.node_short_axes_mm:
@@ -1130,11 +1144,11 @@ def make_from_template(
     if kidneys.any():
         tissue[kidneys & (_distance_mm(kidneys, ct) < -6)] = TISSUE_CODE["kidney_medulla"]
 
-    surface = _distance_mm(seg == TOTALSEG_STOMACH, ct)
-    tumour, shape = _template_tumour(rng, findings, ct, seg, surface, coords)
+    template = _Template(ct=ct, seg=seg, hu=hu, surface=_distance_mm(seg == TOTALSEG_STOMACH, ct), coords=coords)
+    tumour, shape = _template_tumour(rng, findings, template)
     tissue[tumour] = TISSUE_CODE["tumour"]
     lesions_before = tissue.copy()
-    _template_lesions(rng, findings, ct, seg, hu, surface, coords, tissue, shape)
+    _template_lesions(rng, findings, template, tissue, shape)
     inserted = tumour | (tissue != lesions_before)
     hu[inserted] = rng.normal(0, 4, int(inserted.sum()))  # no template texture to keep: their own, mild
     template_mean[inserted] = 0
