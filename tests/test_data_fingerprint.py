@@ -13,6 +13,7 @@ import yaml
 
 from gx_ray.data.catalogue import load_catalogue
 from gx_ray.data.fingerprint import FINGERPRINT_FILE, PERCENTILES, case_fingerprint, read_fingerprint
+from gx_ray.data.preprocess import PreprocessedCase
 from gx_ray.data.shards import read_manifest
 from gx_ray.schema import PHASES, Box
 from gx_ray.sweep.resume import ResumeError, check_resumable, record_inputs, sweep_inputs
@@ -60,8 +61,11 @@ def test_a_cases_intensities_are_the_percentiles_of_its_stomach_in_hu(seed):
     tumour = Box("tumour", "venous", (*low, *[a + 1 for a in low]))
     boxes = [tumour, stomach] if rng.random() < 0.7 else [tumour]
     labs = {"age": 61, "sex": "", "cea": float("nan")}
-    numbers = case_fingerprint((2.5, 0.7, 0.7), (80, 512, 512), volume, present, mean, sd, boxes, spacing, labs,
-                               ("age", "sex", "cea", "ca199"))  # fmt: skip
+    case = PreprocessedCase(
+        "c", volume, tuple(present), boxes, {}, (0, 0, 0), hu_mean=tuple(mean), hu_std=tuple(sd),
+        source_spacing_zyx=(2.5, 0.7, 0.7), source_shape_zyx=(80, 512, 512),
+    )  # fmt: skip
+    numbers = case_fingerprint(case, spacing, labs, ("age", "sex", "cea", "ca199"))
     region = tuple(slice(a, b) for a, b in zip(low, high, strict=True)) if stomach in boxes else (slice(None),) * 3
     assert set(numbers["intensity_hu"]) == {p for p, here in zip(PHASES, present, strict=True) if here}
     for phase, values in numbers["intensity_hu"].items():

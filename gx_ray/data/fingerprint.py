@@ -17,12 +17,15 @@ import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gx_ray import storage
 from gx_ray.schema import BOX_LEVELS, PHASES, REFERENCE_PHASE
+
+if TYPE_CHECKING:
+    from gx_ray.data.preprocess import PreprocessedCase  # SimpleITK's import: not for a reader of fingerprints
 
 FINGERPRINT_FILE = "fingerprint.json"
 FINGERPRINT_FORMAT = 1
@@ -31,29 +34,21 @@ PERCENTILES = (0.5, 5, 50, 95, 99.5)
 
 
 def case_fingerprint(
-    source_spacing_zyx: Sequence[float],
-    source_shape_zyx: Sequence[int],
-    volume: np.ndarray,
-    phase_present: Sequence[bool],
-    hu_mean: Sequence[float],
-    hu_std: Sequence[float],
-    boxes: Sequence[Any],
-    spacing_zyx: Sequence[float],
-    labs: Mapping[str, Any],
-    variables: Sequence[str],
+    case: PreprocessedCase, spacing_zyx: Sequence[float], labs: Mapping[str, Any], variables: Sequence[str]
 ) -> dict[str, Any]:
     """One case's numbers: its reference phase's spacing and shape as acquired, its intensities inside the stomach
-    per phase (HU), its boxes' sizes (mm, on the training grid), and which catalogue variables it lacks."""
-    # boxes on the crop are shared by every phase (registered): the reference phase's stomach box, else any phase's
+    per phase (HU), its boxes' sizes (mm, on the training grid ``spacing_zyx``), and which catalogue ``variables`` its
+    ``labs`` lack."""
+    boxes = case.boxes  # on the crop, shared by every phase (registered): the reference phase's stomach box, else any's
     stomach = min((b for b in boxes if b.level == "stomach"), key=lambda b: b.phase != REFERENCE_PHASE, default=None)
     region = (
         (slice(None),) * 3 if stomach is None else tuple(slice(stomach.zyx[i], stomach.zyx[i + 3]) for i in range(3))
     )
     intensity = {}
     for p, phase in enumerate(PHASES):
-        if not phase_present[p]:
+        if not case.phase_present[p]:
             continue
-        hu = volume[p][region].astype(np.float32) * float(hu_std[p]) + float(hu_mean[p])
+        hu = case.volume[p][region].astype(np.float32) * float(case.hu_std[p]) + float(case.hu_mean[p])
         values = np.percentile(hu, PERCENTILES) if hu.size else [np.nan] * len(PERCENTILES)
         intensity[phase] = {"mean": float(hu.mean()), "sd": float(hu.std()), **_percentiles(values)}
     sizes: dict[str, list[float]] = {}
@@ -61,8 +56,8 @@ def case_fingerprint(
         extent = np.subtract(box.zyx[3:], box.zyx[:3]) * np.asarray(spacing_zyx, dtype=float)
         sizes.setdefault(box.level, []).append(round(float(extent.max()), 2))
     return {
-        "source_spacing_zyx": [round(float(s), 4) for s in source_spacing_zyx],
-        "source_shape_zyx": [int(s) for s in source_shape_zyx],
+        "source_spacing_zyx": [round(float(s), 4) for s in case.source_spacing_zyx],
+        "source_shape_zyx": [int(s) for s in case.source_shape_zyx],
         "intensity_region": "stomach box" if stomach is not None else "crop",
         "intensity_hu": intensity,
         "box_long_axis_mm": sizes,

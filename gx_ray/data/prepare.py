@@ -177,18 +177,7 @@ def case_row(case: Case, split: str, config: PrepareConfig) -> tuple[dict[str, A
         "anatomy": pre.anatomy,
         "warnings": pre.warnings,
         "crop_origin_zyx": list(pre.crop_origin_zyx),
-        "fingerprint": case_fingerprint(
-            pre.source_spacing_zyx,
-            pre.source_shape_zyx,
-            pre.volume,
-            pre.phase_present,
-            pre.hu_mean,
-            pre.hu_std,
-            pre.boxes,
-            config.preprocess.spacing_zyx_mm,
-            case.labs,
-            catalogue.names,
-        ),  # fmt: skip
+        "fingerprint": case_fingerprint(pre, config.preprocess.spacing_zyx_mm, case.labs, catalogue.names),
         "demographics": {"age": case.labs.get("age"), "sex": case.labs.get("sex")},
     }
     return row, qc
