@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -290,6 +291,47 @@ def test_a_finalized_sweep_is_registered_loaded_served_and_predicts_on_new_patie
     evaluation = {e["metric"]: e for e in json.loads((out / "evaluation.json").read_text(encoding="utf-8"))}
     assert evaluation["auc"]["external"]["cases"] == 5 and evaluation["auc"]["internal"]["cases"] == len(test_cases)
     assert "| auc |" in (out / "evaluation.md").read_text(encoding="utf-8")
+
+
+def test_finalize_prints_the_whole_predict_command_naming_the_store_that_holds_the_model(tmp_path):
+    from gx_ray.analysis.report import SweepStore
+    from gx_ray.deploy.finalize import FinalizeResult, predict_command
+    from jobs.predict import build_parser
+
+    own = tmp_path / "own"  # a sweep that kept its own MLflow store, served again only while finalize ran
+    (own / "mlflow").mkdir(parents=True)
+    (own / "mlflow" / "mlflow.db").touch()
+    uri = "models:/gx-ray-stage_classification@champion"
+    cases = [  # (the sweep's folder, its tracking URI, finalize's --mlflow-uri) -> the store predict must be given
+        (own, "http://127.0.0.1:40123", None, ("sweep", str(own))),
+        (own, "http://mlflow:5000", "http://mlflow:5000", ("mlflow_uri", "http://mlflow:5000")),
+        (tmp_path / "logged", "http://tracking:5000", None, ("mlflow_uri", "http://tracking:5000")),
+    ]
+    choice = {"label": "stage_classification", "description": "lr=0.1", "metric": "auc", "score": 75.0, "repeats": 2}
+    test = {"metric": "auc", "value": 80.0, "low": 70.0, "high": 90.0, "cases": 48}
+    for folder, tracking, mlflow_uri, (flag, value) in cases:
+        command = predict_command(uri, SweepStore(tracking, "demo", None, "", folder), mlflow_uri)
+        result = FinalizeResult(uri, "1", "run", folder / "model", choice, test, 1.0, command)
+        (line,) = [line for line in result.summary().splitlines() if "jobs/predict.py" in line]
+        words = shlex.split(line)
+        assert words[words.index("jobs/predict.py") - 1] == "python"
+        args = build_parser().parse_args(words[words.index("jobs/predict.py") + 1 :])  # every flag is predict's
+        assert args.model == uri and getattr(args, flag) == value and args.data and args.out
+        assert (args.sweep, args.mlflow_uri).count(None) == 1
+
+
+def test_predict_refuses_a_model_uri_it_cannot_find_in_one_line_naming_where_to_look(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    MlflowClient(store).search_experiments()  # an empty local store, its tables made here
+    command = [sys.executable, str(ROOT / "jobs/predict.py"), "--model", "models:/gx-ray-stage_classification@champion",
+               "--data", str(tmp_path / "cohort"), "--out", str(tmp_path / "out")]  # fmt: skip
+    env = {**os.environ, "MLFLOW_TRACKING_URI": store}
+    done = subprocess.run(command, capture_output=True, encoding="utf-8", cwd=tmp_path, env=env, timeout=300)
+    said = (done.stdout + done.stderr).strip()
+    assert done.returncode != 0 and "Traceback" not in said and len(said.splitlines()) == 1, said
+    assert "--sweep" in said and "--mlflow-uri" in said and "gx-ray-stage_classification" in said
 
 
 def test_what_cannot_predict_on_new_patients_is_refused_before_anything_is_trained():

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import statistics
 import tempfile
 import time
@@ -37,7 +38,7 @@ from mlflow.tracking import MlflowClient
 
 from gx_ray import storage
 from gx_ray.analysis.cases import case_scorer
-from gx_ray.analysis.report import open_sweep
+from gx_ray.analysis.report import SweepStore, open_sweep
 from gx_ray.analysis.runs import higher_is_better, load_runs, test_records
 from gx_ray.analysis.study import Resampling, two_level_bootstrap
 from gx_ray.data.prepare import QC_JSON
@@ -94,6 +95,8 @@ class FinalizeResult:
     choice: dict[str, Any]
     test: dict[str, Any]
     seconds: float
+    predict: str
+    """The predict command for a new cohort, naming the MLflow store that holds the model (:func:`predict_command`)."""
 
     def summary(self) -> str:
         test = self.test
@@ -103,7 +106,8 @@ class FinalizeResult:
             f"  chosen by validation {self.choice['metric']} {self.choice['score']:.1f} "
             f"(n = {self.choice['repeats']}); "
             f"test {test['metric']} {test['value']:.1f}{interval} on {test['cases']} patients\n"
-            f"  registered {self.model_uri} (version {self.version}) in {self.seconds:.0f} s; files: {self.bundle}"
+            f"  registered {self.model_uri} (version {self.version}) in {self.seconds:.0f} s; files: {self.bundle}\n"
+            f"  predict with: {self.predict}"
         )
 
 
@@ -386,8 +390,18 @@ def finalize(options: FinalizeOptions) -> FinalizeResult:
         except BaseException:
             client.set_terminated(run_id, "FAILED")
             raise
-    uri = f"models:/{name}@{options.alias}"
-    return FinalizeResult(uri, version, run_id, bundle, choice, test, time.perf_counter() - started)
+        uri = f"models:/{name}@{options.alias}"
+        command = predict_command(uri, store, options.mlflow_uri)
+    return FinalizeResult(uri, version, run_id, bundle, choice, test, time.perf_counter() - started, command)
+
+
+def predict_command(model_uri: str, store: SweepStore, mlflow_uri: str | None) -> str:
+    """``jobs/predict.py`` for the registered model: its registry is the sweep's own MLflow store (``--sweep``), served
+    only while finalize ran, unless finalize was given a server or the sweep logged to one (``--mlflow-uri``)."""
+    own = mlflow_uri is None and (store.folder / "mlflow" / "mlflow.db").exists()  # as open_sweep serves it
+    where = ["--sweep", str(store.folder)] if own else ["--mlflow-uri", mlflow_uri or store.uri]
+    return shlex.join(["python", "jobs/predict.py", "--model", model_uri, *where, "--data", "NEW_COHORT", "--out",
+                       "outputs/predictions/NEW_COHORT"])  # fmt: skip
 
 
 def _test_metrics(client: MlflowClient, run_id: str, primary: str) -> list[str]:
