@@ -25,7 +25,6 @@ AUTO = "auto"
 PHASES: tuple[str, ...] = ("non_contrast", "arterial", "venous", "delayed")
 """All CT phases, in acquisition order. ``delayed`` is the paper's "equilibrium" phase."""
 REQUIRED_PHASES: tuple[str, ...] = ("non_contrast", "venous", "delayed")
-OPTIONAL_PHASES: tuple[str, ...] = ("arterial",)
 REFERENCE_PHASE = "venous"
 """The phase every other phase is registered to and resampled onto (Appendix B)."""
 PHASE_ALIASES = {"equilibrium": "delayed", "plain": "non_contrast", "portal_venous": "venous"}

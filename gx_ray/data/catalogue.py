@@ -106,23 +106,12 @@ def _parse_bool(text: str, field: str, name: str) -> bool:
 
 def _variable_from_row(row: dict[str, str]) -> Variable:
     name = row["name"]
+    texts = ("name", "label", "short_label", "description", "section", "group", "kind", "unit", "availability")
     variable = Variable(
-        name=name,
-        label=row["label"],
-        short_label=row["short_label"],
-        description=row["description"],
-        section=row["section"],
-        group=row["group"],
-        kind=row["kind"],
-        unit=row["unit"],
-        ref_low=_parse_float(row["ref_low"]),
-        ref_high=_parse_float(row["ref_high"]),
-        ref_low_female=_parse_float(row["ref_low_female"]),
-        ref_high_female=_parse_float(row["ref_high_female"]),
+        **{key: row[key] for key in texts},
+        **{key: _parse_float(row[key]) for key in ("ref_low", "ref_high", "ref_low_female", "ref_high_female")},
         categories=tuple(row["categories"].split("|")) if row["categories"] else (),
-        deidentified=_parse_bool(row["deidentified"], "deidentified", name),
-        availability=row["availability"],
-        used_in_study=_parse_bool(row["used_in_study"], "used_in_study", name),
+        **{key: _parse_bool(row[key], key, name) for key in ("deidentified", "used_in_study")},
     )
     if variable.kind not in KINDS:
         raise ValueError(f"catalogue variable {name!r}: unknown kind {variable.kind!r}; valid: {', '.join(KINDS)}")
@@ -191,11 +180,8 @@ class Catalogue:
         return self[name].is_post_diagnosis
 
     def reference_range(self, name: str, sex: str | None = None) -> tuple[float | None, float | None]:
-        """``(low, high)`` of ``name`` for ``sex``; either may be ``None`` (no such limit).
-
-        With ``sex=None`` a sex-specific range widens to cover both sexes, so a value normal for either sex
-        is never flagged.
-        """
+        """``(low, high)`` of ``name`` for ``sex``; either may be ``None`` (no such limit). With ``sex=None`` a
+        sex-specific range widens to cover both sexes, so a value normal for either sex is never flagged."""
         v = self[name]
         male = (v.ref_low, v.ref_high)
         female = (
@@ -209,11 +195,8 @@ class Catalogue:
         return female if _normalise_sex(sex) == "female" else male
 
     def abnormal_findings(self, values: dict[str, Any], sex: str | None = None) -> list[AbnormalFinding]:
-        """The numeric values outside their reference range, in catalogue order.
-
-        Missing values (``None``, NaN, empty strings) are skipped, never abnormal; names not in the catalogue
-        and non-numeric variables are ignored; a numeric variable whose value is not a number raises.
-        """
+        """The numeric values outside their reference range, in catalogue order. Missing values are never abnormal;
+        unknown and non-numeric variables are ignored; a numeric variable whose value is not a number raises."""
         findings = []
         for v in self.variables:
             if v.kind != "numeric" or v.name not in values:

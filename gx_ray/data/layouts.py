@@ -196,14 +196,10 @@ def _parse_box(entry: Any, case_id: str, path: Path, where: str, level: str, pha
 
 
 def _check_lab_values(labs: dict[str, Any], case_id: str, path: Path) -> None:
-    """Refuse lab values that would reach a model as ±inf: an infinite number (JSON ``Infinity``, ``"inf"``) or
-    one beyond float32's range (``-1e300``), which the shards store as float32.
-
-    A missing value (``null``, ``""``, absent) is missing, with its mask; so is NaN (``NaN``, ``"nan"``), which
-    exports of tables use for an empty cell. Only variables the catalogue declares numeric are parsed from text,
-    so a category such as ``"INF"`` is never read as infinity; a JSON number is checked whatever the variable.
-    Booleans are refused for numeric variables (``true`` would silently become 1.0).
-    """
+    """Refuse lab values that would reach a model as ±inf in the float32 shards: infinite (``Infinity``, ``"inf"``)
+    or beyond float32's range (``-1e300``), and booleans of numeric variables (``true`` would become 1.0). Missing
+    and NaN (a table export's empty cell) stay missing; only catalogue-numeric variables are parsed from text, so a
+    category ``"INF"`` is never infinity."""
     catalogue = load_catalogue()
     for name, value in labs.items():
         numeric = name in catalogue and catalogue[name].kind == "numeric"
@@ -468,11 +464,8 @@ def paper_case_ids(root: Path) -> list[str]:
 
 
 def printable(name: str | Path) -> str:
-    """A file name as valid UTF-8 text: bytes that are not UTF-8 become ``\\xNN`` escapes.
-
-    Python hands undecodable bytes of a Linux file name on as lone surrogates, which SimpleITK cannot take
-    (it aborts the process) and which no UTF-8 report can hold.
-    """
+    """A file name as valid UTF-8 text, other bytes as ``\\xNN`` escapes: Python hands them on as lone surrogates,
+    which SimpleITK aborts the process on and no UTF-8 report can hold."""
     return os.fsencode(str(name)).decode("utf-8", "backslashreplace")
 
 

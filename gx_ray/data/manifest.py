@@ -315,13 +315,9 @@ def _read_row(row: _Row, columns: list[_Column], cells: list[Any]) -> Case:
 
 
 def manifest_cases(frame: pd.DataFrame, base: Path, source: str = "manifest") -> tuple[list[Case], list[CaseError]]:
-    """The cases of a manifest's rows; each bad row is a :class:`CaseError` instead, and the others are read.
-
-    ``base``: the folder relative paths resolve against (the CSV's). ``source``: what errors name as the file (the
-    CSV's path); each case's ``source`` is it too, and ``Case.extra["manifest_row"]`` the row's 1-based number.
-    A case id on two rows excludes both rows (which is right cannot be known). Raises :class:`ManifestError` when
-    the columns themselves are wrong.
-    """
+    """The cases of a manifest's rows, each bad row a :class:`CaseError` instead (a case id on two rows: both);
+    :class:`ManifestError` when the columns are wrong. ``base``: where relative paths resolve; ``source``: what
+    errors and each case's ``source`` name as the file (``Case.extra["manifest_row"]``: the 1-based row)."""
     cases: list[Case] = []
     errors: list[CaseError] = []
     for _, result in _read_rows(frame, Path(base), source, frozenset()):

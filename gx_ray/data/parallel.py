@@ -14,12 +14,9 @@ from tqdm import tqdm
 def ordered_results(
     submit: Callable[[Any], ray.ObjectRef], items: Iterable[Any], total: int, desc: str
 ) -> Iterator[Any]:
-    """Submit ``items`` as Ray tasks, a bounded number in flight; yield their results in submission order.
-
-    Results arrive out of order but are handed out in order, so files written from them never depend on
-    scheduling. About two tasks per CPU stay in flight: enough to keep every core busy, few enough that
-    finished results waiting for a slow predecessor do not pile up in memory.
-    """
+    """Submit ``items`` as Ray tasks and yield their results in submission order, so files written from them never
+    depend on scheduling. About two tasks per CPU stay in flight: every core busy, and few finished results waiting
+    for a slow predecessor in memory."""
     window = max(2, 2 * int(ray.available_resources().get("CPU", 1)))
     pending: deque[ray.ObjectRef] = deque()
     items = iter(items)

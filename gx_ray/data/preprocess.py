@@ -54,11 +54,9 @@ _EDGE_TOLERANCE = 1e-3
 class PreprocessConfig:
     """Settings of the Appendix-B pipeline; :meth:`preset` gives the paper's and two smaller ones.
 
-    ``register_phases``: the paper registers arterial and delayed to venous. Non-contrast is registered too by
-    default: every phase ends up on the venous grid and is read voxel by voxel beside the others, and the
-    non-contrast scan, taken before the injection, is at least as far from venous (breathing, table motion) as
-    the other two. Pass ``("arterial", "delayed")`` for the paper's literal setting; a phase left out is resampled
-    in scanner coordinates (identity transform).
+    ``register_phases``: the paper registers arterial and delayed to venous; non-contrast is registered too by default,
+    as it is read voxel by voxel beside the others and, taken before the injection, is at least as far from venous
+    (breathing, table motion). A phase left out is resampled in scanner coordinates (identity transform).
     """
 
     spacing_zyx_mm: tuple[float, float, float] = (1.0, 1.0, 1.0)
@@ -257,13 +255,9 @@ def resample_onto(
 def register_rigid(
     fixed: sitk.Image, moving: sitk.Image, config: PreprocessConfig
 ) -> tuple[sitk.Euler3DTransform, dict]:
-    """Rigid 6-DOF transform mapping points of ``fixed`` onto the same anatomy in ``moving`` (both raw images).
-
-    Both are bin-shrunk to about ``config.registration_spacing_mm`` and clipped to ``registration_window_hu``;
-    Mattes mutual information, regular-step gradient descent with scales from physical shift, a shrink/smooth
-    pyramid, a fixed number of randomly sampled voxels per level (seeded). Raises ``RuntimeError`` (SimpleITK's)
-    when the optimisation cannot run, e.g. the images do not overlap.
-    """
+    """Rigid 6-DOF transform mapping points of ``fixed`` onto the same anatomy in ``moving`` (both raw images, as
+    :func:`_registration_copy` sees them): Mattes mutual information, regular-step gradient descent, a shrink/smooth
+    pyramid, seeded voxel samples. Raises SimpleITK's ``RuntimeError`` when it cannot run (no overlap)."""
     fixed, moving = _registration_copy(fixed, config), _registration_copy(moving, config)
 
     transform = sitk.Euler3DTransform()

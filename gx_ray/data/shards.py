@@ -249,9 +249,8 @@ def hounsfield(ct: np.ndarray, hu_mean: np.ndarray, hu_std: np.ndarray) -> np.nd
 
 
 def read_manifest(shard_dir: Path | str, verify: bool = False) -> dict[str, Any]:
-    """The manifest of a shard folder (a local path or a URI, :mod:`gx_ray.storage`). Every file it lists must exist
-    with the size it records (cheap: catches a truncated or rewritten file); with ``verify``, every file's full
-    SHA-256 is checked as well. Raises :class:`ShardIntegrityError` naming the first file that differs."""
+    """The manifest of a shard folder (a path or a URI): every file it lists exists with its recorded size, and with
+    ``verify`` its SHA-256. Raises :class:`ShardIntegrityError` naming the first file that differs."""
     manifest = _load_manifest(shard_dir)
     for entry in manifest["files"]:
         shard = storage.join(shard_dir, entry["file"])
@@ -282,13 +281,9 @@ def _load_manifest(shard_dir: Path | str) -> dict[str, Any]:
 
 
 def check_shards(shard_dir: Path | str, verify: bool = False) -> dict[str, Any]:
-    """Everything a sweep should know before it trusts ``shard_dir``; returns the manifest.
-
-    Always (cheap, a few ms per file): the manifest lists files that exist with their recorded sizes, and every
-    file's Parquet footer parses and holds the rows the manifest records. With ``verify`` (reads every byte):
-    each file's SHA-256 matches the manifest. Page checksums are verified later, on every read.
-    Raises :class:`ShardIntegrityError` naming the file.
-    """
+    """What a sweep checks before it trusts ``shard_dir``; returns the manifest. Cheap (ms per file): every listed
+    file exists with its recorded size and its footer parses with the recorded rows; ``verify`` (every byte): SHA-256.
+    Page checksums are verified later, on every read. Raises :class:`ShardIntegrityError` naming the file."""
     manifest = read_manifest(shard_dir, verify=verify)
     for entry in manifest["files"]:
         shard = storage.join(shard_dir, entry["file"])
@@ -334,11 +329,8 @@ def split_files(shard_dir: Path | str, split: str) -> list[str]:
 
 
 def fixed_tensor(column: pa.ChunkedArray | pa.Array, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """A binary column whose values are equal-size raw arrays, as one ``(rows, *shape)`` array.
-
-    Null values become zeros. A single chunk without nulls is viewed in place (no copy); several chunks are
-    copied once, straight into the result (``combine_chunks`` would copy even a single chunk).
-    """
+    """A binary column of equal-size raw arrays as one ``(rows, *shape)`` array; nulls become zeros. A single chunk
+    without nulls is viewed in place; ``combine_chunks`` would copy even that."""
     if isinstance(column, pa.ChunkedArray):
         if column.num_chunks == 1:
             return fixed_tensor(column.chunk(0), shape, dtype)
@@ -406,21 +398,14 @@ def read_split(
     concurrency: int | None = None,
     pieces: list[dict[str, Any]] | None = None,
 ) -> ray.data.Dataset:
-    """The rows of one split (or of the given row groups, :func:`rank_pieces`) as a streaming Ray Dataset of Arrow
-    blocks, one block per Parquet row group, in order.
+    """The rows of one split (or of the given row groups, :func:`rank_pieces`) as a streaming Ray Dataset, one Arrow
+    block per Parquet row group, in order; feed it to ``iter_torch_batches(collate_fn=BatchCollate(...))``.
 
-    Feed it to ``iter_torch_batches(collate_fn=BatchCollate(...), batch_size=...)``: decoding happens in the
-    consumer's prefetch threads, straight from the Arrow buffers.
-
-    Each read task costs ``num_cpus`` (0 lets a process that already holds its CPUs, such as a one-worker Tune
-    trial, read without asking for more; ``concurrency`` then bounds the tasks in flight). This is a plain
-    ``from_items`` → ``map_batches`` over row groups rather than ``read_parquet``: the latter first samples the
-    files in a task of one CPU that no setting changes, which never starts while every CPU is held by trials
-    (a deadlock on small machines), and costs 0.8-6 s before the first batch of every epoch.
-
-    Where the read tasks run is Ray Data's choice: Ray 2.60 deprecates every locality setting (``locality_with_output``
-    is gone, ``DataContext.scheduling_strategy`` and per-operator strategies are deprecated: "Ray Data manages
-    scheduling internally"). From an object store no node is nearer the data anyway.
+    Each read task costs ``num_cpus`` (0 lets a one-worker Tune trial that holds its CPUs read without asking for
+    more; ``concurrency`` then bounds the tasks in flight). Not ``read_parquet``: it first samples the files in a
+    one-CPU task that never starts while trials hold every CPU (a deadlock on small machines), and costs 0.8-6 s
+    before every epoch's first batch. Where the tasks run is Ray Data's choice (Ray 2.60 deprecates every
+    locality setting); from an object store no node is nearer the data anyway.
     """
     pieces = [
         {"path": p["path"], "row_group": p["row_group"], "keep": p.get("keep")}
@@ -457,18 +442,13 @@ warnings.filterwarnings("ignore", message="The given NumPy array is not writable
 
 
 class BatchCollate(ArrowBatchCollateFn):
-    """Turns an Arrow batch of shard rows into tensors (and lists of strings for the text columns).
-
-    Use as ``collate_fn`` of ``iter_torch_batches``; as an ``ArrowBatchCollateFn`` Ray hands it the Arrow
-    table itself. The output holds non-tensor values, so moving it to the device is the training loop's job
-    (:func:`to_device`).
-    """
+    """Turns an Arrow batch of shard rows into tensors (lists of strings for the text columns): the ``collate_fn``
+    of ``iter_torch_batches``. The output holds non-tensor values, so :func:`to_device` moves it, not Ray."""
 
     def __init__(self, layout: TensorLayout, pin_memory: bool = False):
         self.layout = layout
         self.pin_memory = pin_memory
-        """Copy the tensors into page-locked memory here, in Ray's prefetch threads, so that the training loop's
-        copy to the GPU is asynchronous (``non_blocking``) and costs the loop nothing."""
+        """Pin here, in Ray's prefetch threads, so that the loop's copy to the GPU is asynchronous and free."""
 
     def __call__(self, batch: pa.Table) -> dict[str, Any]:
         out = self._collate(batch)

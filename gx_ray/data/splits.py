@@ -21,15 +21,11 @@ UNSTAGED = "unstaged"
 def assign_splits(
     strata: dict[str, str | None], fractions: tuple[float, float, float] = DEFAULT_FRACTIONS, seed: int = 0
 ) -> dict[str, str]:
-    """Map every patient id to a split, keeping each stratum's proportions close to ``fractions``.
-
-    ``strata`` maps patient id → stratum (the overall stage group; None for patients without one). Within a
-    stratum patients are shuffled with a seed derived from ``seed`` and the stratum's name; then, stratum after
-    stratum, each patient goes to the split furthest below its share of all patients dealt so far. Dealing
-    across strata (not rounding each stratum on its own) keeps small strata from all rounding the same split
-    down to nothing: the cohort matches the fractions to within one patient, each stratum to within about two.
-    The result depends only on the ids, strata, fractions and seed, not on the order of ``strata``.
-    """
+    """Map every patient id to a split, each stratum (``strata``: patient id → stage group or None) close to
+    ``fractions``. Within a stratum patients are shuffled (seeded by ``seed`` and the stratum's name); then each goes
+    to the split furthest below its share of all patients dealt so far: dealt across strata, small strata do not all
+    round one split down to nothing (the cohort within one patient of the fractions, each stratum within about two).
+    Depends only on the ids, strata, fractions and seed, not on the order of ``strata``."""
     if len(fractions) != len(SPLITS) or any(f < 0 for f in fractions) or not np.isclose(sum(fractions), 1.0):
         raise ValueError(f"split fractions must be three non-negative numbers summing to 1, got {fractions}")
     return {patient: SPLITS[i] for patient, i in _deal(strata, fractions, seed).items()}

@@ -54,10 +54,6 @@ class EndoscopicLesion:
     def early(self) -> bool:
         return self.t in EARLY_T
 
-    @property
-    def ulcerated(self) -> bool:
-        return self.gross_type in ("0-III", "Borrmann II", "Borrmann III")
-
 
 def endoscopic_lesion(findings: Findings) -> EndoscopicLesion:
     """The lesion of ``findings`` as rendered by endoscopy (deterministic: no randomness of its own).

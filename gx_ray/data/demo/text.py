@@ -689,6 +689,74 @@ def _diagnosis_report(rng: np.random.Generator, f: Findings) -> list[Pair]:
 # --- VQA ---------------------------------------------------------------------------------------------
 
 
+QUESTIONS: dict[str, dict[str, tuple[Pair, ...]]] = {
+    "lesion": {
+        "gross_type": (
+            ("What is the gross type of the lesion?", "病灶的大体分型是什么？"),
+            ("Which macroscopic type does the tumour show?", "肿瘤的大体类型为哪一型？"),
+        ),
+        "size": (
+            ("How large is the lesion along its long axis?", "病灶长径多大？"),
+            ("What is the size range of the tumour?", "肿瘤大小属于哪个范围？"),
+        ),
+        "thickness": (
+            ("How thick is the gastric wall at the lesion?", "病灶处胃壁厚度为多少？"),
+            ("What is the maximal wall thickness?", "胃壁最大厚度属于哪个范围？"),
+        ),
+        "depth": (
+            ("How deep does the lesion invade the gastric wall?", "病灶侵及胃壁哪一层？"),
+            ("Which layer does the tumour reach?", "肿瘤浸润深度达到哪一层？"),
+        ),
+    },
+    "enhancement": {
+        "peak_phase": (
+            ("In which phase does the lesion enhance most?", "病灶在哪一期强化最明显？"),
+            ("Which contrast phase shows the strongest tumour enhancement?", "哪一期相肿瘤强化程度最高？"),
+        ),
+        "pattern": (
+            ("What is the enhancement pattern of the lesion?", "病灶的强化方式是什么？"),
+            ("How does the tumour enhance after contrast?", "增强后肿瘤呈何种强化方式？"),
+        ),
+        "homogeneity": (
+            ("Is the enhancement homogeneous or heterogeneous?", "病灶强化是否均匀？"),
+            ("How uniform is the enhancement of the lesion?", "病灶强化均匀程度如何？"),
+        ),
+    },
+    "staging": {
+        "t": (("What is the T category?", "T分期是什么？"), ("Which T stage is estimated?", "估计的T分期为？")),
+        "n": (("What is the N category?", "N分期是什么？"), ("Which N stage is estimated?", "估计的N分期为？")),
+        "m": (("What is the M category?", "M分期是什么？"), ("Which M stage is estimated?", "估计的M分期为？")),
+        "group": (
+            ("What is the overall stage group?", "总体分期属于哪一期？"),
+            ("Which clinical stage group is the tumour?", "肿瘤的临床分期为几期？"),
+        ),
+        "early_advanced": (
+            ("Is this early or advanced gastric cancer?", "这是早期还是进展期胃癌？"),
+            ("Is the cancer early or advanced?", "该胃癌属于早期还是进展期？"),
+        ),
+    },
+    "localization": {
+        "location": (
+            ("Where is the tumour located?", "肿瘤位于胃的哪个部位？"),
+            ("In which part of the stomach is the lesion?", "病灶位于胃的什么部位？"),
+        ),
+        "curvature": (
+            ("Which wall or curvature does the lesion involve?", "病灶累及哪一侧胃壁？"),
+            ("On which side of the stomach is the tumour?", "肿瘤位于胃的哪一侧？"),
+        ),
+        "third": (
+            ("Which third of the stomach holds the tumour?", "肿瘤位于胃的上、中、下哪一部分？"),
+            ("Is the lesion in the upper, middle or lower stomach?", "病灶位于胃上部、中部还是下部？"),
+        ),
+        "metastasis_site": (
+            ("Where are distant metastases seen?", "远处转移灶位于何处？"),
+            ("Which organ shows metastatic lesions?", "哪个器官可见转移灶？"),
+        ),
+    },
+}
+"""Category → question key → its phrasings; :func:`_question_pool` answers them."""
+
+
 @dataclass(frozen=True)
 class _Question:
     category: str
@@ -734,142 +802,28 @@ def _question_pool(rng: np.random.Generator, f: Findings) -> list[_Question]:
     imaging_t, text = f.imaging_staging.t, f.text_staging
     size_bucket = _bucket(f.tumour_size_mm, SIZE_BUCKETS, SIZE_LARGEST)[0]
     thickness_bucket = _bucket(f.wall_thickness_mm, THICKNESS_BUCKETS, THICKNESS_LARGEST)[0]
+    answers = {
+        "gross_type": f.gross_type,
+        "size": size_bucket,
+        "thickness": thickness_bucket,
+        "depth": f.invasion_depth,
+        "peak_phase": _peak_phase(f),
+        "pattern": "early hyperenhancement" if f.arterial_hyperenhancement else "progressive enhancement",
+        "homogeneity": "heterogeneous" if _heterogeneous(f) else "homogeneous",
+        "t": text.t,
+        "n": text.n,
+        "m": text.m,
+        "group": text.group or "0",
+        "early_advanced": _stage_words(text.t)[0],
+        "location": f.tumour_location,
+        "curvature": CURVATURE_EN[f.tumour_curvature],
+        "third": THIRD[f.tumour_location],
+        "metastasis_site": "liver" if f.n_liver_mets else "none",
+    }
     pool = [
-        _Question(
-            "lesion",
-            "gross_type",
-            (
-                ("What is the gross type of the lesion?", "病灶的大体分型是什么？"),
-                ("Which macroscopic type does the tumour show?", "肿瘤的大体类型为哪一型？"),
-            ),
-            f.gross_type,
-        ),
-        _Question(
-            "lesion",
-            "size",
-            (
-                ("How large is the lesion along its long axis?", "病灶长径多大？"),
-                ("What is the size range of the tumour?", "肿瘤大小属于哪个范围？"),
-            ),
-            size_bucket,
-        ),
-        _Question(
-            "lesion",
-            "thickness",
-            (
-                ("How thick is the gastric wall at the lesion?", "病灶处胃壁厚度为多少？"),
-                ("What is the maximal wall thickness?", "胃壁最大厚度属于哪个范围？"),
-            ),
-            thickness_bucket,
-        ),
-        _Question(
-            "lesion",
-            "depth",
-            (
-                ("How deep does the lesion invade the gastric wall?", "病灶侵及胃壁哪一层？"),
-                ("Which layer does the tumour reach?", "肿瘤浸润深度达到哪一层？"),
-            ),
-            f.invasion_depth,
-        ),
-        _Question(
-            "enhancement",
-            "peak_phase",
-            (
-                ("In which phase does the lesion enhance most?", "病灶在哪一期强化最明显？"),
-                ("Which contrast phase shows the strongest tumour enhancement?", "哪一期相肿瘤强化程度最高？"),
-            ),
-            _peak_phase(f),
-        ),
-        _Question(
-            "enhancement",
-            "pattern",
-            (
-                ("What is the enhancement pattern of the lesion?", "病灶的强化方式是什么？"),
-                ("How does the tumour enhance after contrast?", "增强后肿瘤呈何种强化方式？"),
-            ),
-            "early hyperenhancement" if f.arterial_hyperenhancement else "progressive enhancement",
-        ),
-        _Question(
-            "enhancement",
-            "homogeneity",
-            (
-                ("Is the enhancement homogeneous or heterogeneous?", "病灶强化是否均匀？"),
-                ("How uniform is the enhancement of the lesion?", "病灶强化均匀程度如何？"),
-            ),
-            "heterogeneous" if _heterogeneous(f) else "homogeneous",
-        ),
-        _Question(
-            "staging",
-            "t",
-            (("What is the T category?", "T分期是什么？"), ("Which T stage is estimated?", "估计的T分期为？")),
-            text.t,
-        ),
-        _Question(
-            "staging",
-            "n",
-            (("What is the N category?", "N分期是什么？"), ("Which N stage is estimated?", "估计的N分期为？")),
-            text.n,
-        ),
-        _Question(
-            "staging",
-            "m",
-            (("What is the M category?", "M分期是什么？"), ("Which M stage is estimated?", "估计的M分期为？")),
-            text.m,
-        ),
-        _Question(
-            "staging",
-            "group",
-            (
-                ("What is the overall stage group?", "总体分期属于哪一期？"),
-                ("Which clinical stage group is the tumour?", "肿瘤的临床分期为几期？"),
-            ),
-            text.group or "0",
-        ),
-        _Question(
-            "staging",
-            "early_advanced",
-            (
-                ("Is this early or advanced gastric cancer?", "这是早期还是进展期胃癌？"),
-                ("Is the cancer early or advanced?", "该胃癌属于早期还是进展期？"),
-            ),
-            _stage_words(text.t)[0],
-        ),
-        _Question(
-            "localization",
-            "location",
-            (
-                ("Where is the tumour located?", "肿瘤位于胃的哪个部位？"),
-                ("In which part of the stomach is the lesion?", "病灶位于胃的什么部位？"),
-            ),
-            f.tumour_location,
-        ),
-        _Question(
-            "localization",
-            "curvature",
-            (
-                ("Which wall or curvature does the lesion involve?", "病灶累及哪一侧胃壁？"),
-                ("On which side of the stomach is the tumour?", "肿瘤位于胃的哪一侧？"),
-            ),
-            CURVATURE_EN[f.tumour_curvature],
-        ),
-        _Question(
-            "localization",
-            "third",
-            (
-                ("Which third of the stomach holds the tumour?", "肿瘤位于胃的上、中、下哪一部分？"),
-                ("Is the lesion in the upper, middle or lower stomach?", "病灶位于胃上部、中部还是下部？"),
-            ),
-            THIRD[f.tumour_location],
-        ),
-        _Question(
-            "localization",
-            "metastasis_site",
-            (
-                ("Where are distant metastases seen?", "远处转移灶位于何处？"),
-                ("Which organ shows metastatic lesions?", "哪个器官可见转移灶？"),
-            ),
-            "liver" if f.n_liver_mets else "none",
-        ),
+        _Question(category, key, phrasings, answers[key])
+        for category, questions in QUESTIONS.items()
+        for key, phrasings in questions.items()
     ]
     other_location = str(rng.choice([x for x in TUMOUR_LOCATIONS if x != f.tumour_location]))
     other_curvature = str(rng.choice([c for c in CURVATURES if c != f.tumour_curvature]))
