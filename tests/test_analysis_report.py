@@ -4,6 +4,7 @@ bootstrap over logged test predictions, Holm, and the files on disk and on the p
 from __future__ import annotations
 
 import contextlib
+import re
 import shutil
 import time
 from pathlib import Path
@@ -100,6 +101,8 @@ def test_the_report_finds_the_planted_difference_and_only_it(planted_sweep, tmp_
         and float(bbox.split("|")[9]) > 0
     )
     assert "| two-level bootstrap |" in summary  # the headline table says which interval each cell carries
+    # MLflow's Markdown view resolves no image or link relative to the artifact: summary.md names those files
+    assert not re.search(r"\]\((?![a-z][a-z0-9+.-]*:|#)", summary) and "`figures/radar.png`" in summary
     # failure analysis: the best cell's patients most wrong, by their share of the AUC averaged over seeds
     failures = next(
         line for line in summary.splitlines() if line.startswith("| stage_classification | image_table | auc")
@@ -160,7 +163,8 @@ def test_a_schema_searched_over_other_parameters_is_not_compared(planted_sweep):
 def test_the_report_reads_whole_in_mlflow_in_a_real_browser(planted_sweep, tmp_path):
     """The report as a user opens it: MLflow's own UI, the parent run's Artifacts tab, ``report/summary.html`` (which
     the UI renders in a frame of its own), in headless Chromium: every figure loads, the per-task tables are on the
-    page, and the parent run's description points there."""
+    page, and the parent run's description points there; ``report/summary.md`` shows no figure as Markdown source
+    and links to no missing page."""
     from playwright.sync_api import sync_playwright
 
     server, parent = planted_sweep
@@ -178,6 +182,11 @@ def test_the_report_reads_whole_in_mlflow_in_a_real_browser(planted_sweep, tmp_p
             images = report.evaluate("Array.from(document.images).map(i => [i.alt, i.complete, i.naturalWidth])")
             headings = report.evaluate("Array.from(document.querySelectorAll('h3')).map(h => h.textContent)")
             tables = report.evaluate("document.querySelectorAll('table').length")
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.goto(url.replace("summary.html", "summary.md"), wait_until="load")
+            page.get_by_text("Tables per task (all metrics)", exact=True).first.wait_for(timeout=60_000)
+            markdown = page.evaluate("document.body.innerText")
+            hrefs = page.evaluate("Array.from(document.querySelectorAll('a')).map(a => a.getAttribute('href'))")
         finally:
             browser.close()
     assert {alt for alt, _, _ in images} >= {"radar", "intervals"}
@@ -185,6 +194,9 @@ def test_the_report_reads_whole_in_mlflow_in_a_real_browser(planted_sweep, tmp_p
     assert not broken, f"figures that did not load: {broken}"
     assert any("stage" in h for h in headings), headings  # the per-task table, inline instead of a dead link
     assert tables >= 3  # headline, significance, the task's own
+    # summary.md as MLflow renders it: no figure as its Markdown source, no link to a missing page
+    assert "](" not in markdown and "figures/radar.png" in markdown
+    assert not [href for href in hrefs if href and not href.startswith(("#", "http"))], hrefs
     description = MlflowClient(server.uri).get_run(parent).data.tags["mlflow.note.content"]
     assert "report/summary.html" in description and "| stage_classification |" in description
 

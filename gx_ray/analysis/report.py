@@ -551,6 +551,7 @@ def _summary(sweep_id: str, runs: pd.DataFrame, report: Report, cohort: str, bas
         _distractors_markdown(report.distractors),
         _lesion_qa_overall_markdown(runs),
         "## Figures",
+        "`summary.html` shows every figure and per-task table in place.",
         *(f"![{p.stem}]({p.relative_to(report.folder).as_posix()})" for p in figures),
         "## Tables per task (all metrics)",
         *(f"- [{p.stem}]({p.relative_to(report.folder).as_posix()})" for p in tables_md),
@@ -562,10 +563,10 @@ def _summary(sweep_id: str, runs: pd.DataFrame, report: Report, cohort: str, bas
 
 def _write_summary(folder: Path, markdown: str) -> list[Path]:
     """``summary.md`` and ``summary.html``: the same summary as one self-contained page (figures embedded, the
-    per-task tables inline), which reads the same from disk and in MLflow's artifact view, where relative links
-    to other artifacts resolve nowhere."""
+    per-task tables inline). MLflow's Markdown view resolves no path relative to the artifact (it prints such an
+    image as its source text; such a link opens a missing page): the Markdown names those files as paths."""
     md, page = folder / "summary.md", folder / "summary.html"
-    md.write_text(markdown, encoding="utf-8")
+    md.write_text(re.sub(r"!?\[[^\]]*\]\(([^):#]+)\)", r"`\1`", markdown), encoding="utf-8")
     page.write_text(_markdown_to_html(markdown, folder), encoding="utf-8")
     return [md, page]
 
