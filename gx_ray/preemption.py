@@ -4,14 +4,12 @@ from there on another node.
 Two halves, joined by Ray's own drain state (the GCS's, which the autoscaler and ``ray drain-node`` set):
 
 - **the node's watcher** (``python -m gx_ray.preemption ray start --block ...``) runs the node; on SIGTERM it drains
-  the node with reason *preemption* and a deadline (``--grace``): Ray places no new work there, and a drained node's
-  raylet exits by itself once its last task ends. The watcher waits for that, or for the deadline, then stops the
-  node. Where something else starts the node (KubeRay), ``python -m gx_ray.preemption --here`` drains the host's
-  node and waits the same way: the worker pods' ``preStop`` hook.
-- **the trial** (:class:`DrainWatch`, polled by the training loop between optimiser steps) sees its node draining,
-  writes a checkpoint of where it is within the epoch, reports it and raises :class:`NodePreempted`. Tune treats
-  that as a preempted actor (not one of the trial's ``max_failures``) and restarts the trial from that checkpoint
-  on a node that is not draining; the loop skips the batches the checkpoint had already trained on.
+  it with reason *preemption* and a deadline (``--grace``): Ray places no new work there and the raylet exits once
+  its last task ends; the watcher waits for that or the deadline, then stops the node. Where KubeRay starts the
+  node, ``python -m gx_ray.preemption --here`` (the pods' ``preStop`` hook) drains the host's node the same way.
+- **the trial** (:class:`DrainWatch`, polled by the loop between optimiser steps) sees its node draining, reports a
+  checkpoint of where it is within the epoch and raises :class:`NodePreempted`; Tune restarts it (not one of its
+  ``max_failures``) from that checkpoint on another node, and the loop skips the batches already trained on.
 
 The bound: a trial stops within one poll (:data:`POLL_S`) plus the optimiser step under way plus the checkpoint's
 write, and loses no optimiser step (the steps of the interrupted epoch are in the checkpoint).

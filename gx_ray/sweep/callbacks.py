@@ -56,10 +56,8 @@ class TrialProgress(tune.Callback):
 
 
 class TrialRecord(tune.Callback):
-    """Tune's trials as its experiment ends: the list its ``ResultGrid``'s results are made from, in their order, with
-    each trial's id and status. Tune restores a resumed sweep's callbacks from its first run's pickle, not the ones
-    the driver builds again: the trials are kept by sweep id here, where the driver finds them whichever copy saw
-    them (:data:`ended`)."""
+    """Tune's trials as its experiment ends, in its ``ResultGrid``'s order. Tune restores a resumed sweep's callbacks
+    from its first run's pickle, so they are kept by sweep id in :data:`ended`, where the driver finds them."""
 
     ended: ClassVar[dict[str, list[Any]]] = {}
 
@@ -75,10 +73,8 @@ REPORT_MODULES = ("gx_ray.analysis.report",)
 
 
 class ReportWarmUp(tune.Callback):
-    """Once the first trial has ended, imports ``modules`` in a background thread: what the report will import (its
-    statistics and figures; what a task's rescoring needs, such as MONAI's box matching), so that the report, written
-    after the last trial, does not pay for it. The driver is idle while the trials run, and by then the start of the
-    sweep, which has launch → first step to keep short, is over."""
+    """Once the first trial has ended (the sweep's start, launch → first step, is over), imports what the report will
+    (statistics, figures, a task's rescoring) in a background thread of the idle driver, so the report does not pay."""
 
     def __init__(self, modules: tuple[str, ...]) -> None:
         self.modules, self.thread = modules, None

@@ -1,15 +1,11 @@
 """Where an Optuna search keeps its study: a store that outlives the driver, that ``--resume`` finds again, that two
 drivers can share, and that ``optuna-dashboard`` reads while the trials run.
 
-A study is kept in an RDB (``postgresql://…``, ``mysql://…``, ``sqlite:///…``: Optuna's ``RDBStorage``) or in a
-journal file (Optuna's ``JournalStorage``: an append-only log with file locks, safe for several processes and for a
-filesystem every node mounts, without SQLite's locking). By default a sweep's study is the journal file
-``optuna.journal`` in its Tune state folder, named by the sweep id; a state on an object store (``s3://``) cannot hold
-a journal, so the study is then kept in memory unless ``--study`` names a database.
-
-Two drivers given the same ``--study`` and ``--study-name`` search one study: Optuna numbers every trial once across
-both, and each driver's sampler learns from both drivers' finished trials. Each driver draws from its own seeded
-sampler (seeded by the study and its output folder), so the two never propose the same first points.
+A study is kept in an RDB (``postgresql://…``, ``sqlite:///…``) or a journal file (an append-only log with file locks,
+safe for several processes on a shared filesystem, without SQLite's locking): by default ``optuna.journal`` in the
+sweep's Tune state folder, named by the sweep id; on an object store (``s3://``), in memory unless ``--study`` names a
+database. Two drivers given the same ``--study`` and ``--study-name`` search one study, each sampler learning from
+both drivers' trials and seeded by its own output folder, so the two never propose the same first points.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """MLflow for gx-ray, client side: one parent run per sweep, one child run per trial, and what a trial logs into
 its run (batched metrics, params, predictions, figures).
 
-The tracking URI is always explicit: every client here is built with it, and it travels to every worker in the
-trial config. MLflow's default store is a ``mlflow.db`` in the working directory, which inside a Tune trial is
-a throwaway per-trial folder, so a run logged without a URI would silently vanish. The local server a sweep
-starts when given none lives apart, in :mod:`gx_ray.tracking.server`, so trial processes never import it.
+The tracking URI is always explicit and travels to every worker in the trial config: MLflow's default store is a
+``mlflow.db`` in the working directory, which in a Tune trial is a throwaway folder, so a run logged without a URI
+would silently vanish. The local server a sweep starts lives in :mod:`gx_ray.tracking.server`, which trials never
+import.
 """
 
 from __future__ import annotations
@@ -43,9 +43,7 @@ def log_params(client: MlflowClient, run_id: str, params: dict[str, Any]) -> Non
 def log_metrics(client: MlflowClient, run_id: str, metrics: dict[str, float], step: int) -> None:
     """One batched request for all metrics of a step. An undefined metric (AUC of a one-class split) is NaN."""
     now = int(time.time() * 1000)
-    items = [Metric(k, float(v), now, step) for k, v in sorted(metrics.items())]
-    for start in range(0, len(items), 1000):
-        client.log_batch(run_id, metrics=items[start : start + 1000])
+    log_series(client, run_id, [(k, v, step, now) for k, v in sorted(metrics.items())])
 
 
 def log_series(client: MlflowClient, run_id: str, points: list[tuple[str, float, int, int]]) -> None:
@@ -66,11 +64,8 @@ def logged_steps(client: MlflowClient, run_id: str) -> dict[str, set[int]]:
 
 
 class TrialTracker:
-    """The MLflow run of one trial, as rank 0 of its training loop sees it.
-
-    ``resumed``: the run was logged into before (a retried or resumed trial). MLflow appends every value logged, so
-    an epoch trained again from an older checkpoint would appear twice; the steps already there are kept and the new
-    values of the same metric and step dropped."""
+    """The MLflow run of one trial, as rank 0 of its training loop sees it. ``resumed``: logged into before; MLflow
+    appends every value, so an epoch trained again would appear twice: the steps already there are kept."""
 
     def __init__(self, tracking_uri: str, run_id: str, resumed: bool = False):
         self.client, self.run_id = MlflowClient(tracking_uri), run_id
@@ -176,11 +171,9 @@ def child_runs(client: MlflowClient, parent_run_id: str, abandoned: bool = False
 
 
 def abandon_unknown_runs(client: MlflowClient, runs: list[Any], known_trials: set[str]) -> list[str]:
-    """Delete the trial runs whose Tune trial the sweep no longer has, saying why on each; their ids. Such a run was
-    opened by a trial that a killed driver started after Tune last saved its experiment, so that the resumed sweep's
-    searcher drew the trial again under another id, or by a failed trial that ``--resume`` restarted under a new
-    id. Deleted (MLflow's soft delete: ``mlflow gc`` removes it, ``restore_run`` brings it back) so that no table,
-    figure or count sees the trial twice; the ledger keeps what it spent."""
+    """Delete (MLflow's soft delete) the trial runs whose Tune trial the sweep no longer has, saying why; their ids.
+    A killed driver's trial drawn again under another id, or a failed trial ``--resume`` restarted under a new id:
+    no table or count may see it twice, and the ledger keeps what it spent."""
     abandoned = []
     for run in runs:
         if run.data.tags.get(TRIAL_TAG) in known_trials:
@@ -246,9 +239,8 @@ class UnreachableTrackingError(ValueError):
 
 
 SHARED_VIEW_TAG = "mlflow.sharedViewState."
-"""The MLflow UI's shared runs-table views: an experiment tag of this prefix and a key holds a view's state as JSON
-(columns, sort, filter), and ``viewStateShareKey=<key>`` in the runs table's URL opens it (MLflow's "share" button
-writes the same; read by MLflow 3.17's UI, checked in a browser by tests/test_analysis_report.py)."""
+"""An experiment tag of this prefix and a key holds a shared runs-table view's state as JSON, which
+``viewStateShareKey=<key>`` in the URL opens (as MLflow 3.17's "share" button; checked in a browser by a test)."""
 TRIAL_COLUMNS = (
     "tags.`task`", "tags.`schema`", "tags.`seed`", "tags.`gx_ray.primary_metric`",
     "metrics.`test_primary`", "metrics.`test_chance`", "metrics.`best_val_primary`",
@@ -294,11 +286,9 @@ def _is_loopback(host: str) -> bool:
 
 
 def check_reachable_from(tracking_uri: str, node_ips: Sequence[str], own_ip: str | None = None) -> None:
-    """Refuse a tracking URI only this host reaches (a loopback server, the sweep's own local one included, or a
-    file/SQLite store) when a Ray node is elsewhere: every trial logs from wherever Ray places it. ``node_ips``: the
-    alive nodes' addresses; ``own_ip``: the driver's node address (default: this process's, from Ray). Nodes all on
-    this host (:func:`on_one_host`: several Ray nodes of one machine, as ``jobs/cluster/two_nodes_one_host.sh`` starts
-    them) reach what the driver reaches, loopback included."""
+    """Refuse a tracking URI only this host reaches (a loopback server or a file/SQLite store) when one of the alive
+    ``node_ips`` is on another host (:func:`on_one_host`; ``own_ip``: the driver's, default from Ray): every trial
+    logs from wherever Ray places it."""
     parsed = urlparse(tracking_uri)
     host = (parsed.hostname or "").lower()
     local = parsed.scheme in ("", "file", "sqlite") or _is_loopback(host) or host in ("0.0.0.0", "::")

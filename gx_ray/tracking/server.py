@@ -19,9 +19,9 @@ import urllib.request
 from pathlib import Path
 
 PID_FILE = "server.json"
-WAIT_GRACE_S = 60.0
 """In the store's folder while its server runs: a driver killed with SIGKILL cannot stop its server (a process
 session of its own), so the next server of the same store finds the leftover here and stops it."""
+WAIT_GRACE_S = 60.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -47,7 +47,6 @@ class LocalMlflowServer:
         self._backend_store_uri = backend_store_uri
         self.start_timeout_s = start_timeout_s
         self.process: subprocess.Popen | None = None
-        self.restarts = 0
         self._stopping = threading.Event()
 
     @property
@@ -102,7 +101,6 @@ class LocalMlflowServer:
                     with contextlib.suppress(ProcessLookupError):  # the rest of its group: a worker holding the port
                         os.killpg(self.process.pid, signal.SIGKILL)
                     print(f"the MLflow server exited ({code}); starting it again on {self.uri}", file=sys.stderr)
-                    self.restarts += 1
                     try:
                         self.launch().wait()
                     except (OSError, RuntimeError, TimeoutError) as err:
@@ -112,10 +110,8 @@ class LocalMlflowServer:
         return self
 
     def wait(self) -> LocalMlflowServer:
-        """Block until the launched server answers its health check: within ``start_timeout_s`` of its launch, and
-        never less than :data:`WAIT_GRACE_S` from now. A server launched beside a long preparation (a fresh clone's
-        demo cohort takes minutes on two cores) has had that time to start, and a wait that began past the deadline
-        would otherwise give up without asking once."""
+        """Block until the server answers its health check: within ``start_timeout_s`` of its launch, and never less
+        than :data:`WAIT_GRACE_S` from now (a wait that begins after a long preparation still asks)."""
         deadline = max(self._deadline, time.monotonic() + WAIT_GRACE_S)
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import resource
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -50,12 +51,9 @@ def accumulate(
     accumulation: int,
     no_sync: Callable[[], AbstractContextManager] | None = None,
 ) -> torch.Tensor:
-    """Forward and backward over the micro-batches of one optimiser step; the gradients are those of the mean loss
-    over the whole (effective) batch when each micro-batch's loss is a mean over equal-size micro-batches.
-
-    ``no_sync`` (DDP's) skips the gradient all-reduce on every micro-batch but the last. Returns the summed
-    unscaled loss as a device tensor: reading it (``.item()``) would stall the GPU, so the caller decides when.
-    """
+    """Forward and backward over one optimiser step's micro-batches (gradients of the mean loss over equal-size
+    micro-batches); ``no_sync`` (DDP's) skips the all-reduce on all but the last. Returns the summed unscaled loss
+    as a device tensor: reading it would stall the GPU, so the caller decides when."""
     total = None
     for i, batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
@@ -106,15 +104,6 @@ def step_peak_bytes(
         torch.cuda.empty_cache()
 
 
-def eval_peak_bytes(forward: Callable[[], Any], device: torch.device) -> int | None:
-    """Peak GPU memory of one evaluation forward (``forward`` runs the model under ``no_grad`` on an evaluation
-    batch), measured like :func:`step_peak_bytes`; None when it runs out of memory. An evaluation batch larger than
-    the training micro-batch can need more than the training step: a compiled 3D Swin's window attention at
-    evaluation batch 32 allocated one 21 GiB buffer, and trials packed by their training step alone ran out of memory
-    in their first validation (4 x H200)."""
-    return reserved_peak(forward, device)
-
-
 def reserved_peak(run: Callable[[], Any], device: torch.device) -> int | None:
     """What the caching allocator held at the peak of ``run()`` on ``device``, from an emptied cache; None when it
     runs out of memory. Held, not only what tensors used: packed trials fit by the former (seen on H200: 32 GiB
@@ -147,11 +136,8 @@ def divisors(n: int) -> list[int]:
 
 
 def choose_micro_batch(per_rank: int, peak_of: Callable[[int], int | None], budget_bytes: float) -> tuple[int, int]:
-    """The largest divisor of ``per_rank`` whose measured step peak fits ``budget_bytes``, and that peak.
-
-    Memory grows about linearly with the micro-batch, so two small measurements predict the rest and only the
-    candidates predicted to fit are measured, largest first (usually three steps in all).
-    """
+    """The largest divisor of ``per_rank`` whose measured step peak fits ``budget_bytes``, and that peak. Memory grows
+    about linearly, so two small measurements predict the rest and only those predicted to fit are measured."""
     candidates = divisors(per_rank)
     measured: dict[int, int | None] = {}
 
@@ -248,7 +234,9 @@ def probe_trial(config: TrialConfig) -> dict[str, Any]:
             model(batch)
         model.train()
 
-    eval_peak = eval_peak_bytes(forward, device)
+    # an evaluation batch can need more than the training step: a compiled 3D Swin at evaluation batch 32 allocated
+    # one 21 GiB buffer, and trials packed by their training step alone ran out of memory in validation (4 x H200)
+    eval_peak = reserved_peak(forward, device)
     properties = torch.cuda.get_device_properties(device)
     if eval_peak is None:
         raise MemoryError(
@@ -264,4 +252,7 @@ def probe_trial(config: TrialConfig) -> dict[str, Any]:
         "card_bytes": properties.total_memory,
         "gpu": properties.name,
         "gradient_checkpointing": checkpointing(model),
+        # the probe process's peak RSS (at least this setting's: the process may have probed others before), which
+        # the trial reserves as Ray's ``memory`` so that a node takes no more trials than its memory holds
+        "host_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
