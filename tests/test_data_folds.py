@@ -24,7 +24,7 @@ from gx_ray.data.folds import (
 )
 from gx_ray.data.shards import MANIFEST_FILE, TensorLayout, read_manifest
 from gx_ray.data.splits import assign_folds
-from gx_ray.data.stream import DataConfig, SplitStream, split_pieces, split_rows
+from gx_ray.data.stream import DataConfig, Reader, SplitStream, split_pieces, split_rows
 from gx_ray.sweep.spaces import SpaceError, load_space
 from tests.common import brighter_venous_phase
 
@@ -148,7 +148,7 @@ def test_each_fold_reads_the_other_folds_to_train_and_its_own_to_validate(ray_cl
         for in_memory in (True, False):
             data = DataConfig(shards=shards, folds_file=location, fold=k, in_memory=in_memory, shuffle_buffer=2)
             assert sum(p["rows"] for p in split_pieces(data, "train")) == len(train)
-            stream = SplitStream(data, "train", layout, 2, seed=0, device=torch.device("cpu"))
+            stream = SplitStream(data, "train", layout, 2, seed=0, reader=Reader(device=torch.device("cpu")))
             seen = sorted(c for batch in stream.batches(0) for c in batch["case_id"])
             assert seen == _case_ids(train), (k, in_memory)
     assert sorted(validated) == everyone

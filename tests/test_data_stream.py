@@ -38,7 +38,8 @@ def _stream(
     )  # fmt: skip
     manifest = read_manifest(shards)
     layout = TensorLayout(tuple(manifest["ct_shape"]), tuple(manifest["endoscopy_shape"]), tuple(manifest["lab_names"]))
-    return data_stream.SplitStream(config.data, "train", layout, 3, seed=config.seed, rank=rank, world_size=world)
+    reader = data_stream.Reader(rank=rank, world_size=world)
+    return data_stream.SplitStream(config.data, "train", layout, 3, seed=config.seed, reader=reader)
 
 
 def _epoch(stream: data_stream.SplitStream, epoch: int) -> dict[str, torch.Tensor]:

@@ -88,6 +88,17 @@ class DataConfig:
         return self.per_rank_batch(workers) // micro_batch
 
 
+@dataclass(frozen=True, kw_only=True)
+class Reader:
+    """Who reads a :class:`SplitStream`: rank ``rank`` of ``world_size``, onto ``device``, in a trial worker holding
+    ``cpus_per_worker`` CPUs (``data.in_memory: auto`` shares the host's memory over the workers its CPUs hold)."""
+
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    cpus_per_worker: float = 1.0
+
+
 class SplitStream:
     """One split's batches for one rank, epoch by epoch, on the device.
 
@@ -97,21 +108,11 @@ class SplitStream:
     """
 
     def __init__(
-        self,
-        data: DataConfig,
-        split: str,
-        layout: TensorLayout,
-        batch_size: int,
-        *,
-        seed: int,
-        rank: int = 0,
-        world_size: int = 1,
-        device: torch.device | None = None,
-        cpus_per_worker: float = 1.0,
-    ):
-        self.data, self.split, self.layout, self.batch_size = data, split, layout, batch_size
-        self.seed, self.rank, self.world_size = seed, rank, world_size
-        self.device = device or torch.device("cpu")
+        self, data: DataConfig, split: str, layout: TensorLayout, batch_size: int, *, seed: int,
+        reader: Reader = Reader(),
+    ):  # fmt: skip
+        self.data, self.split, self.layout, self.batch_size, self.seed = data, split, layout, batch_size, seed
+        self.rank, self.world_size, self.device = reader.rank, reader.world_size, reader.device
         self.pieces = split_pieces(data, split)
         self.shuffle = data.shuffle_buffer if split == "train" else 0
         self.collate = BatchCollate(layout, pin_memory=self.device.type == "cuda")
@@ -120,7 +121,7 @@ class SplitStream:
         self._kept: dict[tuple[str, int], Future] = {}
         """Row groups read or being read, with ``data.in_memory``: (path, row group) → the read's table."""
         self.waited = 0.0
-        self.in_memory = keeps_in_memory(data.in_memory, self.my_pieces(0), cpus_per_worker)
+        self.in_memory = keeps_in_memory(data.in_memory, self.my_pieces(0), reader.cpus_per_worker)
         self._collator = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"collate-{split}")
         """With ``data.in_memory``: collates (and pins) the next batch while the loop trains on this one, as Ray's
         prefetch threads do for a stream."""

@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LRScheduler
 
 from gx_ray.data.shards import TensorLayout
-from gx_ray.data.stream import SplitStream, first_rows, on_device, split_rows
+from gx_ray.data.stream import Reader, SplitStream, first_rows, on_device, split_rows
 from gx_ray.models.registry import param_groups
 from gx_ray.runtime import quiet_data_context
 from gx_ray.tasks import TaskModel, gather_state
@@ -90,10 +90,10 @@ def stream_of(
     config: TrialConfig, split: str, layout: TensorLayout, ctx: WorkerContext, batch_size: int
 ) -> SplitStream:
     """This rank's stream of ``split``, in the trial's seeded order."""
-    return SplitStream(
-        config.data, split, layout, batch_size, seed=config.seed, rank=ctx.rank, world_size=ctx.world_size,
-        device=ctx.device, cpus_per_worker=config.resources.cpus_per_worker,
-    )  # fmt: skip
+    reader = Reader(
+        rank=ctx.rank, world_size=ctx.world_size, device=ctx.device, cpus_per_worker=config.resources.cpus_per_worker
+    )
+    return SplitStream(config.data, split, layout, batch_size, seed=config.seed, reader=reader)
 
 
 def evaluate(
