@@ -1,9 +1,10 @@
-"""Every use gx-ray makes of a private name of Ray or Tune, in one module: where Ray 2.60 gives no public way. Each
-says what it waits on; ``tests/test_compat.py`` fails when an upgrade breaks one, so that it is found here and not in
-a sweep. Nothing outside this module reads or writes a name of Ray, Tune or MLflow that starts with an underscore.
+"""Every use gx-ray makes of a private name of Ray, Tune or torch, in one module: where Ray 2.60 or torch 2.13 gives no
+public way. Each says what it waits on; ``tests/test_compat.py`` fails when an upgrade breaks one, so that it is found
+here and not in a sweep. Nothing outside this module reads or writes a name of Ray, Tune, MLflow or torch that starts
+with an underscore.
 
-Tune's classes come in with this module (a second of imports): :mod:`gx_ray.runtime`, which processes that only read
-data import too, imports it where it is used.
+Tune's subclasses are built on first use (the module's ``__getattr__``): importing this module imports Ray, not Tune
+(seconds more), which a process that only reads data or compiles a model does not need.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray import tune
 
 # --- Ray core --------------------------------------------------------------------------------------------------------
 
@@ -55,89 +55,101 @@ def drain_node(node_id: str, gcs_address: str, deadline_ms: int, message: str) -
 # --- Tune's schedulers and searchers, changed where they have no hook ------------------------------------------------
 
 
-class DonorCheckpointPBT(tune.schedulers.PopulationBasedTraining):
-    """Tune's PBT, holding an exploited trial to its donor's checkpoint until it reports again. In synchronous PBT a
-    trial that reached the perturbation epoch first is paused with a save of its own; should that save register
-    after the trial was exploited (trials arriving together), Tune would restore the trial's own, stale weights under
-    the donor's config. The trial is pointed at the donor's checkpoint again whenever it is chosen to run.
+@functools.cache
+def _donor_checkpoint_pbt() -> type:
+    from ray.tune.schedulers import PopulationBasedTraining
 
-    Private hooks of Ray 2.60's PBT (``_exploit``, ``_quantiles``, ``_log_config_on_step``, ``_trial_state``, the
-    synchronisation point) and of its checkpoint manager: PBT has no public extension points."""
+    class DonorCheckpointPBT(PopulationBasedTraining):
+        """Tune's PBT, holding an exploited trial to its donor's checkpoint until it reports again. In synchronous PBT
+        a trial that reached the perturbation epoch first is paused with a save of its own; should that save register
+        after the trial was exploited (trials arriving together), Tune would restore the trial's own, stale weights
+        under the donor's config. The trial is pointed at the donor's checkpoint again whenever it is chosen to run.
 
-    def __init__(self, **kwargs: Any):
-        super().__init__(**kwargs)
-        self._donor_checkpoints: dict[Any, Any] = {}
+        Private hooks of Ray 2.60's PBT (``_exploit``, ``_quantiles``, ``_log_config_on_step``, ``_trial_state``, the
+        synchronisation point) and of its checkpoint manager: PBT has no public extension points."""
 
-    def _exploit(self, tune_controller: Any, trial: Any, trial_to_clone: Any) -> None:
-        super()._exploit(tune_controller, trial, trial_to_clone)
-        self._donor_checkpoints[trial] = trial.run_metadata.checkpoint_manager.latest_checkpoint_result
+        def __init__(self, **kwargs: Any):
+            super().__init__(**kwargs)
+            self._donor_checkpoints: dict[Any, Any] = {}
 
-    def choose_trial_to_run(self, tune_controller: Any) -> Any:
-        trial = super().choose_trial_to_run(tune_controller)
-        trials = tune_controller.get_trials()
-        waiting = [self._trial_state[t].last_train_time for t in trials if t.status in ("PENDING", "PAUSED")]
-        if trial is None and waiting and not any(t.status == "RUNNING" for t in trials):
-            # every trial paused past the next synchronisation point: a resumed sweep's scheduler is built anew, its
-            # first point at the first interval, and Tune moves it to the epoch reached rather than past it
-            self._next_perturbation_sync = min(waiting) + self._perturbation_interval
+        def _exploit(self, tune_controller: Any, trial: Any, trial_to_clone: Any) -> None:
+            super()._exploit(tune_controller, trial, trial_to_clone)
+            self._donor_checkpoints[trial] = trial.run_metadata.checkpoint_manager.latest_checkpoint_result
+
+        def choose_trial_to_run(self, tune_controller: Any) -> Any:
             trial = super().choose_trial_to_run(tune_controller)
-        if trial in self._donor_checkpoints:
-            trial.run_metadata.checkpoint_manager._latest_checkpoint_result = self._donor_checkpoints[trial]
-        return trial
+            trials = tune_controller.get_trials()
+            waiting = [self._trial_state[t].last_train_time for t in trials if t.status in ("PENDING", "PAUSED")]
+            if trial is None and waiting and not any(t.status == "RUNNING" for t in trials):
+                # every trial paused past the next synchronisation point: a resumed sweep's scheduler is built anew, its
+                # first point at the first interval, and Tune moves it to the epoch reached rather than past it
+                self._next_perturbation_sync = min(waiting) + self._perturbation_interval
+                trial = super().choose_trial_to_run(tune_controller)
+            if trial in self._donor_checkpoints:
+                trial.run_metadata.checkpoint_manager._latest_checkpoint_result = self._donor_checkpoints[trial]
+            return trial
 
-    def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
-        self._donor_checkpoints.pop(trial, None)  # restored: it trains from the donor's weights
-        return super().on_trial_result(tune_controller, trial, result)
+        def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
+            self._donor_checkpoints.pop(trial, None)  # restored: it trains from the donor's weights
+            return super().on_trial_result(tune_controller, trial, result)
 
-    def _quantiles(self) -> tuple[list[Any], list[Any]]:
-        """Tune's quantiles, with the diverged trials (a NaN validation score) at the bottom: Tune ranks only finite
-        scores, so a trial whose weights became NaN would never be exploited and would train on, scoring nothing.
-        Each is replaced by a trial of the top quantile (the one finite trial, when only one is left)."""
-        lower, upper = super()._quantiles()
-        live = [
-            (t, s.last_score) for t, s in self._trial_state.items() if s.last_score is not None and not t.is_finished()
-        ]
-        diverged = [t for t, score in live if math.isnan(score)]
-        finite = [t for t, score in live if not math.isnan(score)]
-        if not diverged or not finite:  # nothing to replace, or no trial to replace it from
-            return lower, upper
-        upper = upper or [max(finite, key=lambda t: self._trial_state[t].last_score)]
-        return diverged + [t for t in lower if t not in upper], upper
+        def _quantiles(self) -> tuple[list[Any], list[Any]]:
+            """Tune's quantiles, with the diverged trials (a NaN validation score) at the bottom: Tune ranks only finite
+            scores, so a trial whose weights became NaN would never be exploited and would train on, scoring nothing.
+            Each is replaced by a trial of the top quantile (the one finite trial, when only one is left)."""
+            lower, upper = super()._quantiles()
+            states = self._trial_state.items()
+            live = [(t, s.last_score) for t, s in states if s.last_score is not None and not t.is_finished()]
+            diverged = [t for t, score in live if math.isnan(score)]
+            finite = [t for t, score in live if not math.isnan(score)]
+            if not diverged or not finite:  # nothing to replace, or no trial to replace it from
+                return lower, upper
+            upper = upper or [max(finite, key=lambda t: self._trial_state[t].last_score)]
+            return diverged + [t for t in lower if t not in upper], upper
 
-    def _log_config_on_step(self, trial_state: Any, new_state: Any, trial: Any, trial_to_clone: Any,
-                            new_config: dict) -> None:  # fmt: skip
-        """Tune's policy files (``pbt_global.txt``, ``pbt_policy_<trial>.txt``: a trial's schedule, the donor's
-        before its own), each exploit at the perturbation's epoch. Tune logs the trials' last counted results, one
-        epoch behind for the trial whose result PBT is handling, and a replay would change its config too early."""
-        from ray.tune.utils.util import SafeFallbackEncoder
+        def _log_config_on_step(self, trial_state: Any, new_state: Any, trial: Any, trial_to_clone: Any,
+                                new_config: dict) -> None:  # fmt: skip
+            """Tune's policy files (``pbt_global.txt``, ``pbt_policy_<trial>.txt``: a trial's schedule, the donor's
+            before its own), each exploit at the perturbation's epoch. Tune logs the trials' last counted results, one
+            epoch behind for the trial whose result PBT is handling, and a replay would change its config too early."""
+            from ray.tune.utils.util import SafeFallbackEncoder
 
-        at = new_state.last_train_time  # in synchronous PBT, every trial's at the perturbation
-        row = [trial_state.orig_tag, new_state.orig_tag, at, at, trial_to_clone.config, new_config]
-        line = json.dumps(row, cls=SafeFallbackEncoder) + "\n"
-        folder = Path(trial.local_experiment_path)
-        with open(folder / "pbt_global.txt", "a", encoding="utf-8") as log:
-            log.write(line)
-        donors = folder / f"pbt_policy_{trial_to_clone.trial_id}.txt"
-        history = donors.read_text(encoding="utf-8") if donors.is_file() else ""
-        (folder / f"pbt_policy_{trial.trial_id}.txt").write_text(history + line, encoding="utf-8")
+            at = new_state.last_train_time  # in synchronous PBT, every trial's at the perturbation
+            row = [trial_state.orig_tag, new_state.orig_tag, at, at, trial_to_clone.config, new_config]
+            line = json.dumps(row, cls=SafeFallbackEncoder) + "\n"
+            folder = Path(trial.local_experiment_path)
+            with open(folder / "pbt_global.txt", "a", encoding="utf-8") as log:
+                log.write(line)
+            donors = folder / f"pbt_policy_{trial_to_clone.trial_id}.txt"
+            history = donors.read_text(encoding="utf-8") if donors.is_file() else ""
+            (folder / f"pbt_policy_{trial.trial_id}.txt").write_text(history + line, encoding="utf-8")
+
+    return _named(DonorCheckpointPBT)
 
 
-class ScheduleReplay(tune.schedulers.PopulationBasedTrainingReplay):
-    """Tune's PBT replay (the policy read, the trial started from its first config), each change made the way
-    synchronous PBT pauses a trial: the config set and a PAUSE returned, so that Tune saves the trial's checkpoint,
-    stops it, and restarts it from that checkpoint with the new config. Tune's own replay saves and stops the trial in
-    one step; the save, finishing after the stop, fails the trial, and the retried trial is refused as a second one.
-    The replay's position in the policy is private state of Ray 2.60's ``PopulationBasedTrainingReplay``."""
+@functools.cache
+def _schedule_replay() -> type:
+    from ray.tune.schedulers import PopulationBasedTrainingReplay, TrialScheduler
 
-    def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
-        step = result.get("training_iteration")
-        if step is None or not self._next_policy or step < self._next_policy[0]:
-            return tune.schedulers.TrialScheduler.CONTINUE
-        self.current_config = self._next_policy[1]
-        trial.set_config(self.current_config)
-        self._current_step, self._num_perturbations = step, self._num_perturbations + 1
-        self._next_policy = next(self._policy_iter, None)
-        return tune.schedulers.TrialScheduler.PAUSE
+    class ScheduleReplay(PopulationBasedTrainingReplay):
+        """Tune's PBT replay (the policy read, the trial started from its first config), each change made the way
+        synchronous PBT pauses a trial: the config set and a PAUSE returned, so that Tune saves the trial's
+        checkpoint, stops it, and restarts it from that checkpoint with the new config. Tune's own replay saves and
+        stops the trial in one step; the save, finishing after the stop, fails the trial, and the retried trial is
+        refused as a second one. The replay's position in the policy is private state of Ray 2.60's
+        ``PopulationBasedTrainingReplay``."""
+
+        def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
+            step = result.get("training_iteration")
+            if step is None or not self._next_policy or step < self._next_policy[0]:
+                return TrialScheduler.CONTINUE
+            self.current_config = self._next_policy[1]
+            trial.set_config(self.current_config)
+            self._current_step, self._num_perturbations = step, self._num_perturbations + 1
+            self._next_policy = next(self._policy_iter, None)
+            return TrialScheduler.PAUSE
+
+    return _named(ScheduleReplay)
 
 
 def resumable_bohb(metric: str, mode: str, seed: int) -> Any:
@@ -161,11 +173,20 @@ def resumable_bohb(metric: str, mode: str, seed: int) -> Any:
 
 
 def __getattr__(name: str) -> Any:
-    """``ResumableOptunaSearch``, built on first use: Optuna's imports stay out of the trial processes that import this
-    module for the drain calls (a saved sweep's searcher unpickles by this name, which builds it)."""
-    if name == "ResumableOptunaSearch":
-        return _resumable_optuna_search()
+    """Tune's subclasses, each built on first use: Tune's and Optuna's imports stay out of the processes that import
+    this module for the drain calls or to compile (a saved sweep's searcher or scheduler unpickles by its name, which
+    builds it)."""
+    built = {"DonorCheckpointPBT": _donor_checkpoint_pbt, "ScheduleReplay": _schedule_replay,
+             "ResumableOptunaSearch": _resumable_optuna_search}  # fmt: skip
+    if name in built:
+        return built[name]()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _named(cls: type) -> type:
+    """``cls`` as this module's attribute of its name, so that pickles name it (and :func:`__getattr__` rebuilds it)."""
+    cls.__module__, cls.__qualname__ = __name__, cls.__name__
+    return cls
 
 
 @functools.cache
@@ -196,5 +217,24 @@ def _resumable_optuna_search() -> type:
             # the store's state of the trial, not the copy this searcher was saved with
             return self._ot_study._storage.get_trial(asked._trial_id).state.is_finished()
 
-    ResumableOptunaSearch.__module__ = __name__
-    return ResumableOptunaSearch
+    return _named(ResumableOptunaSearch)
+
+
+# --- torch -----------------------------------------------------------------------------------------------------------
+
+
+def import_inductor() -> None:
+    """Import torch's inductor under C.UTF-8 (the locale restored at once), for ``torch.compile`` under an ASCII locale
+    (``LC_ALL=C``, as CI and minimal containers run): on its first import it reads its kernel templates, which hold
+    UTF-8, with the locale's encoding (``torch._inductor.utils.load_template`` gives none), and fails. Compiling needs
+    nothing more of it. Waits on torch reading its templates as UTF-8."""
+    import locale
+
+    previous = locale.setlocale(locale.LC_CTYPE)
+    try:
+        locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
+        import torch._inductor.compile_fx  # noqa: F401
+    except locale.Error:  # no C.UTF-8 here: the import when compiling may still succeed under a UTF-8 locale
+        pass
+    finally:
+        locale.setlocale(locale.LC_CTYPE, previous)

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
+import pickle
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import ray
@@ -85,3 +89,21 @@ def test_optuna_takes_a_trial_finished_in_its_study_being_reported_again():
     searcher.on_trial_result("t1", {"val_primary": 1.0, "training_iteration": 1})
     searcher.on_trial_complete("t1", {"val_primary": 1.0})
     assert len(searcher._ot_study.trials) == 1 and searcher._ot_study.trials[0].value == 1.0
+
+
+def test_tune_s_subclasses_are_built_on_first_use_and_pickle_by_their_names():
+    """Importing :mod:`gx_ray.compat` imports no Tune (a model compiled with :func:`compat.import_inductor` needs
+    none); each subclass, built when first asked for, is the module's attribute of its name, as pickles find it."""
+    code = "import sys; from gx_ray import compat; assert 'ray.tune' not in sys.modules, 'Tune imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    for name in ("DonorCheckpointPBT", "ScheduleReplay", "ResumableOptunaSearch"):
+        built = getattr(compat, name)
+        assert pickle.loads(pickle.dumps(built)) is built is getattr(compat, name), name
+
+
+def test_torch_s_inductor_imports_under_an_ascii_locale_through_compat():
+    """``torch._inductor.compile_fx`` is still there, and :func:`compat.import_inductor` imports it under an ASCII
+    locale (``LC_ALL=C`` without Python's UTF-8 mode, as CI ran): imported there directly, torch reads its UTF-8
+    kernel templates as ASCII and fails. :func:`gx_ray.models.registry.compile_in_place` compiles after it."""
+    code = "import sys; from gx_ray import compat; compat.import_inductor(); assert 'torch._inductor' in sys.modules"
+    subprocess.run([sys.executable, "-c", code], env={**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0"}, check=True)

@@ -71,19 +71,10 @@ class ModelConfig:
 
 
 def compile_in_place(module: nn.Module) -> None:
-    """``module.compile()``, also under an ASCII locale (``LC_ALL=C``, as CI and minimal containers run): torch's
-    inductor reads its kernel templates, which hold UTF-8, with the locale's encoding when first imported, and fails
-    there. It is imported once under C.UTF-8 (the locale restored at once); compiling needs nothing more of it."""
-    import locale
+    """``module.compile()``, also under an ASCII locale (``LC_ALL=C``): :func:`gx_ray.compat.import_inductor`."""
+    from gx_ray.compat import import_inductor  # Ray's import with it: only where a model is compiled
 
-    previous = locale.setlocale(locale.LC_CTYPE)
-    try:
-        locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
-        import torch._inductor.compile_fx  # noqa: F401
-    except locale.Error:  # no C.UTF-8 here: the import below may still succeed under a UTF-8 locale
-        pass
-    finally:
-        locale.setlocale(locale.LC_CTYPE, previous)
+    import_inductor()
     module.compile()
 
 

@@ -306,7 +306,7 @@ def compiled_flex_attention() -> Any:
     """``flex_attention`` compiled once per process: uncompiled it runs an unfused reference that materialises
     the scores. One graph per stage shape (shifted or not, training or not); the default limit of 8 recompilations
     of one function would send a four-stage network's later shapes back to the reference, so it is raised."""
-    config = torch._dynamo.config
+    config = torch.compiler.config
     config.recompile_limit = max(config.recompile_limit, 64)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 512)
     return torch.compile(flex_attention, dynamic=False)
