@@ -3,9 +3,8 @@
 layer Ray Tune and Train use for their own ``storage_path``. The shards, their manifest and split file, a sweep's
 Tune state, checkpoints and report all go through here, so a trial on any node reads what the driver wrote.
 
-An S3-compatible store (MinIO, Ceph, a test's moto server) is named either in the URI,
-``s3://bucket/prefix?endpoint_override=host:9000&scheme=http``, or by ``AWS_ENDPOINT_URL`` on every node; the
-credentials are the usual AWS ones (environment, instance role), and never travel in a location.
+An S3-compatible store (MinIO, moto) is named in the URI, ``s3://bucket/prefix?endpoint_override=host:9000&scheme=http``,
+or by ``AWS_ENDPOINT_URL`` on every node; credentials are the usual AWS ones and never travel in a location.
 """
 
 from __future__ import annotations

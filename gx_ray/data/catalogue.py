@@ -1,10 +1,8 @@
 """The catalogue of Gastric-X's structured clinical variables (the paper's Table 8) and the abnormal-value rule.
 
-``catalogue.csv`` beside this module holds one row per variable that Table 8 lists: **117 rows**. The paper's
-caption and text speak of 134 variables, but the table itself lists 117 items (``Surgery Date`` twice: once
-de-identified under Demographics, once under Surgery Details); nothing is invented to reach 134. Sec. 3.2
-speaks of 11 serum biochemistry indicators, of which Table 8 lists 10 (glucose, prealbumin, ALT, AST, total
-protein, albumin, total and direct bilirubin, creatinine, urea); its 5 tumour markers are all listed.
+``catalogue.csv`` beside this module holds one row per variable Table 8 lists: **117 rows**. The paper speaks of 134
+variables, but its table lists 117 items (``Surgery Date`` twice); nothing is invented to reach 134. Of Sec. 3.2's 11
+serum biochemistry indicators Table 8 lists 10; its 5 tumour markers are all listed.
 
 Every variable has an ``availability``, which decides whether a model may ever see it (the leakage rules):
 
@@ -16,14 +14,11 @@ Every variable has an ``availability``, which decides whether a model may ever s
 * ``report``: free-text reports (``ct_description``); they reach a model only through the report modality,
   under its own leakage rule.
 
-``used_in_study`` is false where Table 8 says so (``Past Medical History``) and for pure identifiers.
-Reference ranges are standard adult intervals in the units of Chinese hospital laboratories; ``ref_low`` and
-``ref_high`` are the male (or sex-neutral) range, the ``*_female`` columns the female range where it differs
-(creatinine and urea for adults aged 60-79, the cohort's typical age). A marker with only an upper limit has no
-``ref_low``.
-
-Abnormal values are described as the paper's Sec. 4 encodes the lab table: only abnormal entries, each with
-its name, value and the ratio by which it exceeds (``value / high``) or falls below (``low / value``) the limit.
+``used_in_study`` is false where Table 8 says so (``Past Medical History``) and for pure identifiers. Reference ranges
+are standard adult intervals in Chinese hospital laboratories' units: ``ref_low``/``ref_high`` the male (or neutral)
+range, ``*_female`` the female one where it differs (creatinine and urea at 60-79, the cohort's typical age).
+Abnormal values are described as Sec. 4 encodes the lab table: only abnormal entries, each with its name, value and
+the ratio by which it exceeds (``value / high``) or falls below (``low / value``) the limit.
 """
 
 from __future__ import annotations

@@ -11,13 +11,9 @@ caption): the file a hospital supplies beside its cohort, which the demo cohort 
                  "region_classes": ["early gastric cancer", ...],   # one of REGION_CLASSES per box
                  "caption": "A depressed reddened lesion ..."}]}
 
-Preparation keeps the valid frames of the cases it includes, with boxes scaled to [0, 1] of the frame (the frame is
-resized to a square, so relative coordinates hold at any size), in ``SHARDS/endoscopy_annotations.json``. A frame
-with a bad field is left out with a reason naming the case, the file and the field; the other frames and the case's
-other modalities are kept.
-
-The taxonomy is the stomach's part of the Kyoto-style three levels of GastroINST (anatomical site, pathological
-finding); frames of the oesophagus or duodenum, and negative frames, are not part of Gastric-X.
+Preparation keeps the valid frames of the included cases in ``SHARDS/endoscopy_annotations.json``, boxes scaled to
+[0, 1] of the frame (resized to a square, so they hold at any size); a frame with a bad field is left out with a reason
+naming the case, the file and the field. The taxonomy is the stomach's part of GastroINST's (site, finding).
 """
 
 from __future__ import annotations

@@ -22,13 +22,10 @@ Two layouts exist (their trees are below). Either may hold a phase as a volume f
     ROOT/<ID>/vqa.json        {"en": [{"question", "answer", "category"}], "zh": [...]}
     ROOT/<ID>/endoscopy.png
 
-Box corners on disk are ``zyx_min`` / ``zyx_max`` voxel indices of the box's own phase. The release does not
-document whether ``zyx_max`` is inclusive; :data:`BOX_MAX_INCLUSIVE` states the reading once, here, and
-both the reader and the writer use it. Unknown JSON keys are kept in ``Case.extra``; a missing required part
-or malformed annotation is a :class:`CaseError` naming the case, the file and the field.
-
-A third way in is a **manifest**, one CSV row per case naming its files (:mod:`gx_ray.data.manifest`);
-:func:`read_cohort` and :func:`detect_layout` take its ``.csv`` path as the layout ``manifest``.
+Box corners on disk are ``zyx_min`` / ``zyx_max`` voxel indices of the box's own phase; whether ``zyx_max`` is
+inclusive, which the release does not say, is stated once (:data:`BOX_MAX_INCLUSIVE`) for reader and writer. Unknown
+JSON keys are kept in ``Case.extra``; a missing part or malformed annotation is a :class:`CaseError` naming the case,
+the file and the field. A **manifest** ``.csv`` (:mod:`gx_ray.data.manifest`) is a third layout, ``manifest``.
 """
 
 from __future__ import annotations

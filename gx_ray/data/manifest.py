@@ -1,10 +1,8 @@
 """A cohort described by a manifest: one CSV row per patient, naming its files and holding its labels, reports and labs.
 
-Hospitals rarely export the release or paper layout (:mod:`gx_ray.data.layouts`); a spreadsheet that points at
-the files they do have is easier to make. :func:`read_manifest_cohort` reads such a CSV, and
-:func:`manifest_cases` reads the same rows from a :class:`pandas.DataFrame` (no Ray, no CSV: a serving process
-hands it the rows it received). ``read_cohort`` and ``prepare_data`` take a ``.csv`` path as the ``manifest``
-layout, and prepare it exactly as the folder layouts are prepared.
+Hospitals rarely export the release or paper layout (:mod:`gx_ray.data.layouts`); a spreadsheet pointing at the
+files they have is easier to make. :func:`read_manifest_cohort` reads the CSV (``read_cohort`` and ``prepare_data``
+take it as the ``manifest`` layout), :func:`manifest_cases` the same rows from a DataFrame (a serving process's).
 
 Columns (names are case-insensitive; spaces and hyphens read as ``_``; empty cells are absent)::
 
@@ -29,10 +27,9 @@ Columns (names are case-insensitive; spaces and hyphens read as ``_``; empty cel
                                   column is kept verbatim in ``Case.labs``, as an unknown variable of a
                                   ``clinical.json`` is, and reaches no model
 
-Relative paths resolve against the CSV's folder (for a DataFrame: against ``base``). A bad row is a
-:class:`CaseError` naming the case, the file (the CSV, or the file a cell names) and the field (the column),
-and loses no other row. A manifest that cannot be read at all (no ``case_id`` column, two columns of one name,
-a box or mask column that names no phase or level) is a :class:`ManifestError`.
+Relative paths resolve against the CSV's folder (a DataFrame's ``base``). A bad row is a :class:`CaseError` naming
+the case, the file and the column, and loses no other row; a manifest that cannot be read at all (no ``case_id``,
+two columns of one name, a column naming no phase or level) is a :class:`ManifestError`.
 """
 
 from __future__ import annotations

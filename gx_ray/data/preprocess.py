@@ -4,15 +4,12 @@
 the shard driver runs it as one Ray task per case. The order is chosen so that every output image is
 interpolated exactly once:
 
-1. load every present phase (QC: missing required phase, missing file, NaN/inf voxels, unreadable file, voxel
-   spacing or direction that is not a real geometry, a gzip bomb) and check that each holds anatomy at all
-   (QC ``no_anatomy``: neighbouring voxels must correlate, which noise and blank images do not);
+1. load every present phase (QC: missing, unreadable, NaN/inf voxels, not a real geometry, a gzip bomb) and check
+   it holds anatomy (QC ``no_anatomy``: neighbouring voxels must correlate, which noise and blank images do not);
 2. the reference grid: the venous field of view at the configured spacing;
-3. rigid 6-DOF registration (Mattes mutual information, multi-resolution, on bin-shrunk copies) of each phase
-   in ``register_phases`` to venous (QC: misalignment), then every phase must correlate with venous where they
-   overlap (QC ``no_anatomy``);
-4. every phase, venous included, is resampled from its raw voxels straight onto the crop of the reference
-   grid through its registration transform (trilinear);
+3. rigid 6-DOF registration of each phase in ``register_phases`` to venous (QC: misalignment), then every phase
+   must correlate with venous where they overlap (QC ``no_anatomy``);
+4. every phase is resampled from its raw voxels straight onto the crop through its registration (trilinear);
 5. clip to the HU window, histogram-match each phase to venous;
 6. the crop is centred on the stomach (stomach box, else the venous organ mask's stomach label, else the body),
    padded with the window minimum where it leaves the venous field of view;
@@ -70,26 +67,22 @@ class PreprocessConfig:
     max_misalignment_mm: float = 20.0
     """QC: a phase whose registration moved the stomach region further than this is excluded."""
     min_structure: float = 0.5
-    """QC (``no_anatomy``): a phase whose neighbouring voxels correlate less than this along any axis (at the
-    registration spacing, clipped to ``registration_window_hu``) holds no anatomy: noise or a blank image. Real
-    CT scores 0.94-0.99 (the real test CT: 0.946 at least), the demo phantom 0.97-0.99, uniform noise 0.00."""
+    """QC (``no_anatomy``): a phase whose neighbouring voxels (as registration sees them) correlate less than this
+    along any axis holds no anatomy. Real CT scores 0.94-0.99 (the real test CT: 0.946 at least), the demo phantom
+    0.97-0.99, uniform noise 0.00."""
     min_reference_correlation: float = 0.5
-    """QC (``no_anatomy``): a phase whose voxels, moved onto venous through its registration (identity if it is
-    not registered), correlate less than this with venous where the two overlap shows other anatomy or none.
-    Phases of one study score above 0.9 (air against body dominates); noise scores about 0."""
+    """QC (``no_anatomy``): a phase that, moved onto venous through its registration, correlates less than this with
+    venous where they overlap shows other anatomy or none. Phases of one study score above 0.9; noise about 0."""
 
     registration_window_hu: tuple[float, float] = (-1000.0, 1000.0)
     """Intensities are clipped to this before registration: keeps air/body edges, drops metal and bone extremes."""
     registration_spacing_mm: float = 2.0
-    """Finest registration level: both images are first bin-shrunk (averaged by whole factors) to about this
-    spacing, or the output spacing if coarser. Finer voxels add time, not accuracy: at 2 mm the transform is
-    found to 0.2-0.3 mm on the real test CT."""
+    """Finest registration level: both images are bin-shrunk to about this spacing (or the output's, if coarser).
+    Finer voxels add time, not accuracy: at 2 mm the transform is found to 0.2-0.3 mm on the real test CT."""
     registration_shrink_factors: tuple[int, ...] = (4, 2, 1)
-    """Pyramid levels, coarse to fine, as shrink factors of the bin-shrunk venous image; each level is smoothed
-    with a Gaussian of sigma ``factor / 2`` voxels (none at factor 1)."""
+    """Pyramid levels, coarse to fine, each smoothed with a Gaussian of sigma ``factor / 2`` voxels (none at 1)."""
     registration_samples: int = 10_000
-    """Voxels sampled per level for the metric (a percentage of each level's size): the cost per iteration is
-    constant whatever the image size."""
+    """Voxels sampled per level for the metric: the cost per iteration is the same whatever the image size."""
     registration_iterations: int = 100
     """Cap per level; the optimiser usually stops earlier on a too-small step."""
     registration_bins: int = 32
@@ -97,16 +90,14 @@ class PreprocessConfig:
     """First step of the regular-step gradient descent, in mm of voxel shift (scales from physical shift)."""
     registration_min_step_mm: float = 1e-3
     align_centres: bool = False
-    """False: start from identity in scanner coordinates (phases of one study share the scanner frame and may
-    cover different z ranges, where aligning centres would start half the coverage difference off). True: start
-    with the image centres on each other (CenteredTransformInitializer, GEOMETRY), for files whose origins were
-    lost. Either way the rotation centre is the venous image's centre."""
+    """False: start from identity in scanner coordinates (phases of one study share the scanner frame; centres
+    of different z ranges would start half the coverage difference off). True: start with the centres on each other,
+    for files whose origins were lost. Either way the rotation centre is the venous image's centre."""
     seed: int = 1
     """Seed of the metric's voxel sampling; >= 1, as SimpleITK reads 0 as "seed from the wall clock"."""
     num_threads: int | None = 1
-    """SimpleITK threads during one case (None: SimpleITK's default, one per core). Ray gives each preprocessing
-    task one core, so ITK's default pool would oversubscribe the node; and ITK's registration metric sums
-    per-thread partial histograms, so a fixed count is what makes results byte-identical across machines."""
+    """SimpleITK threads during one case (None: one per core). Ray gives each task one core, so ITK's default pool
+    would oversubscribe the node; and its metric sums per-thread histograms, so a fixed count gives the same bytes."""
 
     def __post_init__(self) -> None:
         if len(self.spacing_zyx_mm) != 3 or min(self.spacing_zyx_mm) <= 0:

@@ -1,15 +1,12 @@
 """Preprocessed cases as Parquet shards, their manifest, and the streaming Ray Dataset that training reads.
 
-One row per case. The CT phases travel as one ``large_binary`` column of raw float16 bytes whose shape and
-dtype live in the schema metadata: five times faster to read than a tensor column (measured),
-and the collate function below turns a whole batch of it into one tensor without copying element by element
-(``np.frombuffer`` over Arrow's value buffer). Shards are written per split (``train-00000.parquet`` ...),
-so a split is read without filtering; ``manifest.json`` lists every file with its rows, size and SHA-256.
+One row per case. The CT phases travel as one ``large_binary`` column of raw float16 bytes, shape and dtype in the
+schema metadata: five times faster to read than a tensor column (measured), and a whole batch becomes one tensor
+without an element-wise copy (``np.frombuffer`` over Arrow's buffer). Shards are written per split
+(``train-00000.parquet`` ...); ``manifest.json`` lists every file with its rows, size and SHA-256.
 
-Integrity: every data page carries a CRC-32 (``write_page_checksum``) that every read here verifies, so a
-flipped bit in a page fails the read naming the file instead of turning into wrong voxels; :func:`check_shards`
-(what a sweep calls when it opens ``--data``) checks every file's size against the manifest (cheap: a
-truncated or rewritten file), or with ``verify`` its full SHA-256, and that every footer parses.
+Integrity: every page carries a CRC-32 that every read verifies, so a flipped bit fails the read naming the file
+instead of turning into wrong voxels; :func:`check_shards` (a sweep opening ``--data``) checks sizes and footers.
 
 Row layout (all fixed-size lists are in :mod:`gx_ray.schema` order):
 

@@ -1,14 +1,10 @@
 """The endoscopy side of a demo case: what the endoscopist sees, and an RGB gastroscopy frame showing it.
 
-The endoscopy modality renders ``findings.endoscopy_staging``, which is a decoy stage when the cohort's
-endoscopy signal is weak. So the lesion's gross type and size are re-derived from that stage
-(:func:`endoscopic_lesion`); the endoscopy report (:mod:`gx_ray.data.demo.text`) reads the same record, so
-the image and its report always agree. Location is a shared fact of the case and carries no stage.
-
-The frame is procedural: pinkish-orange mucosa with smooth colour variation, rugal folds converging on a
-dark lumen, specular highlights and a vignetted circular field of view, plus a lesion whose look follows
-its gross type: early lesions are subtle reddened or pale, slightly raised or depressed patches;
-advanced ones are larger, lobulated or ulcerated masses with a whitish fibrin base and a raised red rim.
+It renders ``findings.endoscopy_staging`` (a decoy stage under a weak endoscopy signal): the lesion's gross type and
+size are re-derived from it (:func:`endoscopic_lesion`), a record the endoscopy report reads too, so image and report
+agree; the location is shared by the case and carries no stage. The frame is procedural: mucosa, rugal folds
+converging on a dark lumen, highlights, a vignetted field of view, and a lesion whose look follows its gross type
+(early: subtle reddened or pale patches; advanced: lobulated or ulcerated masses with a fibrin base and red rim).
 """
 
 from __future__ import annotations

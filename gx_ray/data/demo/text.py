@@ -6,11 +6,9 @@ Reports follow the paper's Appendix C. Each modality's text says what that modal
 * ``endoscopy_report``: the lesion as endoscopy shows it (:func:`endoscopic_lesion`, ``endoscopy_staging``);
 * ``diagnosis_report``: the conclusion, stating ``text_staging`` as TNM and AJCC stage.
 
-Every sentence has a few phrasings, each an (English, Chinese) pair chosen by the case's generator, so
-two cases with the same findings get different strings while both languages state the same facts and
-numbers. VQA items (Appendix D's five categories) are drawn from the same facts; their answers belong to
-the closed vocabulary :data:`ANSWERS_ZH` (English answer → Chinese answer), small enough for the VQA task
-to classify over.
+Every sentence has a few (English, Chinese) phrasings drawn by the case's generator: two cases with the same
+findings read differently, while both languages state the same facts. VQA items (Appendix D's five categories) ask
+about the same facts, answered from the closed vocabulary :data:`ANSWERS_ZH`, small enough to classify over.
 """
 
 from __future__ import annotations
