@@ -163,8 +163,8 @@ def test_a_schema_searched_over_other_parameters_is_not_compared(planted_sweep):
 def test_the_report_reads_whole_in_mlflow_in_a_real_browser(planted_sweep, tmp_path):
     """The report as a user opens it: MLflow's own UI, the parent run's Artifacts tab, ``report/summary.html`` (which
     the UI renders in a frame of its own), in headless Chromium: every figure loads, the per-task tables are on the
-    page, and the parent run's description points there; ``report/summary.md`` shows no figure as Markdown source
-    and links to no missing page."""
+    page, no wider than the preview (a narrow one too), and the parent run's description points there;
+    ``report/summary.md`` shows no figure as Markdown source and links to no missing page."""
     from playwright.sync_api import sync_playwright
 
     server, parent = planted_sweep
@@ -182,6 +182,10 @@ def test_the_report_reads_whole_in_mlflow_in_a_real_browser(planted_sweep, tmp_p
             images = report.evaluate("Array.from(document.images).map(i => [i.alt, i.complete, i.naturalWidth])")
             headings = report.evaluate("Array.from(document.querySelectorAll('h3')).map(h => h.textContent)")
             tables = report.evaluate("document.querySelectorAll('table').length")
+            wide = report.evaluate(WIDTHS)
+            page.set_viewport_size({"width": 1024, "height": 900})  # a smaller window: a preview of about 400 px
+            report.wait_for_function(f"document.documentElement.clientWidth < {wide[1]}")
+            narrow = report.evaluate(WIDTHS)
             page = browser.new_page(viewport={"width": 1400, "height": 900})
             page.goto(url.replace("summary.html", "summary.md"), wait_until="load")
             page.get_by_text("Tables per task (all metrics)", exact=True).first.wait_for(timeout=60_000)
@@ -194,6 +198,7 @@ def test_the_report_reads_whole_in_mlflow_in_a_real_browser(planted_sweep, tmp_p
     assert not broken, f"figures that did not load: {broken}"
     assert any("stage" in h for h in headings), headings  # the per-task table, inline instead of a dead link
     assert tables >= 3  # headline, significance, the task's own
+    assert wide[0] <= wide[1] and narrow[0] <= narrow[1], (wide, narrow)  # no table makes the page scroll sideways
     # summary.md as MLflow renders it: no figure as its Markdown source, no link to a missing page
     assert "](" not in markdown and "figures/radar.png" in markdown
     assert not [href for href in hrefs if href and not href.startswith(("#", "http"))], hrefs
@@ -232,6 +237,10 @@ def test_the_printed_runs_link_opens_the_sweeps_trials_with_their_headline_colum
     for column in ("task", "schema", "seed", "best_val_primary", "test_chance"):
         assert column in lines, column
     assert "Sort: Run Name" in lines
+
+
+WIDTHS = "[document.documentElement.scrollWidth, document.documentElement.clientWidth]"
+"""A page's width and its preview's: wider than the preview, it scrolls sideways."""
 
 
 def _frame_showing(page, selector: str, timeout_s: float = 60.0):

@@ -587,10 +587,10 @@ def _markdown_to_html(markdown: str, folder: Path) -> str:
         return f'src="data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()}"'
 
     markdown = re.sub(r"^- \[([^\]]+)\]\(([^)]+\.md)\)$", inline_tables, markdown, flags=re.MULTILINE)
-    style = (
-        "body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse;margin:1em 0}"
-        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;overflow-wrap:anywhere}th{background:#f3f3f3}"
-        "img{max-width:100%}"
+    style = (  # a table wider than the page scrolls in its own box, its cells wrapped but never a letter a line
+        "body{font-family:sans-serif;max-width:1100px;margin:2em auto}th{background:#f3f3f3}img{max-width:100%}"
+        "table{display:block;overflow-x:auto;border-collapse:collapse;margin:1em 0}"
+        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;overflow-wrap:anywhere;min-width:3em}"
     )
     body = MarkdownIt("commonmark").enable("table").render(markdown)
     body = re.sub(r'src="([^"]+\.png)"', embed, body)
