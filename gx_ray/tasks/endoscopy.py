@@ -11,21 +11,17 @@
   BERTScore-F1 too with ``full_metrics`` (:func:`~gx_ray.metrics.text_generation_metrics`, as report generation).
 
 **Material**: the cohort's frame annotations (:mod:`gx_ray.data.endoscopy_annotations`, beside the shards); ``reg``
-and ``rec`` ask about a frame's first box. A case without an annotation, or without a box where the family needs one,
-gets no sample and a reason (:attr:`Endoscopy.skipped`, logged with the trial); a row without a frame is not asked.
+and ``rec`` ask about a frame's first box. A case without what its family needs gets a reason instead
+(:attr:`Endoscopy.skipped`, logged with the trial).
 
-**Model**: a 2D MONAI ResNet on the ImageNet-normalised frame (as the encoder's own endoscopy branch reads it); a
-linear head over classes, or for ``rec`` the frame's features beside the expression's (the encoder's text model)
-into a box head whose sigmoid outputs are the box's centre and size, trained with L1 plus MONAI's GIoU loss; for
-``cap`` report generation's small BERT decoder (:func:`~gx_ray.tasks.report_generation.build_decoder`, over the
-training captions' tokens) cross-attends to the frame's features and is taught the caption's first
-``caption_tokens`` tokens, greedy at evaluation. The
-schema does not change what the model sees: the frame is every family's input, and no report is (the endoscopy
-report names the site and the lesion: leakage rule ``reports_in_endoscopy``).
+**Model**: a 2D MONAI ResNet on the ImageNet-normalised frame; a linear head over classes; for ``rec`` the frame's
+features beside the expression's into a box head (sigmoid centre and size; L1 plus MONAI's GIoU loss); for ``cap``
+report generation's small decoder (:func:`~gx_ray.tasks.report_generation.build_decoder`) cross-attending to the
+frame's features, taught the first ``caption_tokens`` tokens, greedy at evaluation. The frame is every family's
+input, and no report is (the endoscopy report names the site and the lesion: rule ``reports_in_endoscopy``).
 
-**Chance**: the training split's most frequent class on the test frames (``cls``, ``reg``); the median training box
-for every test frame (``rec``); a training caption drawn at random for each test frame, averaged over five draws
-(``cap``: what a writer who knows the caption template but never looks at the frame scores).
+**Chance**: the training split's most frequent class (``cls``, ``reg``); the median training box (``rec``); a random
+training caption per test frame, averaged over five draws (``cap``: a writer who never looks at the frame).
 """
 
 from __future__ import annotations
@@ -49,7 +45,7 @@ from gx_ray.modalities.build import imagenet_normalised
 from gx_ray.modalities.views import OVERLAY_COLOUR
 from gx_ray.models.vision import Endoscopy2d
 from gx_ray.tasks.base import Batch, Outputs, Task, TaskMetric
-from gx_ray.tasks.report_generation import ReportMetric, build_decoder, cut_texts, teacher_forced_loss
+from gx_ray.tasks.report_generation import DecoderConfig, ReportMetric, build_decoder, cut_texts, teacher_forced_loss
 
 FAMILIES: dict[str, tuple[str, ...]] = {"cls": SITES, "reg": REGION_CLASSES, "rec": (), "cap": ()}
 """Family → the classes it chooses among (``rec`` finds a box, ``cap`` writes the caption)."""
@@ -151,16 +147,11 @@ class Endoscopy(Task):
             if not self.training_captions:
                 raise ValueError("no training frame has a caption: attach the splits first (attach_splits)")
             self.tokenizer = tokenizer  # the chance level's captions are cut with it
-            head.caption = build_decoder(
-                tokenizer,
-                head.view.dim,
-                width=self.decoder_width,
-                layers=self.decoder_layers,
-                heads=self.decoder_heads,
-                max_positions=max(512, self.caption_tokens, self.max_new_tokens + 1),
-                taught_texts=self.training_captions,
-                max_tokens=self.caption_tokens,
-            )
+            config = DecoderConfig(
+                width=self.decoder_width, layers=self.decoder_layers, heads=self.decoder_heads,
+                max_positions=max(512, self.caption_tokens, self.max_new_tokens + 1), max_tokens=self.caption_tokens,
+            )  # fmt: skip
+            head.caption = build_decoder(tokenizer, head.view.dim, config, self.training_captions)
         return head
 
     def target(self, frame: FrameAnnotation) -> Any:
@@ -217,13 +208,11 @@ class Endoscopy(Task):
         return outputs
 
     def loss(self, outputs: Outputs, batch: Batch) -> torch.Tensor:
+        if not outputs["asked"]:
+            return outputs["out"].sum() * 0.0
         if self.family == "cap":
-            if not outputs["asked"]:
-                return outputs["out"].sum() * 0.0
             return teacher_forced_loss(outputs["logits"], outputs["labels"])
         out = outputs["out"]
-        if not outputs["asked"]:
-            return out.sum() * 0.0
         targets = [self.target(self.frames[c]) for c in outputs["asked"]]
         if self.family != "rec":
             return F.cross_entropy(out.float(), torch.tensor(targets, device=out.device))

@@ -252,19 +252,12 @@ class ReportGeneration(Task):
         self.tokenizer = tokenizer  # the targets are cut with it (target_texts), and the chance level's too
         if self.vocabulary == "training" and not self.training_reports:
             raise RuntimeError("the training reports' vocabulary is not fitted: call prepare(train_rows) first")
-        return build_decoder(
-            tokenizer,
-            dim,
-            self.decoder,
-            self.decoder_width,
-            self.decoder_layers,
-            self.decoder_heads,
-            max(512, self.max_report_tokens, self.max_new_tokens + 1),
-            self.training_reports if self.vocabulary == "training" else None,
-            self.max_report_tokens,
-            MEMORY_POSITIONS if self.memory_positions else 0,
-            self.pooled_memory,
-        )
+        config = DecoderConfig(
+            decoder=self.decoder, width=self.decoder_width, layers=self.decoder_layers, heads=self.decoder_heads,
+            max_positions=max(512, self.max_report_tokens, self.max_new_tokens + 1), max_tokens=self.max_report_tokens,
+            memory_positions=MEMORY_POSITIONS if self.memory_positions else 0, pooled_memory=self.pooled_memory,
+        )  # fmt: skip
+        return build_decoder(tokenizer, dim, config, self.training_reports if self.vocabulary == "training" else None)
 
     def target_texts(self, reports: Sequence[str | None]) -> list[str | None]:
         """Each report as the model is taught to write it (:func:`cut_texts` at ``max_report_tokens``)."""
@@ -332,29 +325,35 @@ class ReportGeneration(Task):
         return ReportMetric(self.language, TEXT_METRICS if self.full_metrics else FAST_TEXT_METRICS)
 
 
+@dataclass(frozen=True, kw_only=True)
+class DecoderConfig:
+    """A :class:`ReportDecoder`'s build: the ``small`` random BERT of ``width``/``layers``/``heads`` or ``minilm``'s
+    real weights, with positions for ``max_positions`` tokens; a taught text's first ``max_tokens``; learnt
+    ``memory_positions`` (0: none) and ``pooled_memory`` as :class:`ReportDecoder` takes them."""
+
+    decoder: str = "small"
+    width: int = 128
+    layers: int = 2
+    heads: int = 2
+    max_positions: int = 512
+    max_tokens: int = 256
+    memory_positions: int = 0
+    pooled_memory: bool = False
+
+
 def build_decoder(
-    tokenizer: Any,
-    memory_dim: int,
-    decoder: str = "small",
-    width: int = 128,
-    layers: int = 2,
-    heads: int = 2,
-    max_positions: int = 512,
-    taught_texts: Sequence[str] | None = None,
-    max_tokens: int = 256,
-    memory_positions: int = 0,
-    pooled_memory: bool = False,
+    tokenizer: Any, memory_dim: int, config: DecoderConfig = DecoderConfig(), taught_texts: Sequence[str] | None = None
 ) -> ReportDecoder:
-    """A :class:`ReportDecoder` over ``memory_dim``-wide memory: the ``small`` random BERT of ``width``/``layers``/
-    ``heads``, or ``minilm``'s real weights. With ``taught_texts`` the small decoder keeps only the tokens of those
-    texts (their first ``max_tokens``) and the special tokens: its output layer shrinks to them."""
+    """A :class:`ReportDecoder` over ``memory_dim``-wide memory. With ``taught_texts`` the small decoder keeps only the
+    tokens of those texts (their first ``max_tokens``) and the special tokens: its output layer shrinks to them."""
+    decoder = config.decoder
     if decoder not in DECODERS:
         raise ValueError(f"unknown report decoder {decoder!r}; valid: {', '.join(DECODERS)}")
     from transformers import BertConfig, BertLMHeadModel
 
     kept = None
     if taught_texts is not None:
-        taught = tokenizer(list(taught_texts), truncation=True, max_length=max_tokens)["input_ids"]
+        taught = tokenizer(list(taught_texts), truncation=True, max_length=config.max_tokens)["input_ids"]
         special = (tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id)
         kept = sorted({*special, *(i for ids in taught for i in ids)})
     if decoder == "minilm":
@@ -370,18 +369,18 @@ def build_decoder(
                 f"{len(tokenizer)}: use decoder='small' with this text encoder"
             )
     else:
-        config = BertConfig(
+        bert = BertConfig(
             vocab_size=len(kept) if kept is not None else len(tokenizer),
-            hidden_size=width,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            intermediate_size=4 * width,
-            max_position_embeddings=max_positions,
+            hidden_size=config.width,
+            num_hidden_layers=config.layers,
+            num_attention_heads=config.heads,
+            intermediate_size=4 * config.width,
+            max_position_embeddings=config.max_positions,
             is_decoder=True,
             add_cross_attention=True,
         )
-        model = BertLMHeadModel(config)
-    return ReportDecoder(model, memory_dim, tokenizer, kept, memory_positions, pooled_memory)
+        model = BertLMHeadModel(bert)
+    return ReportDecoder(model, memory_dim, tokenizer, kept, config.memory_positions, config.pooled_memory)
 
 
 def cut_texts(tokenizer: Any, texts: Sequence[str | None], max_tokens: int) -> list[str | None]:
