@@ -95,10 +95,8 @@ def normalise_tnm(t: str, n: str, m: str) -> tuple[str, str, str]:
 
 
 def ajcc_stage(t: str, n: str, m: str) -> str:
-    """AJCC 8th edition pathological stage of gastric cancer from T, N and M (e.g. ``"IIIA"``).
-
-    M1 is stage IV whatever T and N; Tis N0 M0 is stage 0; T1a and T1b stage as T1.
-    """
+    """AJCC 8th edition pathological stage of gastric cancer from T, N and M (e.g. ``"IIIA"``): M1 is stage IV
+    whatever T and N; Tis N0 M0 is stage 0; T1a and T1b stage as T1."""
     t, n, m = normalise_tnm(t, n, m)
     if m == "M1":
         return "IV"
@@ -186,11 +184,8 @@ class VQAItem:
 
 @dataclass
 class Case:
-    """One patient as a reader finds it on disk: images by reference, everything else in memory.
-
-    Only the required CT phases must be present. Every other part is optional; :meth:`presence`
-    gives the flags that travel with the case into the shards.
-    """
+    """One patient as a reader finds it on disk: images by reference, everything else in memory. Only the required
+    CT phases must be present; :meth:`presence` flags the optional parts, which travel into the shards."""
 
     case_id: str
     """The case folder's name."""

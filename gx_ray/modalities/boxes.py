@@ -1,15 +1,12 @@
 """Box cues as model input: outlines drawn into the CT (the paper's coloured overlays) or one mask channel per level.
 
-The shard holds a box per (phase, level) on the common crop grid (every phase is registered to venous). Which
-box a channel gets: the box of the channel's own phase when present, else the venous (reference-phase) box,
-else the first present phase's box in :data:`~gx_ray.schema.PHASES` order. Mask channels, which belong to no
+The shard holds a box per (phase, level) on the common crop grid. A channel gets its own phase's box when present,
+else the venous one, else the first present phase's in :data:`~gx_ray.schema.PHASES` order; mask channels, of no
 phase, take the venous box under the same rule.
 
-Overlays: the paper colours the box on each CT slice; a grey volume has no colour, so each level is drawn with
-its own value above the volume's range: the channel's maximum plus :data:`OVERLAY_OFFSETS` (z-score units,
-tumour +4, lymph nodes +3, stomach +2). The outline is the box's rectangle on every axial slice it spans, one
-voxel wide (its four side faces, no caps), as a radiologist's overlay draws it; interior and outside voxels keep
-their values. Where outlines cross, the brighter level wins. Absent phase channels stay zeros.
+Overlays: a grey volume has no colour for the paper's coloured boxes, so each level is drawn at its own value above
+the channel's maximum (:data:`OVERLAY_OFFSETS`): the box's one-voxel rectangle on every axial slice it spans (four
+side faces, no caps), as a radiologist draws it; where outlines cross the brighter level wins. Absent phases stay 0.
 """
 
 from __future__ import annotations
@@ -23,11 +20,14 @@ TARGET_PHASE, TARGET_LEVEL = "venous", "tumour"
 """The lesion's own box, as the tasks about it read it: the venous phase's tumour box."""
 
 
-def tumour_boxes(boxes: torch.Tensor | np.ndarray, present: torch.Tensor | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(B, 6) venous tumour boxes and (B,) whether each case has one, from a batch's ``boxes``/``box_present``."""
+def tumour_boxes(
+    boxes: torch.Tensor | np.ndarray, present: torch.Tensor | np.ndarray, level: str = TARGET_LEVEL
+) -> tuple[np.ndarray, np.ndarray]:
+    """(B, 6) venous boxes of ``level`` (the tumour's) and (B,) whether each case has one, from a batch's or a row's
+    ``boxes``/``box_present``."""
     boxes = np.asarray(boxes).reshape(-1, len(PHASES), len(BOX_LEVELS), 6)
     present = np.asarray(present).reshape(-1, len(PHASES), len(BOX_LEVELS))
-    phase, level = PHASES.index(TARGET_PHASE), BOX_LEVELS.index(TARGET_LEVEL)
+    phase, level = PHASES.index(TARGET_PHASE), BOX_LEVELS.index(level)
     return boxes[:, phase, level].astype(np.float32), present[:, phase, level].astype(bool)
 
 

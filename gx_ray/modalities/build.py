@@ -1,14 +1,12 @@
 """From a collated shard batch to what a model is given: the inputs a modality schema selects, on the device.
 
-* CT: the schema's phases, in the schema's order, as float32; ``phase_mask`` says which hold a scan.
-* Boxes (:mod:`gx_ray.modalities.boxes`): drawn into the phase channels (``overlay``) or appended after them as
-  one filled mask per level, in the schema's ``box_levels`` order (``channels``).
-* Text: per sample, the lab sentence (:mod:`gx_ray.modalities.table`) when the table is text, then one
-  ``"<Kind>: <text>"`` piece per input report the sample has (English), joined by newlines; ``None`` when the
-  schema has no text.
-* Table: the numeric lab vector when the table is numeric.
-* Endoscopy: RGB in [0, 1], ImageNet mean/std normalised; samples without an image get zeros after
-  normalisation (the mean colour), which a model cannot tell from a flat mean-coloured picture.
+* CT: the schema's phases, in its order, as float32; ``phase_mask`` says which hold a scan.
+* Boxes (:mod:`gx_ray.modalities.boxes`): drawn into the phase channels (``overlay``) or one mask per level after
+  them (``channels``).
+* Text: per sample, the lab sentence when the table is text, then ``"<Kind>: <text>"`` per input report it has,
+  joined by newlines; ``None`` when the schema has no text. Table: the numeric lab vector when it is numeric.
+* Endoscopy: RGB in [0, 1], ImageNet-normalised; a missing image is zeros after normalisation (the mean colour),
+  which a model cannot tell from a flat mean-coloured picture.
 """
 
 from __future__ import annotations

@@ -164,11 +164,6 @@ LEAKAGE_RULES: tuple[LeakageRule, ...] = (
         ("endoscopy",),
     ),
 )
-DECLARED_CUES: dict[str, str] = {
-    "lesion_qa": "its views are centred on the lesion's own box (its key slice) under every schema, as CT-Bench's; "
-    "'with box' (a tumour box cue) adds the drawn outline",
-}
-"""Box cues a task takes under every schema, declared rather than refused: they give no answer away."""
 BOX_ANSWERS: dict[str, str] = {
     "img2size": "the drawn outline's extent is the lesion's size",
     "txt2bbox": "the lesion's own outline drawn in marks the right option",
@@ -193,10 +188,9 @@ INPUT_NAMES: dict[str, tuple[str, ...] | None] = {
     "table": None,
     "endoscopy": (),
 }
-"""What a task's ``leaking_inputs`` may name: a kind of input (``boxes``: any box cue; ``reports``: any report;
-``table``: the lab table in any form; ``endoscopy``: the endoscopy image) or one item of it (``boxes:tumour``,
-``reports:diagnosis_report``, ``table:cea``, ``phases:arterial``): kind → its items (None: the catalogue's
-variables; empty: the kind has no items). A CT phase is always named (every schema has one)."""
+"""What a task's ``leaking_inputs`` may name: a kind of input (``boxes``, ``reports``, ``table`` in any form,
+``endoscopy``) or one item of it (``boxes:tumour``, ``table:cea``, ``phases:arterial``: a phase is always named, as
+every schema has one): kind → its items (None: the catalogue's variables; empty: no items)."""
 
 
 class LeaksAnswers(Protocol):
@@ -247,11 +241,9 @@ def given_inputs(schema: ModalitySchema, names: Iterable[str]) -> list[str]:
 
 
 def check_leakage(schema: ModalitySchema, task: str | LeaksAnswers, options: dict[str, Any] | None = None) -> None:
-    """Raise :class:`LeakageError` when ``schema`` breaks a rule for ``task`` with its ``options``.
-
-    ``task``: a built-in task's name, or a task object or class (:class:`gx_ray.tasks.Task`): then its declared
-    ``leaking_inputs`` are checked too (:data:`DECLARED_RULE`): how a plug-in task, whose name this layer cannot
-    resolve, gets its rule. A built-in task's rules are those of :data:`LEAKAGE_RULES` either way."""
+    """Raise :class:`LeakageError` when ``schema`` breaks a rule of :data:`LEAKAGE_RULES` for ``task`` with its
+    ``options``. A task object or class (not a name) has its declared ``leaking_inputs`` checked too
+    (:data:`DECLARED_RULE`): how a plug-in task, whose name this layer cannot resolve, gets its rule."""
     if isinstance(task, str):
         _check_choice("task", task, TASKS)  # a plug-in's name alone is no task here: this layer cannot import it
         declared: Mapping[str, str] = {}
@@ -286,16 +278,9 @@ def _check_builtin_rules(schema: ModalitySchema, task: str, options: dict[str, A
         raise LeakageError(
             "target_report", f"schema {schema.name!r} gives the {REPORT_TARGETS[task]} that {task} targets"
         )
-    if task == "vqa" and schema.reports:
-        raise LeakageError("report_answers", f"schema {schema.name!r} gives reports ({', '.join(schema.reports)})")
-    if task == "lesion_qa" and schema.reports:
-        raise LeakageError(
-            "reports_in_lesion_qa", f"schema {schema.name!r} gives reports ({', '.join(schema.reports)})"
-        )
-    if task == "endoscopy" and schema.reports:
-        raise LeakageError(
-            "reports_in_endoscopy", f"schema {schema.name!r} gives reports ({', '.join(schema.reports)})"
-        )
+    no_reports = {"vqa": "report_answers", "lesion_qa": "reports_in_lesion_qa", "endoscopy": "reports_in_endoscopy"}
+    if task in no_reports and schema.reports:
+        raise LeakageError(no_reports[task], f"schema {schema.name!r} gives reports ({', '.join(schema.reports)})")
     family = options.get("family")
     if task == "lesion_qa" and family in BOX_ANSWERS and schema.boxes != "off" and "tumour" in schema.box_levels:
         raise LeakageError(

@@ -3,12 +3,10 @@
 Text mode keeps the shard's abnormal-value descriptors (``"CEA 12.4 ng/mL, 2.5x above upper limit"``, written by
 :func:`gx_ray.data.catalogue.describe_abnormal` at preparation time) of the schema's variables only.
 
-Numeric mode scales every schema variable by its upper reference limit (the sex-neutral range of the catalogue,
-which widens sex-specific ranges to cover both sexes) and takes ``log1p`` of the ratio: tumour markers and
-enzymes span orders of magnitude (a CEA of 500 is 100x the limit), and the log keeps them on the scale of the
-other inputs while a value at the limit maps to ``log 2``. Variables without an upper limit (age, height,
-weight, endoscopic size) are ``log1p`` of the raw value. Negative values, which no lab reports, clamp to 0.
-Missing values are 0 with a missing flag of 1; the vector is ``[values..., missing flags...]``.
+Numeric mode takes ``log1p`` of each schema variable over its (sex-neutral) upper reference limit: markers and enzymes
+span orders of magnitude (a CEA of 500 is 100x the limit), and the log keeps them on the other inputs' scale (the
+limit maps to ``log 2``). Variables without an upper limit (age, height) are ``log1p`` of the raw value; negative
+values clamp to 0. The vector is ``[values..., missing flags...]``, a missing value 0 with its flag 1.
 """
 
 from __future__ import annotations

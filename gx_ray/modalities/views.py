@@ -3,21 +3,16 @@ slices, a box outline drawn in.
 
 Imaging conventions, named once here:
 
-- **Window.** HU map linearly onto [0, 1] between ``centre - width / 2`` and ``centre + width / 2`` and are clipped
-  outside; CT-Bench's soft-tissue window is centre 50, width 400 (:data:`SOFT_TISSUE`). The shards keep z-scores,
-  so HU come back through :func:`~gx_ray.data.shards.hounsfield` (shard format 2). They were clipped to the
-  preparation's HU range ([-100, 300] for the paper's), so a window reaching below it shows that floor.
-- **Slices** are axial: the volume's first axis (z). A stack of ``k`` slices centred on ``z`` (CT-Bench's CT2txt:
-  nine) repeats the first or last slice where it leaves the volume, so every stack has ``k`` slices.
-- **Overlay.** The box's rectangle, one pixel wide, in :data:`OVERLAY_COLOUR` on an RGB copy of the slice (CT-Bench's
-  "with bbox" images), on every slice of the stack that the box spans.
+- **Window.** HU map linearly onto [0, 1] between ``centre ± width / 2``, clipped outside (CT-Bench's soft tissue:
+  :data:`SOFT_TISSUE`). HU come back from the shards' z-scores through :func:`~gx_ray.data.shards.hounsfield`,
+  clipped to the preparation's range ([-100, 300] for the paper's), so a window reaching below shows that floor.
+- **Slices** are axial (z, the first axis). A stack of ``k`` slices centred on ``z`` (CT-Bench's CT2txt: nine)
+  repeats the first or last slice where it leaves the volume.
+- **Overlay.** The box's one-pixel rectangle in :data:`OVERLAY_COLOUR` on an RGB copy of every slice it spans.
 
-A view centred on a lesion's own box (its key slice) is itself a box cue: the box chose what the model sees.
-Tasks that build such views say so through their leakage rules.
-
-:class:`ViewRecipe` names every choice of the 3D-to-2D conversion as a search dimension (centre on the lesion or the
-stomach, k slices or their MIP, the window, the phases as images or as RGB channels, the box drawn, in the prompt or
-off); :func:`ct_images` applies one, and lesion QA's views are its one-phase case (:func:`lesion_view`).
+A view centred on a lesion's own box is itself a box cue (the box chose what the model sees): such tasks say so in
+their leakage rules. :class:`ViewRecipe` names every choice of the conversion as a search dimension; :func:`ct_images`
+applies one, and lesion QA's views are its one-phase case (:func:`lesion_view`).
 """
 
 from __future__ import annotations
@@ -205,11 +200,9 @@ AUTO = "auto"
 
 @dataclass(frozen=True)
 class ViewsConfig:
-    """A trial's 3D-to-2D conversion for a vision-language model (its ``views.*`` keys): the :class:`ViewRecipe`'s
-    fields, each a search dimension, with the phases taken from the trial's modality schema. What the model may see
-    stays the schema's to say (its leakage rules apply unchanged): the tumour box reaches the model only under a
-    schema with a tumour box cue, and the lab table (``schema.table: text``) goes into the prompt as its abnormal-value
-    descriptors."""
+    """A VLM trial's 3D-to-2D conversion (``views.*``): the :class:`ViewRecipe`'s fields, the phases the schema's.
+    What the model may see stays the schema's to say: the tumour box only under a tumour box cue, the lab table
+    (``schema.table: text``) in the prompt as its abnormal-value descriptors."""
 
     centre: str = AUTO
     """``lesion`` (the tumour box's key slice: itself a box cue), ``stomach``; ``auto``: the lesion under a schema with
