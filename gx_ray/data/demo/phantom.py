@@ -1008,8 +1008,7 @@ def _place_in_bands(rng, coords: np.ndarray, bands: list[np.ndarray], radii, pla
 
 @dataclass(frozen=True, kw_only=True)
 class _Template:
-    """A real CT as the findings are placed in it: the image, its TotalSegmentator labels (``seg``) and HU as arrays,
-    the signed distance (mm) to the stomach's surface, and every voxel's physical point (``coords``)."""
+    """A real CT as findings are placed in it: labels, HU, distance to the stomach's surface (mm), voxel points."""
 
     ct: sitk.Image
     seg: np.ndarray
