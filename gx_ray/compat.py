@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,35 @@ def drain_node(node_id: str, gcs_address: str, deadline_ms: int, message: str) -
 
     reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
     return ray._raylet.GcsClient(address=gcs_address).drain_node(node_id, reason, message, deadline_ms)
+
+
+class KilledForMemory(ray.exceptions.RayActorError):
+    """A trial process Ray's memory monitor killed, as a dead actor: what it used and the node had, then Ray's words."""
+
+    def __init__(self, message: str):
+        used, limit = (re.search(p, message) for p in (r"memory used=([\d.]+)GB", r"/ ([\d.]+)GB limit"))
+        reason = f"killed for memory: needed ~{used[1] if used else '?'} GB, node had {limit[1] if limit else '?'} GB"
+        super().__init__(error_msg=f"{reason}\n{message}")
+
+
+def memory_kills_fail_trials() -> None:
+    """A trial killed by Ray's memory monitor fails (Tune retries it per the FailureConfig) instead of ending the sweep.
+    Ray 2.60 raises ``OutOfMemoryError`` for such an actor (ray#28937), no ``RayActorError``, and Tune's private actor
+    manager raises "Caught unexpected exception" on it: its ``_actor_task_failed`` and ``_actor_start_failed`` get a
+    ``KilledForMemory`` instead. Waits on Tune's actor manager handling ``OutOfMemoryError``."""
+    from ray.air.execution._internal.actor_manager import RayActorManager
+
+    def failed(method: Any) -> Any:
+        def handle(self: Any, exception: Exception, **tracked: Any) -> None:  # Ray calls both by keyword
+            memory = isinstance(exception, ray.exceptions.OutOfMemoryError)
+            method(self, exception=KilledForMemory(str(exception)) if memory else exception, **tracked)
+
+        handle.wrapped = method
+        return handle
+
+    for name in ("_actor_task_failed", "_actor_start_failed"):
+        method = getattr(RayActorManager, name)
+        setattr(RayActorManager, name, method if hasattr(method, "wrapped") else failed(method))
 
 
 # --- Tune's schedulers and searchers, changed where they have no hook ------------------------------------------------

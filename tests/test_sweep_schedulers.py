@@ -108,6 +108,8 @@ def test_bohb_brackets_are_tunes_and_must_fit_the_budget_and_the_cluster(tmp_pat
     with pytest.raises(SpaceError, match="asks for 4 CPU .* the largest node has 2") as raised:
         check_cluster(load_space(str(_space(tmp_path, **PBT))), 1, [node], {"cpu": 4.0, "gpu": 0.0})
     assert raised.value.key == "resources"
+    with pytest.raises(SpaceError, match="asks for 1 CPU and 0 GPU with 9.0 GiB; the largest node has .* 8.0 GiB"):
+        check_cluster(nine, 1, [{**node, "memory": 8.0 * 2**30}], {"cpu": 1.0, "gpu": 0.0, "memory": 9.0 * 2**30})
 
 
 def _weights_hash(state_dict: dict[str, torch.Tensor]) -> str:

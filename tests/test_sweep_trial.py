@@ -61,6 +61,26 @@ def test_a_trial_finds_the_plan_it_was_reserved_by_before_its_config_grows(tmp_p
     assert gpu_plan_key(setting.config) not in context.gpu_plan  # looked up after, it would have found nothing
 
 
+def test_a_trial_reserves_the_host_memory_its_setting_was_measured_to_need(tmp_path, monkeypatch):
+    """The GPU plan's probe measured the setting's host memory (``host_bytes``): Ray reserves it as ``memory``, so a
+    node of N GiB takes floor(N / need) trials, and the sweep's concurrency counts them node by node (two trials at 9.0
+    and 10.8 GB on one 24 GiB node were killed by Ray's memory monitor). Nothing measured: nothing reserved."""
+    from gx_ray.sweep import gpu_plan
+    from gx_ray.sweep.trial import gpu_plan_key
+
+    fixed = {"task": "vqa", "resources.cpus_per_worker": 1, "resources.gpus_per_worker": "auto"}
+    bare = _context(tmp_path, fixed, {"seed": [0]})
+    key = gpu_plan_key(bare.setting({"seed": 0}).config)
+    context = _context(tmp_path, fixed, {"seed": [0]}, gpu_plan={key: {"share": 0.125, "host_bytes": 9 * 2**30}})
+    assert context.resources({"seed": 0}) == {"cpu": 1, "gpu": 0.125, "memory": 9 * 2**30}
+    assert bare.resources({"seed": 0}) == {"cpu": 1, "gpu": 1.0}
+    nodes = [{"Alive": True, "Resources": {"memory": gib * 2**30}} for gib in (24, 17.9, 8)]
+    monkeypatch.setattr(gpu_plan.ray, "nodes", lambda: [*nodes, {"Alive": False, "Resources": {"memory": 2**40}}])
+    monkeypatch.setattr(gpu_plan.ray, "cluster_resources", lambda: {"CPU": 64.0, "GPU": 8.0})
+    assert gpu_plan.concurrency(context) == 2 + 1 + 0  # not the 64 trials the CPUs and GPU shares hold
+    assert gpu_plan.concurrency(bare) == 64  # no memory measured: the CPUs decide
+
+
 # --- imports ----------------------------------------------------------------------------------------------
 
 

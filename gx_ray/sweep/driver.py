@@ -26,7 +26,7 @@ from mlflow.tracking import MlflowClient
 from ray import tune
 
 from gx_ray import storage
-from gx_ray.compat import ResumableOptunaSearch
+from gx_ray.compat import ResumableOptunaSearch, memory_kills_fail_trials
 from gx_ray.data.demo.cohort import DemoConfig
 from gx_ray.data.fingerprint import FINGERPRINT_FORMAT, read_fingerprint
 from gx_ray.data.folds import fold_patients, fold_sha256, read_custom_folds, write_fold_file
@@ -501,6 +501,7 @@ def _fit(run: SweepRun, tuner: tune.Tuner) -> tuple[tune.ResultGrid, GpuSampler 
     tune_started = time.perf_counter()
     host = GpuSampler(None, interval_s=1.0).start() if run.space.gpus_per_worker != 0 else None
     run.interruption.tuning = True
+    memory_kills_fail_trials()  # a trial Ray kills for memory fails (and is retried) rather than ending the sweep
     try:
         grid = tuner.fit()
     finally:

@@ -81,8 +81,8 @@ def _measure_steps(settings: dict[str, TrialConfig]) -> dict[str, dict[str, Any]
 
 
 def concurrency(context: SweepContext, max_concurrent: int | None = None) -> int:
-    """How many trials fit the cluster at once, from its GPUs (or CPUs) and the trials' needs: the smallest GPU share
-    of the plan decides how many trials a GPU holds; Ray places each trial by its own share."""
+    """How many trials fit the cluster at once: the plan's smallest GPU share and host memory decide how many a GPU
+    (or the CPUs) and a node's memory hold; Ray places each trial by its own."""
     space = context.space
     resources = ray.cluster_resources()
     workers = 1 if space.workers == 1 and not space.fixed.get("resources.torch_trainer") else space.workers
@@ -91,6 +91,8 @@ def concurrency(context: SweepContext, max_concurrent: int | None = None) -> int
         shares = [plan["share"] for plan in context.gpu_plan.values()] or [1.0]
         share = min(shares) if space.gpus_per_worker == AUTO else float(space.gpus_per_worker)
         fit = min(fit, round(resources.get("GPU", 0) / (share * workers), 6) // 1)
+    if needs := [plan["host_bytes"] for plan in context.gpu_plan.values() if "host_bytes" in plan]:
+        fit = min(fit, sum(n["Resources"].get("memory", 0) // min(needs) for n in ray.nodes() if n["Alive"]))
     fit = max(1, int(fit))
     return min(fit, max_concurrent) if max_concurrent else fit
 

@@ -198,15 +198,11 @@ def check_cluster(space: SearchSpace, at_once: int, nodes: list[dict[str, float]
     BOHB bracket must be filled and run on it. HyperBandForBOHB pauses a bracket's trials at each rung until all of
     them are there: a bracket larger than ``budget.samples`` is never filled (its trials wait for ones that never
     come), and the halving at a rung compares only the trials that ran. Prints the brackets it will run."""
-    wanted = {"CPU": trial.get("cpu", 0.0), "GPU": trial.get("gpu", 0.0)}
+    wanted = {"CPU": trial.get("cpu", 0.0), "GPU": trial.get("gpu", 0.0), "memory": trial.get("memory", 0.0)}
     if not any(all(node.get(k, 0.0) >= v for k, v in wanted.items()) for node in nodes):
-        largest = {k: max((node.get(k, 0.0) for node in nodes), default=0.0) for k in wanted}
-        raise SpaceError(
-            space.path,
-            "resources",
-            f"a trial asks for {wanted['CPU']:g} CPU and {wanted['GPU']:g} GPU; "
-            f"the largest node has {largest['CPU']:g} and {largest['GPU']:g}: no trial could start",
-        )
+        top = {k: max((node.get(k, 0.0) for node in nodes), default=0.0) for k in wanted}
+        asks, has = (f"{n['CPU']:g} CPU and {n['GPU']:g} GPU with {n['memory'] / 2**30:.1f} GiB" for n in (wanted, top))
+        raise SpaceError(space.path, "resources", f"a trial asks for {asks}; the largest node has {has}: none starts")
     if space.scheduler != "bohb":
         return
     eta = space.scheduler_options["reduction_factor"]

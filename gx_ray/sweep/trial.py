@@ -89,12 +89,13 @@ class SweepContext:
         return TrialSetting(config, plan, share)
 
     def resources(self, chosen: dict[str, Any]) -> dict[str, float]:
-        """What Ray reserves for a trial: the worker's CPUs and its GPU share. A trial that starts a TorchTrainer holds
-        a sliver; the trainer's workers ask for theirs."""
+        """What Ray reserves for a trial: the worker's CPUs, its GPU share and the host memory the GPU plan measured
+        (Ray's ``memory``). A trial that starts a TorchTrainer holds a sliver; the trainer's workers ask for theirs."""
         setting = self.setting(chosen)
         if under_torch_trainer(setting.config):
             return {"cpu": 0.1}
-        return {"cpu": setting.config.resources.cpus_per_worker, "gpu": setting.gpu_share}
+        memory = {"memory": setting.plan["host_bytes"]} if "host_bytes" in setting.plan else {}
+        return {"cpu": setting.config.resources.cpus_per_worker, "gpu": setting.gpu_share, **memory}
 
 
 def under_torch_trainer(config: TrialConfig) -> bool:
