@@ -25,10 +25,10 @@ from gx_ray.train.telemetry import GpuSampler, busy_fraction, sample_metrics
 
 
 def gpu_plan(context: SweepContext, output: Path) -> dict[str, dict[str, Any]]:
-    """Each distinct model setting's micro-batch and GPU share, from one measured training step of it on a GPU (Ray
-    tasks, one setting per task, all GPUs at once), where the space asks for ``auto``; a setting an earlier sweep
-    measured on the same kind of card, code and cohort is taken from the plan cache (:mod:`~gx_ray.sweep.plan_cache`).
-    Written to ``OUTPUT/gpu_plan.json`` and read back on resume; empty for CPU sweeps and fixed settings."""
+    """Each distinct model setting's micro-batch, GPU share and host memory, from one measured training step of it on
+    a GPU (one Ray task a setting, all GPUs at once) where the space asks for ``auto``, or from the plan cache where an
+    earlier sweep measured it on the same kind of card, code and cohort (:mod:`~gx_ray.sweep.plan_cache`). Written to
+    ``OUTPUT/gpu_plan.json`` and read back on resume; empty for CPU sweeps and fixed settings."""
     space = context.space
     if space.gpus_per_worker == 0:
         return {}
@@ -57,18 +57,16 @@ def gpu_plan(context: SweepContext, output: Path) -> dict[str, dict[str, Any]]:
 
 def trials_per_card(trials: int, cpus_per_trial: float, resources: dict[str, float]) -> int:
     """The most trials a card of the cluster (Ray's ``resources``) needs to hold: the sweep's trials over its cards,
-    and no more than the CPUs run beside each card (a trial holds its worker's CPUs: trials packed beyond them would
-    wait for a core, not for the card)."""
+    and no more than the CPUs beside each card run (packed beyond them, trials would wait for a core, not the card)."""
     cards = max(1, int(resources.get("GPU", 1)))
     cpu_slots = int(resources.get("CPU", 1) // max(cpus_per_trial, 1e-6)) // cards
     return max(1, min(math.ceil(trials / cards), cpu_slots))
 
 
 def auto_share(task: str, measured: dict[str, Any], trials_per_card: int = MAX_TRIALS_PER_GPU) -> float:
-    """``auto``'s GPU share: as many trials as the measured peak lets fit, where the task packs well at all, and no
-    more than the sweep needs: ``trials_per_card`` is its trials over the cluster's GPUs, rounded up, at most the
-    node's CPU slots a card. Ray fills one card before the next, so four trials packed two to a card on a 4-GPU node
-    left a card idle (4 x H200)."""
+    """``auto``'s GPU share: as many trials as the measured peak fits, for a task that packs well, and no more than
+    ``trials_per_card`` (the sweep's trials over the GPUs, rounded up, at most a card's CPU slots): Ray fills one card
+    before the next, so four trials packed two to a card on a 4-GPU node left a card idle (4 x H200)."""
     if not task_class(task).shares_a_gpu:
         return 1.0
     most = max(1, min(MAX_TRIALS_PER_GPU, trials_per_card))
