@@ -678,11 +678,6 @@ class SwinTransformer(nn.Module):
         super().__init__()
         self.config = config = config or SwinConfig.of(**arguments)
         depths, embed_dim = config.depths, config.embed_dim
-        self.num_layers = len(depths)
-        self.embed_dim = embed_dim
-        self.patch_norm = config.patch_norm
-        self.window_size = config.window_size
-        self.patch_size = config.patch_size
         self.patch_embed = PatchEmbed(config.patch_size, config.in_chans, embed_dim, config.patch_norm)
         self.pos_drop = nn.Dropout(p=config.drop_rate)
         rates = [x.item() for x in torch.linspace(0, config.drop_path_rate, sum(depths))]
@@ -698,8 +693,6 @@ class SwinTransformer(nn.Module):
 
                 block = UnetrBasicBlock(3, width, width, 3, 1, "instance", res_block=True)
                 getattr(self, f"layers{i + 1}c").append(block)
-        self.num_features = int(embed_dim * 2 ** (self.num_layers - 1))
-        self.attention_backend = config.attention_backend
 
     @staticmethod
     def proj_out(x: torch.Tensor, normalize: bool = False) -> torch.Tensor:
