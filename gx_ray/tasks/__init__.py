@@ -1,16 +1,12 @@
 """The paper's five tasks, CT-Bench's lesion QA and the endoscopy tasks, one module each: head, loss, predictions
 and a DDP-correct metric (docs/design.md); and tasks from outside gx-ray (docs/how-to/add-a-task.md).
 
-``build_task(name, **options)`` gives a :class:`Task`; :class:`TaskModel` joins it to an encoder. A task's module
-is imported when the task is first built: detection pulls in MONAI and report generation transformers, which a
-process that only computes another task's metric need not pay for.
-
-Where a task comes from (:func:`task_class`): a built-in name (:data:`gx_ray.schema.TASKS`); a plug-in's
-``module:Class`` reference (``task: mypkg.tasks:TumourVolume`` in a space); or the name of an entry point in the
-group :data:`ENTRY_POINT_GROUP` (``[project.entry-points."gx_ray.tasks"] tumour_volume = "mypkg.tasks:TumourVolume"``).
-A plug-in is checked against the :class:`Task` protocol when first resolved, and remembered by its ``name``: trial
-configs and the runs' ``task`` tag keep what the space says (the reference, which any process can import again),
-while labels, cells, tables and summaries name the task by its ``name`` (:func:`task_label`), never by a reference.
+``build_task(name, **options)`` gives a :class:`Task`, its module imported when first built (detection pulls in
+MONAI, report generation transformers); :class:`TaskModel` joins it to an encoder. :func:`task_class` resolves a
+built-in name (:data:`gx_ray.schema.TASKS`), a plug-in's ``module:Class`` reference, or an entry point of the group
+:data:`ENTRY_POINT_GROUP`. A plug-in is checked against the :class:`Task` protocol when first resolved and remembered
+by its ``name``: configs and the runs' ``task`` tag keep the reference (any process can import it again), while
+labels, cells and tables name the task by its ``name`` (:func:`task_label`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """What every task shares: the task interface, a metric object that is correct under DDP, and the task model.
 
-A task turns the encoder's view of a batch (:class:`~gx_ray.models.encoded.Encoded`) into its outputs with a head
-of its own, scores them with its loss and its metric, and names its primary metric and the direction in which
-that metric improves (``mode``). Tasks are plain picklable objects; what a task learns from data (the VQA answer
-vocabulary, the detector's anchor shapes) it learns in :meth:`Task.prepare` from training rows only.
-
-Metric state is per-example and kept on each rank; :meth:`TaskMetric.compute` gathers every rank's state first
-(``all_gather_object``), so every rank returns the metric of the whole evaluation set, not a mean of per-rank
-metrics (which is wrong for AUC, ranks, AP and corpus BLEU alike).
+A task turns the encoder's view of a batch into outputs with a head of its own, scores them with its loss and metric,
+and names its primary metric and its direction (``mode``). Tasks are plain picklable objects; what one learns from
+data it learns in :meth:`Task.prepare` from training rows only. :meth:`TaskMetric.compute` gathers every rank's
+per-example state first, so every rank returns the metric of the whole evaluation set, not a mean of per-rank
+metrics (wrong for AUC, ranks, AP and corpus BLEU alike).
 """
 
 from __future__ import annotations
@@ -32,18 +29,11 @@ Outputs = dict[str, Any]
 
 
 class TaskMetric:
-    """Per-example state accumulated batch by batch; :meth:`compute` summarises the state of every rank.
-
-    Subclasses append to the state with :meth:`add` in :meth:`update` and turn the merged state (each key's
-    per-batch items in rank order, then batch order) into metrics in :meth:`summarise`. Under
-    ``torch.distributed`` every rank must call :meth:`compute` (it is a collective operation).
-    """
+    """Per-example state accumulated batch by batch (:meth:`add` in :meth:`update`); :meth:`summarise` turns every
+    rank's merged state (rank order, then batch order) into metrics. :meth:`compute` is collective under DDP."""
 
     def __init__(self) -> None:
         self.state: dict[str, list[Any]] = {}
-
-    def reset(self) -> None:
-        self.state = {}
 
     def add(self, **items: Any) -> None:
         for key, value in items.items():
@@ -89,9 +79,8 @@ class Task:
     primary_unit: ClassVar[str] = ""
     """The primary metric's unit where it is not the paper's 0-100 scale or a rank (a plug-in's ``mL``)."""
     shares_a_gpu: ClassVar[bool] = True
-    """Whether ``gpus_per_worker: auto`` may pack this task's trials with others on one GPU. A step that waits on the
-    GPU many times (per-image matching and sampling) loses far more than its share when CUDA time-slices the card
-    between processes: such a task gets whole GPUs."""
+    """Whether ``gpus_per_worker: auto`` may pack this task's trials on one GPU: a step that waits on the GPU many
+    times (per-image matching) loses far more than its share when CUDA time-slices the card."""
     label_options: ClassVar[tuple[str, ...]] = ()
     """Options that make another question of the same task: results are never pooled across them
     (:func:`gx_ray.tasks.task_label`)."""
@@ -100,15 +89,12 @@ class Task:
     report_imports: ClassVar[tuple[str, ...]] = ()
     """Modules the report imports to score this task's trials again, imported ahead while the trials run."""
     leaking_inputs: ClassVar[Mapping[str, str]] = {}
-    """Modality-schema inputs that would give this task's answer away, each with why (``{"boxes:tumour": "the box's
-    extent is the volume"}``): a schema that gives any of them is refused for the task (leakage rule
-    ``declared_leaking_inputs``, :func:`gx_ray.modalities.check_leakage`). Input names:
-    :data:`gx_ray.modalities.INPUT_NAMES`. The built-in tasks' rules are :data:`gx_ray.modalities.LEAKAGE_RULES`; this
-    is how a task from outside gx-ray states its own."""
+    """Inputs (:data:`gx_ray.modalities.INPUT_NAMES`) that would give this task's answer away, each with why
+    (``{"boxes:tumour": "the box's extent is the volume"}``): a schema giving any is refused for the task
+    (:func:`gx_ray.modalities.check_leakage`). How a plug-in task states what the built-ins' ``LEAKAGE_RULES`` do."""
     lower_is_better: ClassVar[tuple[str, ...]] = ()
-    """Metrics of this task for which a smaller value is better, besides ranks (an error in mL): the report's arrows,
-    best cells and one-sided tests read it (:func:`gx_ray.analysis.runs.higher_is_better`). :attr:`mode` already
-    says it for the primary metric."""
+    """Metrics for which smaller is better besides ranks (an error in mL; :attr:`mode` says it for the primary):
+    the report's arrows, best cells and one-sided tests read it (:func:`gx_ray.analysis.runs.higher_is_better`)."""
 
     @classmethod
     def sweep_inputs(cls, options: Mapping[str, Any], shards: str, root: str) -> dict[str, Any]:
@@ -124,20 +110,15 @@ class Task:
         return cls.primary_metric
 
     def prepare(self, train_rows: Iterable[Mapping[str, Any]]) -> None:
-        """Fit what the task learns from data, from training rows (shard rows) only; nothing by default.
-
-        Call it before :meth:`build_head`: the VQA head's size is the vocabulary's, the detector's anchors are
-        fitted here. Rows may come from pyarrow (``to_pylist``) or Ray Data; a row of another split is refused.
-        """
+        """Fit what the task learns from data (the VQA vocabulary, the detector's anchors), from training shard rows
+        only, before :meth:`build_head`; nothing by default. A row of another split is refused."""
 
     def attach_splits(
         self, rows: Mapping[str, Sequence[Mapping[str, Any]]], manifest: Mapping[str, Any], shards: str | None = None
     ) -> None:
-        """Build what the task asks its questions with, per split, from each split's own rows (no image columns),
-        the shards' manifest (grid spacing, format) and files beside the shards (``shards``: their location);
-        nothing by default. Lesion QA builds its multiple-choice questions here, each from its own split's
-        material; the endoscopy tasks read the frame annotations. Nothing learnt may come from here: that is
-        :meth:`prepare`'s, from training rows only."""
+        """Build what the task asks its questions with (lesion QA's questions, the endoscopy annotations), per split
+        from its own rows (no image columns), the manifest and files beside the ``shards``; nothing by default.
+        Nothing learnt may come from here: that is :meth:`prepare`'s."""
 
     def bind(self, schema: ModalitySchema) -> None:
         """See the trial's modality schema before the head is built (a task whose inputs depend on it); nothing
@@ -168,17 +149,14 @@ class Task:
 
     @classmethod
     def record_metrics(cls, records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-        """The task's metrics from its :meth:`predict` records of labelled cases (one per case): what the report's
-        patient bootstrap and ``predict``'s external evaluation resample. The built-in tasks' are in
-        :mod:`gx_ray.analysis.cases`; a task without any is compared over seeds only, and its external evaluation
-        has no interval."""
+        """The task's metrics from its :meth:`predict` records (one per labelled case), which the report's patient
+        bootstrap resamples (built-ins: :mod:`gx_ray.analysis.cases`); a task without any is compared over seeds."""
         raise NotImplementedError
 
     def combine(self, members: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-        """An ensemble's predictions: ``members[k][i]`` is member ``k``'s :meth:`predict` record of case ``i`` (every
-        member holds the same cases in the same order: :func:`member_records` checks it). Returns one record per
-        case with the combined ``prediction``, the ``target`` and an uncertainty field (``spread``: how far the
-        members disagree). How predictions combine is the task's to say (mean probabilities, mean volumes, ...)."""
+        """An ensemble's predictions from ``members[k][i]``, member ``k``'s :meth:`predict` record of case ``i``
+        (:func:`member_records`): one record per case with the combined ``prediction``, the ``target`` and ``spread``
+        (how far the members disagree)."""
         raise NotImplementedError(
             f"task {self.name!r} does not say how an ensemble's predictions combine: implement "
             f"{type(self).__name__}.combine(members) (one record per case with 'prediction' and 'spread')"
@@ -233,11 +211,8 @@ def masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.T
 
 
 class TaskModel(nn.Module):
-    """Encoder and task head as one module: ``forward(batch)`` builds the schema's inputs and runs the task.
-
-    This is the module a training loop optimises and wraps in DDP. The schema is checked against the task's
-    leakage rules here too, so a leaking combination cannot even be built.
-    """
+    """Encoder and task head as one module (what the loop optimises and wraps in DDP): ``forward(batch)`` builds the
+    schema's inputs and runs the task. A leaking schema cannot even be built."""
 
     def __init__(self, task: Task, encoder: nn.Module, schema: ModalitySchema):
         super().__init__()

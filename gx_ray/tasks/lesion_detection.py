@@ -1,20 +1,15 @@
 """Lesion detection (Table 6): the 3D tumour box from the encoder's vision feature maps, RetinaNet-style.
 
-Built from MONAI's detection components (``monai.apps.detection``): its RetinaNet classification and
-regression heads run on one of ``Encoded.feature_maps`` (the second finest by default: gastric tumours are
-small against the crop), and a ``RetinaNetDetector`` holding that head supplies the rest: anchors
-(``AnchorGeneratorWithAnchorShape``), the ATSS matcher, hard-negative sampling, the box coder, the losses
-(BCE for the anchor classes, smooth L1 for the box regression) and the box selection at inference (score
-threshold, NMS, top-k). The detector's own ``forward`` would run its network on the image, so the task calls
-its public pieces (``generate_anchors``, ``compute_loss``, ``postprocess_detections``) on feature maps the
-multimodal encoder already made, and schema cues reach the detector through them.
+MONAI's RetinaNet heads run on one of ``Encoded.feature_maps`` (the second finest by default: gastric tumours are
+small against the crop), and a ``RetinaNetDetector`` holding them supplies anchors, the ATSS matcher, hard-negative
+sampling, the box coder, the losses (BCE, smooth L1) and inference's box selection. Its own ``forward`` would run
+its network on the image, so the task calls its public pieces (``generate_anchors``, ``compute_loss``,
+``postprocess_detections``) on the feature maps the multimodal encoder made, through which schema cues reach it.
 
-The target is the venous phase's tumour box, ``(z0, y0, x0, z1, y1, x1)`` end-exclusive on the CT grid, which
-is MONAI's corner convention for arrays indexed (z, y, x). Anchor shapes are fitted by :meth:`prepare` from the
-training split's tumour boxes (their per-axis quantiles). A case without a tumour box is unannotated rather
-than tumour-free (every patient has gastric cancer), so it adds nothing to the loss and is left out of the
-metric. Metrics: :func:`gx_ray.metrics.detection_metrics` (AP@0.5, AP@0.75, F1@0.5, mAP@[.5:.95],
-localization accuracy at IoU 0.5) with 3D IoU.
+The target is the venous tumour box, end-exclusive ``(z0, y0, x0, z1, y1, x1)`` on the CT grid (MONAI's corner
+convention for (z, y, x) arrays). :meth:`prepare` fits the anchor shapes to the training boxes' per-axis quantiles.
+A case without a tumour box is unannotated, not tumour-free (every patient has gastric cancer): it adds nothing to
+the loss or the metric (:func:`gx_ray.metrics.detection_metrics`, with 3D IoU).
 """
 
 from __future__ import annotations

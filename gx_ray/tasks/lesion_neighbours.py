@@ -1,16 +1,11 @@
 """Appearance-based hard negatives for lesion QA (CT-Bench's first distractor kind): lesions that look alike, as an
 encoder trained on the training split sees them.
 
-The encoder is a 2D MONAI ResNet-10 over each case's key-slice view (the venous phase in CT-Bench's soft-tissue window,
-as the questions show it, no box drawn), projected into the space of the lesion descriptions' frozen MiniLM embeddings
-and trained CLIP-style (symmetric cross-entropy over the batch) on the training split's cases only: it learns which
-views go with which descriptions, so views it places close are lesions whose descriptions a reader could confuse.
-Every case's view is then embedded, and a case's neighbours are the other cases of its own split, nearest first by
-cosine similarity (:func:`nearest_neighbours`); :func:`~gx_ray.tasks.lesion_qa.build_questions` draws "appearance"
-distractors among the nearest. The whole-volume retrieval encoder would rank whole CTs, not lesions.
-
-Everything is seeded; a sweep computes it once per cohort, inside the question file's build
-(:func:`~gx_ray.tasks.lesion_qa.write_question_file`).
+A 2D MONAI ResNet-10 over each case's key-slice view (venous, soft-tissue window, no box) is trained CLIP-style on the
+training split only, into the space of the lesion descriptions' frozen MiniLM embeddings: views it places close are
+lesions whose descriptions a reader could confuse (the whole-volume retrieval encoder would rank CTs, not lesions).
+A case's neighbours are the other cases of its own split, nearest first by cosine (:func:`nearest_neighbours`).
+Everything is seeded; a sweep computes it once per cohort (:func:`~gx_ray.tasks.lesion_qa.write_question_file`).
 """
 
 from __future__ import annotations

@@ -1,59 +1,36 @@
 """CT-Bench-style lesion QA: four-option multiple-choice questions about each case's gastric lesion, asked on 2D views
 of its CT with and without the box drawn in, scored by accuracy with Wilson 95 % intervals (chance: 25 %).
 
-Families (``family``), after CT-Bench's tasks:
+Families (``family``), after CT-Bench's tasks: ``img2txt`` (the key slice → which of four descriptions is its own),
+``ct2txt`` (nine slices centred on the lesion → which description), ``img2size`` (the key slice → which of the four
+:data:`SIZE_BUCKETS`), ``img2attrib`` (the key slice → an attribute: gross type, depth, enhancement, side),
+``txt2bbox`` (the description → which of four boxes drawn on its key slice, one image per option) and ``txt2img``
+(the description → which of four cases' key slices, read once a trial by
+:func:`~gx_ray.tasks.lesion_neighbours.key_slice_views`).
 
-- ``img2txt``: the lesion's key slice → which of four descriptions is its own;
-- ``ct2txt``: nine consecutive slices centred on the lesion → which description;
-- ``img2size``: the key slice → the long-axis size bucket (the four buckets of :data:`SIZE_BUCKETS` are the options);
-- ``img2attrib``: the key slice → an attribute of the lesion (gross type, depth, enhancement, side) among values
-  that attribute takes;
-- ``txt2bbox``: the lesion's description → which of four boxes drawn on its key slice is the lesion's (one image per
-  option, each with one box drawn; the description is the text side);
-- ``txt2img``: the lesion's description → which of four key slices (its own and three other cases', chosen as the
-  description families choose their distractors) shows it; with a box cue each slice has its own lesion's outline.
-  The options' slices come from the whole cohort, read once a trial (:func:`~gx_ray.tasks.lesion_neighbours.
-  key_slice_views`: slices only, never the volumes).
+**Material**, from the case's own row: the *description* is the CT report's sentences about the primary lesion
+(:func:`lesion_description`); the *size* is the venous tumour box's long axis in mm (the box, not the report, so that
+it matches what is drawn); the *attributes* are the case's VQA answers of :data:`ATTRIBUTE_CATEGORIES`.
 
-**Material**, all from the case's own row: the *description* is the CT report's sentences about the primary lesion
-(:func:`lesion_description`); the *size* is the venous tumour box's long axis in mm (its larger in-plane extent times
-the preparation's spacing: the box, not the report, so that it matches what is drawn); the *attributes* are the
-case's own VQA answers to attribute questions (categories in :data:`ATTRIBUTE_CATEGORIES`).
+**Distractors** (``distractors``; size and attribute options are their ontology's other values): ``random`` (three
+other cases, uniformly), ``matched`` (the same size bucket first: CT-Bench finds random ones too easy), ``appearance``
+(among the :data:`NEAREST` lesions most alike to an encoder trained on the training split,
+:mod:`~gx_ray.tasks.lesion_neighbours`: CT-Bench's hard negatives). ``txt2bbox`` pastes three other cases' boxes,
+chosen the same way, at free places of this key slice (inside the stomach's box where there is one); a case without
+room for three is skipped with that reason.
 
-**Distractors** (``distractors``, for the description families; size and attribute options are their ontology's
-other values: the size buckets, and the values an attribute question takes anywhere in the cohort, which are
-category names, not any patient's material):
+**The split rule**: every option comes from the question's own split, so no distractor can be eliminated as one
+memorised in training. Questions are a pure function of the rows, the family, the distractor kind and ``seed`` (each
+case's draw is seeded by its id). A case without a venous tumour box, a description or four distinct candidates gets
+a reason instead (:class:`QuestionSet`).
 
-- ``random``: three other cases' descriptions, uniformly;
-- ``matched``: three other cases whose lesion falls in the same size bucket (then the nearest buckets): a harder,
-  ontology-matched kind (CT-Bench: random distractors are too easy);
-- ``appearance``: three drawn among the :data:`NEAREST` lesions that look most alike to an encoder trained on the
-  training split (:mod:`~gx_ray.tasks.lesion_neighbours`), within the question's split: CT-Bench's hard negatives.
+**Question files**: a sweep builds each recipe's questions once, before its trials, into a versioned file keyed by
+the shard manifest's SHA-256 (:func:`write_question_file`); later sweeps on the cohort reuse it and ``--data`` stays
+read-only. A file of another cohort, recipe or format is refused, naming what differs.
 
-**Localisation distractors** (``txt2bbox``, CT-Bench's third kind): three other cases' lesion boxes (``random``: any
-three; ``matched``: the same size bucket first; ``appearance``: the nearest lesions first, as CT-Bench's "boxes from
-similar images") pasted on this case's key slice at other places, overlapping neither
-the lesion's box nor each other and inside the slice; a place is drawn inside the stomach's box where the case has one
-(where a gastric lesion could be), else anywhere on the slice. A case with no room for three such boxes is skipped
-with that reason.
-
-**The split rule**: every option of a question comes from the question's own split. A distractor drawn from
-training material could be recognised as seen in training and eliminated by a model that memorised the training
-descriptions; within one split every option is equally seen (training) or unseen (validation, test).
-
-Questions are a pure function of the rows, the family, the distractor kind and ``seed`` (each case's draw is seeded
-by its id, so a question does not depend on which other cases were read first). A case without a venous tumour box,
-without a description, or without four distinct candidates gets no question and a reason (:class:`QuestionSet`).
-
-**Question files**: a sweep builds each recipe's questions once, before its trials, into a versioned file under its
-output (or ``--storage``) keyed by the shard manifest's SHA-256 (:func:`write_question_file`); later sweeps on the same
-cohort reuse it, the trials read it (``questions_file``), and ``--data`` stays read-only. A file of another cohort,
-recipe or question format is refused, naming what differs.
-
-**Views** (:mod:`gx_ray.modalities.views`): the schema's reference phase (venous, else its first) in HU (shard format
-2), CT-Bench's soft-tissue window, centred on the lesion's key slice in every condition; a schema with a tumour box
-cue (overlay or channels) draws the box's outline in red. A 2D MONAI ResNet reads the RGB slices stacked as channels;
-options are encoded by the encoder's own text encoder; both are projected, L2-normalised and compared under a
+**Views** (:mod:`gx_ray.modalities.views`): the reference phase in HU, CT-Bench's soft-tissue window, centred on the
+key slice; a tumour box cue draws the box's outline in red. A 2D MONAI ResNet reads the RGB slices stacked as
+channels; options go through the encoder's text encoder; both are projected, L2-normalised and compared under a
 learnt temperature, trained with cross-entropy over the four options (as CT-Bench fine-tunes BiomedCLIP).
 """
 
@@ -84,13 +61,13 @@ from gx_ray.modalities import ModalitySchema, ModelInputs
 from gx_ray.modalities.boxes import TARGET_PHASE, tumour_boxes
 from gx_ray.modalities.views import box_option_views, lesion_view
 from gx_ray.models.vision import Endoscopy2d
-from gx_ray.schema import BOX_LEVELS, PHASES
+from gx_ray.schema import PHASES
 from gx_ray.tasks.base import Batch, Outputs, Task, TaskMetric
 
 FAMILIES: dict[str, int] = {"img2txt": 1, "ct2txt": 9, "img2size": 1, "img2attrib": 1, "txt2bbox": 1, "txt2img": 1}
+"""Family → axial slices in its view (CT-Bench: one key slice, or nine for CT2txt)."""
 IMAGE_OPTIONS = ("txt2bbox", "txt2img")
 """Families whose options are images (one view per option) and whose question is the description."""
-"""Family → axial slices in its view (CT-Bench: one key slice, or nine for CT2txt)."""
 DISTRACTORS: tuple[str, ...] = ("random", "matched", "appearance")
 NEAREST = 8
 """Appearance distractors: three drawn among a case's eight nearest lesions (CT-Bench: top-k, then sampled)."""
@@ -343,10 +320,8 @@ def _image_question(case_id, split, family, material, distractors, rng, neighbou
 
 def _stomach_box(row: Mapping[str, Any]) -> tuple[int, ...] | None:
     """The venous stomach box of a shard row, or None."""
-    boxes = np.asarray(row["boxes"]).reshape(len(PHASES), len(BOX_LEVELS), 6)
-    present = np.asarray(row["box_present"]).reshape(len(PHASES), len(BOX_LEVELS))
-    phase, level = PHASES.index(TARGET_PHASE), BOX_LEVELS.index("stomach")
-    return tuple(int(v) for v in boxes[phase, level]) if present[phase, level] else None
+    boxes, present = tumour_boxes(row["boxes"], row["box_present"], "stomach")
+    return tuple(int(v) for v in boxes[0]) if present[0] else None
 
 
 def _overlaps(a: Sequence[int], b: Sequence[int]) -> bool:
@@ -500,8 +475,7 @@ class LesionQA(Task):
                 raise ValueError("a question file is checked against its cohort: attach_splits needs the shards")
             self.questions = read_question_file(self.questions_file, recipe, shards)
             return
-        spacing = manifest["preprocess"]["spacing_zyx_mm"]
-        shape = manifest["ct_shape"][1:]
+        spacing, shape = manifest["preprocess"]["spacing_zyx_mm"], manifest["ct_shape"][1:]
         neighbours = None
         if self.distractors == "appearance":  # a sweep builds these once, in its question file
             if shards is None:

@@ -1,13 +1,10 @@
 """Cross-modal retrieval (Table 4): CLIP-style image-report matching in both directions.
 
-The image side is ``Encoded.pooled`` (the CT with whatever else the schema gives: table, boxes, endoscopy; no
-query); the text side is the encoder's own text embedding of the CT report (``encoder.encode_text``). Each goes
-through a linear projection, is L2-normalised, and the pair is trained with the symmetric InfoNCE loss of CLIP
-(Radford et al., 2021) under a learnable temperature, over the cases of a batch that have a report.
-
-The metric gathers the embeddings of the whole evaluation set (every rank's) and ranks every report for every
-image and vice versa (:func:`gx_ray.metrics.retrieval_metrics`; a case's own report is its only positive):
-``image_to_text_<metric>`` and ``text_to_image_<metric>`` for R@1/5/10, median and mean rank and mAP.
+``Encoded.pooled`` (the CT with whatever else the schema gives, no query) and the encoder's text embedding of the CT
+report are projected, L2-normalised and trained with CLIP's symmetric InfoNCE loss under a learnable temperature, over
+a batch's cases that have a report. The metric ranks every report for every image of the whole evaluation set (every
+rank's) and vice versa, a case's own report its only positive: ``image_to_text_<metric>`` and
+``text_to_image_<metric>`` of :func:`gx_ray.metrics.retrieval_metrics`.
 """
 
 from __future__ import annotations

@@ -1,23 +1,18 @@
 """Tasks through a vision-language model (``model.family: vlm``): VQA, report generation and stage classification
 asked in words and answered by generation, so the training loop, its MLflow logging and checkpoints run unchanged.
 
-:class:`VisionLanguageTaskModel` is the module the loop trains: from a batch it makes each case's CT views
-(:func:`~gx_ray.modalities.views.ct_images` under the trial's recipe), puts each question with MedEvalKit's prompt
-(:func:`~gx_ray.metrics.cascade.question_prompt`, :data:`~gx_ray.metrics.cascade.REPORT_PROMPT`) inside the model's
-own chat template, and returns the answers' cross-entropy while training and the generated answers while evaluating.
-:class:`VisionLanguageTask` wraps the trial's own task (its ``prepare``, chance level, primary metric and direction
-are the task's) and scores the answers with what exists already:
+:class:`VisionLanguageTaskModel` is the module the loop trains: it makes each case's CT views
+(:func:`~gx_ray.modalities.views.ct_images`), puts each question in MedEvalKit's prompt inside the model's chat
+template, and returns the answers' cross-entropy while training and the generated answers while evaluating.
+:class:`VisionLanguageTask` wraps the trial's own task (its ``prepare``, chance level, primary metric and direction)
+and scores the answers with what exists already:
 
-- **vqa**: each question close-ended (one word or phrase), scored by the cascade (:func:`score_answer`,
-  :func:`cascade_metrics`): ``accuracy``, ``parse_failure_rate`` apart from it, the share each stage decided, and the
-  accuracy per question category;
-- **report_generation**: the CT report (as report generation teaches and scores it: its first
-  ``max_report_tokens``), scored by report generation's own metric (ROUGE-L, BLEU-4; all four with
-  ``full_metrics``);
-- **stage_classification**: a multiple-choice question over the four stage groups, answered with the option's
-  letter; the written answer is scored by the cascade (``accuracy``, ``parse_failure_rate``) and each option letter's
-  log-likelihood as the answer (:meth:`~gx_ray.models.vlm.VisionLanguageModel.option_scores`) gives class
-  probabilities (softmax), hence the ``auc`` (the primary metric, as for the encoder) and ``option_accuracy``.
+- **vqa**: each question close-ended, scored by the cascade (:func:`score_answer`, :func:`cascade_metrics`), with
+  the accuracy per question category;
+- **report_generation**: the CT report's first ``max_report_tokens``, scored by report generation's own metric;
+- **stage_classification**: a multiple-choice question over the four stage groups: the written letter is scored by
+  the cascade, and each letter's log-likelihood (:meth:`~gx_ray.models.vlm.VisionLanguageModel.option_scores`)
+  gives class probabilities, hence the ``auc`` (the primary metric, as for the encoder) and ``option_accuracy``.
 
 The lab table (``schema.table: text``) and the box's coordinates (``views.boxes: prompt``) go before the question.
 """
@@ -37,11 +32,11 @@ from gx_ray.data.shards import hounsfield
 from gx_ray.metrics import classification_metrics
 from gx_ray.metrics.cascade import REPORT_PROMPT, Scored, cascade_metrics, question_prompt, score_answer
 from gx_ray.modalities import ModalitySchema
-from gx_ray.modalities.boxes import TARGET_PHASE, tumour_boxes
+from gx_ray.modalities.boxes import tumour_boxes
 from gx_ray.modalities.table import abnormal_text
 from gx_ray.modalities.views import ViewRecipe, ct_images
 from gx_ray.models.vlm import VisionLanguageModel
-from gx_ray.schema import BOX_LEVELS, PHASES, STAGE_GROUPS, VQA_CATEGORIES
+from gx_ray.schema import PHASES, STAGE_GROUPS, VQA_CATEGORIES
 from gx_ray.tasks.base import Batch, Outputs, Task, TaskMetric, concat
 
 STAGE_QUESTION = "What is the overall AJCC stage group of this gastric cancer?"
@@ -146,9 +141,8 @@ class VisionLanguageTaskModel(nn.Module):
         return {f"{prefix}vlm.model.{name}" for name in self.vlm.trainable()}
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
-        """What trains (the adapters, and a tower opened by ``vlm.train_*``) only: the frozen weights are the model
-        folder's, and a copy of them in every checkpoint (and in the best epoch's copy the loop keeps on the device)
-        would cost the model's size each time, gigabytes for the hub models."""
+        """What trains (the adapters, a tower opened by ``vlm.train_*``) only: a copy of the frozen weights in every
+        checkpoint and best-epoch copy would cost the model's size each time, gigabytes for the hub models."""
         full = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
         trained = self.trained_keys(prefix)
         for key in [k for k in full if k not in trained]:
@@ -192,15 +186,13 @@ def case_views(batch: Batch, recipe: ViewRecipe, schema: ModalitySchema) -> tupl
     ct = batch["ct"][:, phases].float().cpu().numpy()  # one copy off the device for the batch
     means, stds = batch["ct_hu_mean"][:, phases].numpy(), batch["ct_hu_std"][:, phases].numpy()
     tumour, has_tumour = tumour_boxes(batch["boxes"], batch["box_present"])
-    boxes = np.asarray(batch["boxes"]).reshape(-1, len(PHASES), len(BOX_LEVELS), 6)
-    present = np.asarray(batch["box_present"]).reshape(-1, len(PHASES), len(BOX_LEVELS))
-    phase, level = PHASES.index(TARGET_PHASE), BOX_LEVELS.index("stomach")
+    stomachs, has_stomach = tumour_boxes(batch["boxes"], batch["box_present"], "stomach")
     images, context = [], []
     for i in range(len(ct)):
         hu = np.nan_to_num(hounsfield(ct[i], means[i], stds[i]), nan=AIR_HU)
         volumes = dict(zip(recipe.phases, hu, strict=True))
         # no stomach box: the whole grid, whose middle slice is then the centre
-        stomach = boxes[i, phase, level] if present[i, phase, level] else [0, 0, 0, *hu.shape[1:]]
+        stomach = stomachs[i] if has_stomach[i] else [0, 0, 0, *hu.shape[1:]]
         case_recipe = recipe if has_tumour[i] else replace(recipe, centre="stomach", boxes="off")
         views, box_text = ct_images(volumes, case_recipe, tumour[i].astype(int) if has_tumour[i] else None, stomach)
         images.append(list(views))
