@@ -4,15 +4,11 @@ The test split is never touched: folds partition the patients of ``train`` and `
 fold ``k`` trains on every other fold's patients and validates on fold ``k``'s, so over the folds every training
 patient is predicted once by a model that never saw it (its out-of-fold prediction).
 
-A fold assignment is a file (:func:`write_fold_file`), versioned and named by the SHA-256 of its content, kept under
-the sweep's output or storage and logged on every run: ``folds/<cohort>/folds-<sha>.json``. It is either dealt by
-gx-ray (stratified by stage group, and by any other row column the space names, as the splits are) or read from a
-file of one's own: gx-ray's format, or nnU-Net's ``splits_final.json`` (a list of ``{"train": [...], "val":
-[...]}``). A file that puts a patient in two folds, leaves one out, or touches the test split is refused, naming the
-patient.
-
-:func:`fold_rows` tells, row group by row group, which rows a fold's ``train`` or ``val`` reads: the shards stay as
-they are (no copy of the cohort per fold); the stream reads whole row groups and keeps those rows.
+A fold assignment is a versioned file named by its content's SHA-256 (:func:`write_fold_file`,
+``folds/<cohort>/folds-<sha>.json`` under the sweep's output, logged on every run), dealt by gx-ray (stratified as
+the splits are) or one's own: gx-ray's format or nnU-Net's ``splits_final.json``. A file that puts a patient in two
+folds, leaves one out or touches the test split is refused, naming the patient. :func:`fold_rows` tells, row group by
+row group, which rows a fold reads: the shards stay as they are, no copy per fold.
 """
 
 from __future__ import annotations

@@ -36,12 +36,8 @@ def is_volume_path(path: Path) -> bool:
 
 
 def load_volume(path: Path, case_id: str = "?", field_name: str | None = None) -> sitk.Image:
-    """Read a volume file or a DICOM series folder; any failure is a :class:`CaseError`.
-
-    Besides ITK's own checks: a NIfTI file's header is read first (truncation, a decompressed size beyond what
-    the header declares, NaN voxels, pixdim and sform), and every image's geometry after reading
-    (:func:`check_geometry`).
-    """
+    """Read a volume file or a DICOM series folder; any failure is a :class:`CaseError`. Besides ITK's checks, a
+    NIfTI file is checked first (:func:`_check_nifti`) and every image's geometry after (:func:`check_geometry`)."""
     path = Path(path)
     try:
         if path.is_dir():
@@ -62,11 +58,8 @@ def load_volume(path: Path, case_id: str = "?", field_name: str | None = None) -
 def check_geometry(
     image: sitk.Image, path: Path | str | None, case_id: str = "?", field_name: str | None = None
 ) -> None:
-    """Voxel spacing positive and finite, origin finite, direction orthonormal: else a ``bad_geometry`` CaseError.
-
-    Every physical-space step (registration, resampling, boxes) trusts these; a zero spacing or a sheared
-    direction would put the voxels somewhere else without any error.
-    """
+    """Voxel spacing positive and finite, origin finite, direction orthonormal, else a ``bad_geometry`` CaseError:
+    registration, resampling and boxes trust these, and a zero spacing would misplace voxels without an error."""
     where = f"{field_name}.spacing" if field_name else "spacing"
     spacing = np.asarray(image.GetSpacing(), float)
     if not np.all(np.isfinite(spacing)) or np.any(spacing <= 0):

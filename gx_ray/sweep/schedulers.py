@@ -2,15 +2,12 @@
 them through :func:`gx_ray.sweep.driver.run_sweep`), and what keeps them safe: the checks made before the trials
 start, the replay of a PBT schedule, and the record a trial writes when it is restored from a checkpoint.
 
-- ``searcher: random`` draws ``budget.samples`` configs from ``sample`` (Tune's variant generator; grid axes too);
-  ``searcher: bohb`` is TuneBOHB (a TPE-like model over hpbandster's budgets) and ``scheduler: bohb`` Tune's
-  HyperBandForBOHB, which pauses the trials of a bracket at each rung and resumes the best from their checkpoints.
-- ``scheduler: pbt`` is Tune's PopulationBasedTraining, synchronous: every ``pbt.interval`` epochs the whole
-  population has reached the same epoch, the bottom quantile is restored from checkpoints of the top quantile (an
-  exploit) and its optimiser keys mutated. Synchronous so that a donor's checkpoint is always of the epoch the
-  trial had reached: a trial's run logs every epoch once, and a replay changes its config at the epochs found.
-- Time is ``training_iteration``, the epochs a trial has trained: the loop reports once an epoch, and Tune restores
-  the count with a checkpoint (a donor's too).
+- ``searcher: random`` draws ``budget.samples`` configs from ``sample`` (Tune's variant generator); ``bohb`` is
+  TuneBOHB with Tune's HyperBandForBOHB, which pauses a bracket's trials at each rung and resumes the best.
+- ``scheduler: pbt`` is Tune's PopulationBasedTraining, synchronous: every ``pbt.interval`` epochs the bottom quantile
+  is restored from the top quantile's checkpoints and its optimiser keys mutated; synchronous so that a donor's
+  checkpoint is of the epoch the trial had reached (a run logs every epoch once; a replay finds the epochs).
+- Time is ``training_iteration``, the epochs trained: the loop reports once an epoch, and a checkpoint restores it.
 """
 
 from __future__ import annotations
@@ -32,13 +29,10 @@ from gx_ray.compat import DonorCheckpointPBT, ScheduleReplay, resumable_bohb
 from gx_ray.sweep.spaces import SearchSpace, SpaceError
 from gx_ray.train.config import TrialConfig
 
-# imported by every trial process (gx_ray.sweep.trial), before Tune restores a trial in it:
-# - PBT and BOHB pause trials and restart them in the process they ran in; Tune gives the paused trial's thread 2 s to
-#   end (it ends at its next report, freeing its model on the way) and fails the trial when it is slower, which a
-#   loaded machine is: it is given two minutes
+# imported by every trial process before Tune restores a trial in it: a paused PBT/BOHB trial's thread gets 2 s to end
+# (at its next report) before Tune fails it, too short on a loaded machine; and each restore is logged at INFO for
+# every trial at every PBT interval, which the trial's run records anyway
 os.environ.setdefault("TUNE_FUNCTION_THREAD_TIMEOUT_S", "120")
-# - each restore is logged at INFO from the trial's process ("Restored on ... from checkpoint ..."), for every trial
-#   at every PBT interval; the trial's run records what was restored
 logging.getLogger("ray.tune.trainable.trainable").setLevel(logging.WARNING)
 
 METRIC = "val_primary"

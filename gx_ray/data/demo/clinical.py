@@ -1,12 +1,10 @@
 """Lab and EHR values of one demo patient: a value for every variable of the clinical catalogue.
 
-What a model may see (pre-diagnosis variables) is drawn from the stage the lab table shows,
-``findings.table_staging``, and from stage-free facts only (sex, age, tumour location, the case id). Nothing
-else about the case reaches them, and they are drawn before anything that reads the truth, so a cohort whose
-table signal is 0 has labs independent of the true stage. The higher the table's stage, the more often tumour
-markers are raised and haemoglobin, albumin, prealbumin and total protein low. Post-diagnosis variables
-(pathology, pathological TNM, surgery, outcomes) record the truth, ``findings.staging``: they are labels, never
-inputs. Identifiers are pseudonyms derived from the case id; dates are ISO strings.
+What a model may see (pre-diagnosis variables) is drawn from ``findings.table_staging`` and stage-free facts only,
+before anything that reads the truth, so a cohort whose table signal is 0 has labs independent of the true stage; the
+higher the table's stage, the more often markers are raised and haemoglobin, albumin, prealbumin and protein low.
+Post-diagnosis variables record the truth, ``findings.staging``: labels, never inputs. Identifiers are pseudonyms
+derived from the case id; dates are ISO strings.
 """
 
 from __future__ import annotations
