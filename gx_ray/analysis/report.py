@@ -650,7 +650,7 @@ def open_sweep(sweep: str, mlflow_uri: str | None = None, output: Path | None = 
         except (KeyError, OSError, ValueError):
             cohort = ""
         destination = folder if document else Path(output or Path("outputs/sweeps") / sweep_id)
-        yield SweepStore(uri, sweep_id, parents[0], cohort, destination)
+        yield SweepStore(uri=uri, sweep_id=sweep_id, parent=parents[0], cohort=cohort, folder=destination)
     finally:
         if server:
             server.stop()

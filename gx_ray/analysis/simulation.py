@@ -187,4 +187,5 @@ def power_check(model: StudyModel, design: Design, settings: PowerSettings, pilo
         found.append(result.p_value <= alpha / comparisons and result.diff > 0)
     measured = float(np.mean(found))
     error = math.sqrt(measured * (1 - measured) / settings.studies)
-    return PowerCheck(design, comparisons, truth_a - truth_b, predicted.power, predicted.mc_error, measured, error)
+    return PowerCheck(design=design, comparisons=comparisons, effect=truth_a - truth_b, predicted=predicted.power,
+                      predicted_error=predicted.mc_error, measured=measured, measured_error=error)  # fmt: skip

@@ -200,7 +200,9 @@ def task_table(cells: pd.DataFrame, task: str, decimals: int = DECIMALS) -> Task
     frame["text"] = [format_cell(*v, decimals) for v in zip(frame["mean"], frame["sd"], frame["n"], strict=True)]
     pairs = frame[["model", "fusion", "label"]].drop_duplicates().sort_values(["model", "fusion"])
     schemas, metrics = schema_order(frame["schema"]), metric_order(frame["metric"])
-    return TaskTable(task, list(pairs["label"]), schemas, metrics, frame, decimals)
+    return TaskTable(
+        task=task, rows=list(pairs["label"]), schemas=schemas, metrics=metrics, cells=frame, decimals=decimals
+    )
 
 
 def _columns(table: TaskTable) -> list[tuple[str, str]]:

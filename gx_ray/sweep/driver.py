@@ -319,7 +319,9 @@ def _start(run: SweepRun, tracking_uri: str) -> SweepContext:
     check_shards(run.shards, verify=run.options.verify)  # a truncated or altered shard is named before any trial
     record_inputs(run.output, sweep_inputs(run.space, run.shards, _named_study(run.options)))
     tags = provenance(storage.join(run.shards, MANIFEST_FILE))
-    return SweepContext(run.sweep_id, run.space, run.shards, run.state, tags)
+    return SweepContext(
+        sweep_id=run.sweep_id, space=run.space, shards=run.shards, storage_path=run.state, provenance=tags
+    )
 
 
 def _tune(run: SweepRun, context: SweepContext, server: LocalMlflowServer | None) -> SweepResult:

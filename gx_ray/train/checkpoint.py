@@ -181,6 +181,6 @@ def preempt(ctx: Any, metrics: dict, parts: Trainables, best: Best, config: Any,
     from gx_ray.preemption import NodePreempted
 
     reported = {**metrics, "val_primary": metrics.get("val_primary", math.nan), "preempted": 1.0}
-    report(ctx, Report(reported, parts, at.epoch - 1, best, config, resume=at))
+    report(ctx, Report(metrics=reported, parts=parts, epoch=at.epoch - 1, best=best, config=config, resume=at))
     raise NodePreempted(f"node {ctx.drain.node_id} is draining: checkpointed at step {len(at.rates)} of epoch "
                         f"{at.epoch}, to go on elsewhere")  # fmt: skip

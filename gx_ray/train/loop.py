@@ -228,8 +228,11 @@ class TrainingRecipe:
             else:
                 self.timing["train_seconds"] += time.perf_counter() - started
             saved = epoch == last or (epoch + 1) % self.config.schedule.checkpoint_every == 0
-            report = checkpoint.Report(self.metrics, self.parts, epoch, self.best, self.config if saved else None)
-            checkpoint.report(self.ctx, report)
+            config = self.config if saved else None
+            checkpoint.report(
+                self.ctx,
+                checkpoint.Report(metrics=self.metrics, parts=self.parts, epoch=epoch, best=self.best, config=config),
+            )
             if self.ctx.stop_after_epochs and epoch + 1 - self.start_epoch >= self.ctx.stop_after_epochs:
                 break
         return self.metrics
