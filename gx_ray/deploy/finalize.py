@@ -1,20 +1,16 @@
-"""From a sweep's answer to a registered model: choose the configuration, make its final model, test it once on the
-held-out patients, and register it in MLflow's model registry as ``gx-ray-<task>@champion``.
+"""From a sweep's answer to a registered model, in steps: choose the configuration (:func:`chosen_configuration`),
+make its final model (:func:`final_model`), test it once on the held-out patients, and register it in MLflow's model
+registry as ``gx-ray-<task>@champion`` (docs/how-to/finalize-and-predict.md).
 
-**The choice** uses validation scores only (the test split stays unseen until the chosen model is tested): the sweep's
-finished trials of the task are grouped into configurations (everything but the seed and the fold), each scored by
-its mean best validation score over seeds (a cross-validated sweep: over seeds of the mean over folds, i.e. every
-training patient validated once), the best taken; configurations within :data:`TIE` points of it are a tie, broken
-by the smaller mean trial time.
-
-**The final model** is, by default, nnU-Net's: a cross-validated sweep's fold models of the chosen configuration's
-first seed, kept as an ensemble (their tested weights, from the trials' last checkpoints); a single-split sweep's
-configuration trained again on the training and validation patients together (``data.refit``), for the number of
-epochs at which its seeds validated best (``select: best``) or for its full schedule (``select: last``).
-``refit=True`` trains one refitted model for a cross-validated sweep too.
-
-**The test**: the final model's predictions on the test split, scored with the task's metric and a percentile
-bootstrap over patients (:func:`score_records`); what ``predict`` reports for a new cohort is scored the same way.
+**The choice** uses validation scores only: the task's finished trials grouped into configurations (everything but
+the seed and the fold), each scored by its mean best validation score over seeds (a cross-validated sweep: over seeds
+of the mean over folds); configurations within :data:`TIE` points of the best are a tie that goes to the smaller mean
+trial time. **The final model** is, by default, nnU-Net's: a cross-validated sweep's fold models of the chosen
+configuration's first seed as an ensemble (the weights each tested); a single-split sweep's configuration trained
+again on the training and validation patients (``data.refit``) for the epochs its seeds validated best at (``select:
+best``) or its full schedule (``last``); ``refit=True`` refits a cross-validated sweep's too. **The test** scores
+the final model's test predictions with the task's metrics and a patient bootstrap (:func:`score_records`), as
+``predict`` scores a new cohort.
 """
 
 from __future__ import annotations
@@ -221,9 +217,8 @@ def refit(config: TrialConfig, tracking_uri: str, run_id: str) -> tuple[Member, 
     def report(metrics: dict[str, Any], checkpoint: Any = None) -> None:
         if checkpoint is not None and "test_primary" in metrics:
             with checkpoint.as_directory() as folder:
-                kept["weights"] = torch.load(Path(folder) / CHECKPOINT_FILE, map_location="cpu", weights_only=True)[
-                    "model"
-                ]
+                state = torch.load(Path(folder) / CHECKPOINT_FILE, map_location="cpu", weights_only=True)
+                kept["weights"] = state["model"]
 
     device = torch.device("cuda" if config.resources.use_gpu and torch.cuda.is_available() else "cpu")
     tracker = TrialTracker(tracking_uri, run_id)
@@ -317,12 +312,22 @@ def _absolute(cell: Any, folder: Path) -> Any:
         return cell
 
 
+@dataclass(frozen=True)
+class Chosen:
+    """The configuration chosen by validation: its trials (every seed's), its first seed's in fold order (an
+    ensemble's fold models), the first one's config as it ran, and whether the final model is a refit."""
+
+    label: str
+    metric: str
+    trials: pd.DataFrame
+    seed_trials: pd.DataFrame
+    config: TrialConfig
+    refitting: bool
+    choice: dict[str, Any]
+
+
 def finalize(options: FinalizeOptions) -> FinalizeResult:
     """Choose, make, test and register the final model of ``options.task`` (module docstring)."""
-    import mlflow
-
-    from gx_ray.deploy.pyfunc import log_pyfunc
-
     started = time.perf_counter()
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per small file is noise
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # the summary prints the model's URI
@@ -330,69 +335,94 @@ def finalize(options: FinalizeOptions) -> FinalizeResult:
         raise ValueError(f"--select is best or last, got {options.select!r}")
     with open_sweep(options.sweep, options.mlflow_uri) as store:
         client = MlflowClient(store.uri)
-        candidates = candidate_table(client, store.uri, store.sweep_id, options.task, options.schema)
-        configs, trials = choose(candidates)
-        label, metric = trials["label"].iloc[0], trials["metric"].iloc[0]
-        first_seed = int(trials["seed"].min())
-        seed_trials = trials[trials["seed"] == first_seed].sort_values("fold", na_position="first")
-        config = trial_config(client, seed_trials["run_id"].iloc[0])
-        cross_validated = seed_trials["fold"].notna().any()
-        refitting = options.refit if options.refit is not None else not cross_validated
-        check_predictable(config, ensemble=not refitting)
-        choice = _choice(configs, label, metric, cross_validated, refitting, options.select)
+        chosen = chosen_configuration(client, store, options)
         experiment = client.get_run(store.parent.info.run_id).info.experiment_id
-        run = client.create_run(experiment, run_name=f"finalize {label}", tags={
-            "gx_ray.kind": FINALIZE_KIND, "gx_ray.finalized_from": store.sweep_id, "task": config.task,
-            "schema": config.schema.name, "gx_ray.primary_metric": metric,
+        run = client.create_run(experiment, run_name=f"finalize {chosen.label}", tags={
+            "gx_ray.kind": FINALIZE_KIND, "gx_ray.finalized_from": store.sweep_id, "task": chosen.config.task,
+            "schema": chosen.config.schema.name, "gx_ray.primary_metric": chosen.metric,
         })  # fmt: skip
         run_id = run.info.run_id
         try:
-            if refitting:
-                final_config = refit_config(config, options.select, list(trials["best_epoch"]))
-                client.log_dict(run_id, final_config.to_flat(), "config.json")
-                member, _ = refit(final_config, store.uri, run_id)
-                members = [member]
-                records = test_records(store.uri, run_id) or []
-            else:
-                if options.select == "last" and config.schedule.select != "last":
-                    raise ValueError(
-                        "the fold models were kept at their best epochs (schedule.select: best): --select last needs "
-                        "--refit"
-                    )
-                state_root = _state_root(store.folder)
-                members = [
-                    member_of(trial_config(client, t.run_id), tested_weights(state_root, store.sweep_id, t.trial),
-                              {"run_id": t.run_id, "trial": t.trial, "seed": first_seed, "fold": int(t.fold)})
-                    for t in seed_trials.itertuples()
-                ]  # fmt: skip
-                fold_records = [_by_case(test_records(store.uri, t.run_id) or []) for t in seed_trials.itertuples()]
-                task = build_task(config.task, **config.task_options)
-                records = task.combine(fold_records)
-                client.log_dict(run_id, records, "predictions/test.json")
-            metrics = _test_metrics(client, seed_trials["run_id"].iloc[0], metric)
-            scores = {m: score_records(label, records, m, options.n_resamples) for m in metrics}
+            members, records = final_model(client, store, chosen, options.select, run_id)
+            metrics = _test_metrics(client, chosen.seed_trials["run_id"].iloc[0], chosen.metric)
+            scores = {m: score_records(chosen.label, records, m, options.n_resamples) for m in metrics}
             # a metric the records cannot give (VQA's yes/no AUC is scored in the loop only) is left out, not "n/a"
-            scores = {m: v for m, v in scores.items() if v["low"] is not None or m == metric}
-            test = {**scores[metric], "metrics": scores}
-            info = {
-                "task": config.task, "label": label, "metric": metric, "sweep_id": store.sweep_id,
-                "choice": choice, "test": test, **training_inputs(config.data.shards),
-            }  # fmt: skip
-            bundle = save_bundle(store.folder / "finalized" / label / "model", members, info)
-            card = model_card(choice, test, info, members)
-            client.log_text(run_id, card, "model_card.md")
-            client.set_tag(run_id, "mlflow.note.content", card)
-            mlflow.set_tracking_uri(store.uri)
-            name = options.name or f"gx-ray-{label}"
-            example = input_example(config.data.shards)
-            version = log_pyfunc(client, run_id, bundle, name, card, options.alias, example)
+            scores = {m: v for m, v in scores.items() if v["low"] is not None or m == chosen.metric}
+            test = {**scores[chosen.metric], "metrics": scores}
+            uri, version, bundle = _register(client, store, chosen, options, run_id, members, test)
             client.set_terminated(run_id, "FINISHED")
         except BaseException:
             client.set_terminated(run_id, "FAILED")
             raise
-        uri = f"models:/{name}@{options.alias}"
         command = predict_command(uri, store, options.mlflow_uri)
-    return FinalizeResult(uri, version, run_id, bundle, choice, test, time.perf_counter() - started, command)
+    return FinalizeResult(uri, version, run_id, bundle, chosen.choice, test, time.perf_counter() - started, command)
+
+
+def chosen_configuration(client: MlflowClient, store: SweepStore, options: FinalizeOptions) -> Chosen:
+    """The task's configuration chosen by validation (:func:`choose`), and whether its final model is a refit (a
+    single-split sweep's always, a cross-validated one's with ``refit``); refused where it cannot predict."""
+    candidates = candidate_table(client, store.uri, store.sweep_id, options.task, options.schema)
+    configs, trials = choose(candidates)
+    label, metric = trials["label"].iloc[0], trials["metric"].iloc[0]
+    seed_trials = trials[trials["seed"] == trials["seed"].min()].sort_values("fold", na_position="first")
+    config = trial_config(client, seed_trials["run_id"].iloc[0])
+    cross_validated = seed_trials["fold"].notna().any()
+    refitting = options.refit if options.refit is not None else not cross_validated
+    check_predictable(config, ensemble=not refitting)
+    choice = _choice(configs, label, metric, cross_validated, refitting, options.select)
+    return Chosen(label, metric, trials, seed_trials, config, refitting, choice)
+
+
+def final_model(client: MlflowClient, store: SweepStore, chosen: Chosen, select: str,
+                run_id: str) -> tuple[list[Member], list[dict[str, Any]]]:  # fmt: skip
+    """The final model's members and their test predictions: a refit trained here (logged to ``run_id``), or the
+    first seed's fold models, whose test predictions combine as the task says."""
+    config, seed_trials = chosen.config, chosen.seed_trials
+    if chosen.refitting:
+        final_config = refit_config(config, select, list(chosen.trials["best_epoch"]))
+        client.log_dict(run_id, final_config.to_flat(), "config.json")
+        member, _ = refit(final_config, store.uri, run_id)
+        return [member], test_records(store.uri, run_id) or []
+    if select == "last" and config.schedule.select != "last":
+        raise ValueError(
+            "the fold models were kept at their best epochs (schedule.select: best): --select last needs --refit"
+        )
+    document = json.loads((store.folder / "sweep.json").read_text(encoding="utf-8"))
+    state_root = document.get("storage") or str(store.folder / "ray")  # where the sweep's Tune state is
+    seed = int(seed_trials["seed"].iloc[0])
+    members = [
+        member_of(trial_config(client, t.run_id), tested_weights(state_root, store.sweep_id, t.trial),
+                  {"run_id": t.run_id, "trial": t.trial, "seed": seed, "fold": int(t.fold)})
+        for t in seed_trials.itertuples()
+    ]  # fmt: skip
+    # in case order: the fold models' test predictions line up case by case
+    by_case = [sorted(test_records(store.uri, t.run_id) or [], key=lambda r: str(r["case_id"]))
+               for t in seed_trials.itertuples()]  # fmt: skip
+    records = build_task(config.task, **config.task_options).combine(by_case)
+    client.log_dict(run_id, records, "predictions/test.json")
+    return members, records
+
+
+def _register(client: MlflowClient, store: SweepStore, chosen: Chosen, options: FinalizeOptions, run_id: str,
+              members: list[Member], test: dict[str, Any]) -> tuple[str, str, Path]:  # fmt: skip
+    """Save the model's files under the sweep's folder, log its card and register it: its URI, version and files."""
+    import mlflow
+
+    from gx_ray.deploy.pyfunc import log_pyfunc
+
+    config, label = chosen.config, chosen.label
+    info = {
+        "task": config.task, "label": label, "metric": chosen.metric, "sweep_id": store.sweep_id,
+        "choice": chosen.choice, "test": test, **training_inputs(config.data.shards),
+    }  # fmt: skip
+    bundle = save_bundle(store.folder / "finalized" / label / "model", members, info)
+    card = model_card(chosen.choice, test, info, members)
+    client.log_text(run_id, card, "model_card.md")
+    client.set_tag(run_id, "mlflow.note.content", card)
+    mlflow.set_tracking_uri(store.uri)
+    name = options.name or f"gx-ray-{label}"
+    version = log_pyfunc(client, run_id, bundle, name, card, options.alias, input_example(config.data.shards))
+    return f"models:/{name}@{options.alias}", version, bundle
 
 
 def predict_command(model_uri: str, store: SweepStore, mlflow_uri: str | None) -> str:
@@ -411,17 +441,6 @@ def _test_metrics(client: MlflowClient, run_id: str, primary: str) -> list[str]:
         k.removeprefix("test_") for k in logged if k.startswith("test_") and k not in ("test_primary", "test_chance")
     ]
     return [primary, *sorted(set(names) - {primary})]
-
-
-def _by_case(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Records in case order: the fold models' test predictions line up case by case."""
-    return sorted(records, key=lambda r: str(r["case_id"]))
-
-
-def _state_root(folder: Path) -> str:
-    """Where the sweep's Tune state is: ``sweep.json``'s storage, else the output folder's ``ray/``."""
-    document = json.loads((folder / "sweep.json").read_text(encoding="utf-8"))
-    return document.get("storage") or str(folder / "ray")
 
 
 def _choice(
