@@ -15,24 +15,12 @@ AVERAGES: tuple[str, ...] = ("macro", "weighted", "binary")
 
 
 def classification_metrics(probabilities: np.ndarray, labels: np.ndarray, average: str = "macro") -> dict[str, float]:
-    """Precision, recall, F1, accuracy and one-vs-rest AUC, in percent.
-
-    Args:
-        probabilities: ``(N, C)`` class probabilities (softmax outputs; AUC ranks each column as given, so
-            pass probabilities rather than logits). The prediction is the arg-max column.
-        labels: ``(N,)`` integer class indices in ``[0, C)``.
-        average: ``"macro"`` (unweighted mean over the classes present in ``labels``), ``"weighted"``
-            (mean weighted by each class's support) or ``"binary"`` (``C == 2``: class 1 is the positive
-            class; AUC ranks column 1).
-
-    Returns:
-        ``{precision, recall, f1, accuracy, auc}``. A class with no predictions has precision 0 (and F1 0);
-        AUC is NaN when fewer than two classes occur in ``labels``. Per-class F1 is averaged (not the F1 of
-        the averaged precision and recall), as scikit-learn does.
-
-    Raises:
-        ValueError: naming the first bad value: probabilities not numeric, finite, ``(N, C)``; labels not integer
-            class indices of shape ``(N,)``; an unknown ``average``.
+    """``{precision, recall, f1, accuracy, auc}`` in percent (one-vs-rest AUC) of ``(N, C)`` class ``probabilities``
+    (AUC ranks each column as given: pass probabilities, not logits; the prediction is the arg-max) against ``(N,)``
+    integer ``labels`` in ``[0, C)``. ``average``: ``macro`` (over the classes present in ``labels``), ``weighted`` (by
+    support) or ``binary`` (``C == 2``, class 1 positive). A class never predicted has precision 0; AUC is NaN with
+    fewer than two classes in ``labels``; per-class F1 is averaged, as scikit-learn does. A ValueError names the first
+    bad value (not numeric, not finite, wrong shape, a label outside ``[0, C)``) or an unknown ``average``.
     """
     probabilities, labels = _validated(probabilities, labels)
     n, num_classes = probabilities.shape

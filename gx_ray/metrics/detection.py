@@ -38,22 +38,12 @@ def detection_metrics(
     max_detections: int = 100,
     f1_score_threshold: float | None = None,
 ) -> dict[str, float]:
-    """COCO metrics of 3D boxes, one dict per image (case).
-
-    Args:
-        predictions: per image ``{"boxes": (K, 6), "scores": (K,)}``, boxes ``(z0, y0, x0, z1, y1, x1)``
-            end-exclusive on the voxel grid (``gx_ray.schema.Box.zyx``). An image without boxes may give
-            ``[]``; a single box is ``[[z0, y0, x0, z1, y1, x1]]`` (a flat list of numbers is refused).
-        targets: per image ``{"boxes": (M, 6)}``, same convention.
-        max_detections: predictions per image kept (highest scores first), COCO's 100 by default; >= 1.
-        f1_score_threshold: None = best F1 over score thresholds; a number = F1 at that score threshold.
-
-    Returns:
-        ``{ap_50, ap_75, f1_50, map_50_95, loc_acc_50}`` in percent.
-
-    Raises:
-        ValueError: naming the field (``predictions[3].boxes``) of a box not ``(N, 6)``, empty or inverted, scores
-            not one per box, a value not a finite number; or a ``max_detections`` not an integer >= 1.
+    """``{ap_50, ap_75, f1_50, map_50_95, loc_acc_50}`` in percent of 3D boxes, one dict per image (case):
+    ``predictions`` ``{"boxes": (K, 6), "scores": (K,)}`` and ``targets`` ``{"boxes": (M, 6)}``, boxes end-exclusive
+    ``(z0, y0, x0, z1, y1, x1)`` on the voxel grid (``[]`` for none; one box is ``[[...]]``, never a flat list). The
+    ``max_detections`` (>= 1) highest-scoring predictions per image are kept; ``f1_score_threshold``: None for the best
+    F1 over score thresholds. A ValueError names the field (``predictions[3].boxes``) of a box not ``(N, 6)``, empty or
+    inverted, scores not one per box, or a value not a finite number.
     """
     return summarise_matches(match_detections(predictions, targets, max_detections), max_detections, f1_score_threshold)
 

@@ -13,18 +13,11 @@ RETRIEVAL_METRICS: tuple[str, ...] = ("recall_at_1", "recall_at_5", "recall_at_1
 
 
 def retrieval_metrics(similarity: np.ndarray, positives: np.ndarray | None = None) -> dict[str, float]:
-    """Rank-based retrieval metrics of ``Q`` queries against a gallery of ``G`` items.
-
-    Args:
-        similarity: ``(Q, G)`` scores, higher = more similar. For text→image pass the transpose of the
-            image→text matrix (and of ``positives``).
-        positives: ``(Q, G)`` bool, which gallery items are correct for each query; None means the
-            diagonal (query ``i`` matches item ``i``; needs ``Q == G``).
-
-    Returns:
-        ``recall_at_{1,5,10}`` (% of queries whose first positive is in the top K); ``median_rank``, ``mean_rank``
-        of the first positive (1-based); ``map`` (%, mean average precision: with one positive per query, the mean
-        reciprocal rank). Queries without a positive are left out; ValueError if no query has one.
+    """Rank metrics of ``Q`` queries against ``G`` gallery items: ``similarity`` ``(Q, G)`` (higher = more similar;
+    text→image: the transpose) and ``positives`` ``(Q, G)`` bool (None: the diagonal, ``Q == G``). Returns
+    ``recall_at_{1,5,10}`` (% of queries whose first positive is in the top K); ``median_rank``, ``mean_rank`` of the
+    first positive (1-based); ``map`` (%, mean average precision: with one positive per query, the mean reciprocal
+    rank). Queries without a positive are left out; ValueError if no query has one.
     """
     similarity = np.asarray(similarity, dtype=np.float64)
     if similarity.ndim != 2:

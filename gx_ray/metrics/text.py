@@ -47,19 +47,11 @@ def text_generation_metrics(
     bertscore_num_layers: int | None = None,
     device: str = "cpu",
 ) -> dict[str, float]:
-    """Corpus-level report-generation metrics, one reference per prediction.
-
-    Args:
-        predictions, references: the generated and the reference reports, aligned: sequences of strings of one
-            length (a bare string, bytes or a non-string item is refused with a TypeError).
-        language: ``"en"`` or ``"zh"`` (decides METEOR's matchers; tokenization handles both).
-        metrics: which of :data:`TEXT_METRICS` to compute; :data:`FAST_TEXT_METRICS` for per-epoch validation.
-        bertscore_model: folder of a Hugging Face encoder; None = the packaged all-MiniLM-L6-v2.
-        bertscore_num_layers: which hidden layer to score with (1-based); None = the model's last.
-        device: where the BERTScore encoder runs.
-
-    Returns:
-        The requested metrics, keyed as in the paper's tables, in percent.
+    """The requested ``metrics`` (of :data:`TEXT_METRICS`; :data:`FAST_TEXT_METRICS` every epoch), keyed as in the
+    paper's tables, in percent, of aligned ``predictions`` and ``references`` (sequences of strings of one length: a
+    bare string or a non-string item is a TypeError). ``language`` decides METEOR's matchers. BERTScore runs on
+    ``device`` with ``bertscore_model`` (a local encoder folder; None: the packaged all-MiniLM-L6-v2) at hidden layer
+    ``bertscore_num_layers`` (1-based; None: the last).
     """
     predictions, references = _texts("predictions", predictions), _texts("references", references)
     if len(predictions) != len(references):
