@@ -548,11 +548,8 @@ def _read_folders(root: Path, layout: str, strict: bool) -> tuple[list[Case], li
 
 
 def read_cohort(root: Path, layout: str | None = None, strict: bool = False) -> tuple[list[Case], list[CaseError]]:
-    """Every case under ``root`` (a folder, or a manifest ``.csv``); bad cases come back as errors (or raise at the
-    first when ``strict``).
-
-    One patient id in two case folders (or manifest rows) cannot be split at patient level, so both are excluded.
-    """
+    """Every case under ``root`` (a folder, or a manifest ``.csv``), bad ones as errors (raised when ``strict``). A
+    patient id in two case folders cannot be split at patient level, so both are excluded."""
     root = Path(root)
     layout = layout or detect_layout(root)
     if layout == MANIFEST_LAYOUT:

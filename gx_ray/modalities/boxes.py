@@ -47,11 +47,9 @@ def _preference() -> torch.Tensor:
 def select_boxes(
     boxes: torch.Tensor, present: torch.Tensor, phases: tuple[str, ...], levels: tuple[str, ...]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The box each of ``phases`` gets for each of ``levels``, by the rule of the module docstring.
-
-    ``boxes`` is the shard's ``(B, P, L, 6)`` int tensor, ``present`` its ``(B, P * L)`` (phase-major) flags.
-    Returns ``(B, len(phases), len(levels), 6)`` boxes and ``(B, len(levels))`` flags (a box on any phase).
-    """
+    """The box each of ``phases`` gets for each of ``levels`` (the module docstring's rule) from the shard's
+    ``(B, P, L, 6)`` ``boxes`` and ``(B, P * L)`` flags: ``(B, len(phases), len(levels), 6)`` boxes and
+    ``(B, len(levels))`` flags (a box on any phase)."""
     b, p, n_levels = boxes.shape[:3]
     present = present.reshape(b, p, n_levels)
     level_idx = torch.tensor([BOX_LEVELS.index(v) for v in levels], dtype=torch.long, device=boxes.device)

@@ -63,11 +63,9 @@ def tune_domain(spec: dict[str, Any]) -> Any:
 
 
 class ResumableHyperBand(tune.schedulers.HyperBandForBOHB):
-    """Tune's HyperBandForBOHB that survives ``--resume``. A resumed sweep's scheduler is built anew and Tune adds it
-    every trial of the saved experiment, the ended ones too: HyperBand put those in a bracket that waits for each of
-    its trials to reach the next rung, which an ended trial never does, and the sweep waited forever. Ended trials
-    are left out; the unfinished ones fill new brackets (a trial already past a rung is halved with its new bracket's
-    trials at its next report), so the brackets after a resume are not those an uninterrupted sweep would have had."""
+    """Tune's HyperBandForBOHB that survives ``--resume``: Tune adds a resumed sweep's new scheduler every saved trial,
+    ended ones too, and a bracket waiting for an ended trial to reach its next rung waited forever. Ended trials are
+    left out; the unfinished fill new brackets (so not those an uninterrupted sweep would have had)."""
 
     def on_trial_add(self, tune_controller: Any, trial: Any) -> None:
         if trial.status in ("TERMINATED", "ERROR"):  # ended before the resume: no rung waits for it

@@ -37,12 +37,9 @@ class DetectionHead(nn.Module):
 
 
 class ATSSRetinaNetDetector(RetinaNetDetector):
-    """MONAI's ``RetinaNetDetector`` matching anchors with its ATSS matcher alone.
-
-    MONAI's ``compute_anchor_matched_idxs`` first checks whether the matcher is torchvision's ``Matcher``, which
-    fails when torchvision (an optional MONAI dependency the project does not need otherwise) is absent; the
-    ATSS branch below is MONAI's own, unchanged.
-    """
+    """MONAI's ``RetinaNetDetector`` matching anchors with its ATSS matcher alone: MONAI's own first checks for
+    torchvision's ``Matcher``, which fails without torchvision (optional, and needed nowhere else); its ATSS branch
+    below is MONAI's, unchanged."""
 
     def compute_anchor_matched_idxs(
         self,

@@ -52,12 +52,9 @@ class EndoscopicLesion:
 
 
 def endoscopic_lesion(findings: Findings) -> EndoscopicLesion:
-    """The lesion of ``findings`` as rendered by endoscopy (deterministic: no randomness of its own).
-
-    When endoscopy shows the imaging stage this is the imaging lesion; otherwise the gross type is moved to
-    the early/advanced family of the endoscopy T (same position in the family) and the size is rescaled to
-    that T with the case's own size jitter, so a decoy endoscopy leaks nothing about the imaging stage.
-    """
+    """The lesion of ``findings`` as endoscopy renders it (deterministic): the imaging lesion, or under a decoy stage
+    its gross type moved to the endoscopy T's family (same position) and its size rescaled to that T with the case's
+    jitter, so a decoy endoscopy leaks nothing about the imaging stage."""
     t = findings.endoscopy_staging.t
     jitter = findings.tumour_size_mm / TUMOUR_SIZE_MM[findings.imaging_staging.t]
     family = GROSS_TYPES_EARLY if t in EARLY_T else GROSS_TYPES_ADVANCED

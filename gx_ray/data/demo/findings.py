@@ -42,11 +42,8 @@ GROSS_TYPES_ADVANCED = ("Borrmann I", "Borrmann II", "Borrmann III", "Borrmann I
 
 @dataclass(frozen=True)
 class SignalStrength:
-    """Probability, per case, that a modality shows the true stage rather than a decoy stage.
-
-    1.0 everywhere is a faithful cohort; ``SignalStrength(image=0, endoscopy=0, table=1, text=0)`` plants
-    the stage signal in the lab table alone.
-    """
+    """Probability, per case, that a modality shows the true stage rather than a decoy: 1.0 everywhere is a faithful
+    cohort; ``SignalStrength(image=0, endoscopy=0, table=1, text=0)`` plants the stage in the lab table alone."""
 
     image: float = 1.0
     table: float = 1.0

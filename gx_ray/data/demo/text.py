@@ -766,12 +766,9 @@ class _Question:
 
 
 def make_vqa(rng: np.random.Generator, findings: Findings, n_items: int = 8) -> dict[str, list[VQAItem]]:
-    """``n_items`` question-answer pairs (fewer only past the ~30 a case has), the same in ``"en"`` and ``"zh"``.
-
-    Categories take turns in a random order, so any ``n_items >= 5`` covers all five; yes/no items answer
-    "yes" or "no" with equal probability. Lesion, enhancement and localization answers come from the
-    imaging findings, staging answers from ``text_staging`` (what the reports say).
-    """
+    """``n_items`` question-answer pairs (fewer only past the ~30 a case has), the same in ``"en"`` and ``"zh"``:
+    categories take turns in a random order (``n_items >= 5`` covers all five), yes/no answers are even; staging
+    answers come from ``text_staging`` (what the reports say), the others from the imaging findings."""
     pool = _question_pool(rng, findings)
     order = [str(c) for c in rng.permutation(VQA_CATEGORIES)]
     chosen: list[tuple[_Question, Pair]] = []
