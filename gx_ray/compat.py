@@ -268,3 +268,10 @@ def import_inductor() -> None:
         pass
     finally:
         locale.setlocale(locale.LC_CTYPE, previous)
+
+
+def is_compiled(module: Any) -> bool:
+    """Whether ``nn.Module.compile()`` was called on ``module`` (torch 2.13 keeps it only in the private
+    ``_compiled_call_impl``, which ``copy.deepcopy`` drops). Waits on a public flag of ``nn.Module``."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+

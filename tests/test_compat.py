@@ -170,3 +170,16 @@ def test_torch_s_inductor_imports_under_an_ascii_locale_through_compat():
     kernel templates as ASCII and fails. :func:`gx_ray.models.registry.compile_in_place` compiles after it."""
     code = "import sys; from gx_ray import compat; compat.import_inductor(); assert 'torch._inductor' in sys.modules"
     subprocess.run([sys.executable, "-c", code], env={**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0"}, check=True)
+
+
+def test_is_compiled_sees_a_module_compiled_in_place_and_not_its_deep_copy():
+    """What :func:`compat.is_compiled` reads (torch's private ``_compiled_call_impl``): fails when torch renames it."""
+    import copy
+
+    import torch
+
+    model = torch.nn.Linear(2, 2)
+    assert not compat.is_compiled(model)
+    model.compile()
+    assert compat.is_compiled(model) and not compat.is_compiled(copy.deepcopy(model))
+

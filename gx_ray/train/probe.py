@@ -123,7 +123,9 @@ def reserved_peak(run: Callable[[], Any], device: torch.device) -> int | None:
 
 def compiled_copy(model: nn.Module) -> nn.Module:
     """A deep copy of ``model`` with the same parts compiled (``copy.deepcopy`` drops ``nn.Module.compile()``)."""
-    compiled = {name for name, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None}
+    from gx_ray.compat import is_compiled  # light: compat imports Tune's classes only when they are asked for
+
+    compiled = {name for name, m in model.named_modules() if is_compiled(m)}
     trial = copy.deepcopy(model)
     for name, module in trial.named_modules():
         if name in compiled:
