@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -279,7 +279,9 @@ def prepare_shards(
         excluded,
         qc_cases,
     )
-    return PrepareResult(shard_dir, rows, excluded, qc_path, time.time() - start)
+    return PrepareResult(
+        shard_dir=shard_dir, rows=rows, excluded=excluded, qc_report=qc_path, seconds=time.time() - start
+    )
 
 
 def cohort_folder(source: Path) -> Path:
@@ -387,7 +389,7 @@ def prepare_data(
         storage.write_bytes(storage.join(shards, MANIFEST_FILE), (result.shard_dir / MANIFEST_FILE).read_bytes())
         for name in (QC_JSON, QC_MARKDOWN):
             storage.write_bytes(storage.join(destination, name), (Path(staging) / name).read_bytes())
-    return PrepareResult(shards, result.rows, result.excluded, storage.join(destination, QC_JSON), result.seconds)
+    return replace(result, shard_dir=shards, qc_report=storage.join(destination, QC_JSON))
 
 
 def _prepare(
