@@ -19,14 +19,11 @@ def paired_bootstrap(
 ) -> dict:
     """Paired bootstrap over test patients of schema A minus schema B, averaged over seeds.
 
-    ``score_a[s](indices)`` is the metric of seed ``s``'s model A on the test cases ``indices`` (an int array
-    into one ordered list of ``n_cases`` cases shared by every model; it may repeat cases), likewise
-    ``score_b``. Each replicate resamples the patients once and scores both arms of every seed on that same
-    index array, so patient difficulty cancels in the difference. Returns the observed ``diff`` (all cases),
-    its percentile interval ``ci_low``/``ci_high``, a two-sided ``p_value`` =
-    ``2 * min(P(d <= 0), P(d >= 0))`` over the replicates (with the +1 correction, capped at 1), ``n_seeds``,
-    ``n_cases``, ``n_resamples`` (replicates kept) and ``dropped``: replicates where a score was NaN (e.g. an
-    AUC on a resample with one class), left out of the interval and the p-value.
+    ``score_a[s](indices)``: seed ``s``'s model A's metric on the test cases ``indices`` (an int array, repeats
+    allowed, into ``n_cases`` cases shared by every model), likewise ``score_b``. Each replicate scores both arms of
+    every seed on the same indices, so patient difficulty cancels. Returns ``diff`` (all cases), its percentile
+    ``ci_low``/``ci_high``, ``p_value`` = ``2 * min(P(d <= 0), P(d >= 0))`` (+1 correction, capped at 1), ``n_seeds``,
+    ``n_cases``, ``n_resamples`` (kept) and ``dropped``: replicates with a NaN score (an AUC of one class), left out.
     """
     if len(score_a) != len(score_b) or not score_a:
         raise ValueError(f"need the same seeds for both arms, got {len(score_a)} and {len(score_b)}")

@@ -1,14 +1,10 @@
 """A trial's test metric as a function of which test patients are scored: what a paired bootstrap resamples.
 
-Every trial logs its full test predictions (``predictions/test.json``: the task's records, one per case, or
-one per question for VQA). :func:`case_scorer` turns them back into the task's metric on any multiset of the
-trial's test patients, with the task's own metric functions, so a bootstrap replicate scores exactly what the
-trial's test metric scores, on resampled patients. Metrics that are a mean over cases are scored from
-per-case values computed once; corpus metrics (BLEU, AUC, AP) are recomputed on each resample.
-
-Retrieval resamples queries against the whole test gallery (a resampled gallery would hold duplicate,
-indistinguishable items). Values recomputed from the records can differ in the last digits from the logged
-metric: detection boxes and scores are stored rounded.
+:func:`case_scorer` turns a trial's ``predictions/test.json`` (one record per case, per question for VQA) back into
+the task's metric, with the task's own metric functions, on any multiset of its test patients. Means over cases are
+scored from per-case values computed once; corpus metrics (BLEU, AUC, AP) are recomputed per resample. Retrieval
+resamples queries against the whole gallery (a resampled one would hold indistinguishable duplicates). Detection boxes
+and scores are stored rounded, so recomputed values can differ in the last digits from the logged metric.
 """
 
 from __future__ import annotations
@@ -166,12 +162,9 @@ def _detection(records: Records, metric: str) -> CaseScorer | None:
 
 def case_scorer(task: str, records: Records, metric: str, language: str = "en") -> CaseScorer | None:
     """The trial's ``metric`` as a function of its test patients, or None where the records cannot give it.
-
-    ``records``: the trial's ``predictions/test.json``; ``language``: of the generated reports. A plug-in task is
-    scored by its own ``record_metrics``. A task without a scorer (the endoscopy tasks, a plug-in without
-    ``record_metrics``) gives None: the report then shows Student's t over seeds and compares with a Wilcoxon test over
-    seeds, as for trials that logged no predictions, rather than guess how a metric it does not know is computed.
-    """
+    ``records``: ``predictions/test.json``; ``language``: of the generated reports. A plug-in task is scored by its
+    ``record_metrics``; a task without a scorer gives None (the report then falls back to t and Wilcoxon over seeds
+    rather than guess how a metric it does not know is computed)."""
     from gx_ray.tasks import Task, task_class, task_of
 
     task = task_of(task)
@@ -292,12 +285,10 @@ def estimated_seconds(job: BootstrapJob, n_resamples: int) -> float:
 def bootstrap_jobs(
     jobs: list[BootstrapJob], n_resamples: int, process_start_s: float = PROCESS_START_S
 ) -> list[dict | None]:
-    """:func:`bootstrap_job` of every job, in order. Rescoring a thousand resamples is the report's longest part
-    (a 60-trial demo sweep's 15 comparisons: 80 s of 105 in one process; a ten-trial slice with 255 test patients:
-    detection's comparison alone ~5 s on 2 cores), so each job's time is estimated first (:func:`estimated_seconds`)
-    and, when all of them would take longer than starting processes, they go to joblib's loky processes, longest first
-    (the scorers are closures that only cloudpickle carries). Each is seeded, so the results do not depend on the
-    process that computed them."""
+    """:func:`bootstrap_job` of every job, in order. Rescoring is the report's longest part (a 60-trial demo sweep's 15
+    comparisons: 80 s of 105 in one process; detection's comparison on 255 test patients ~5 s on 2 cores), so when the
+    estimated time (:func:`estimated_seconds`) exceeds starting processes, jobs go to joblib's loky processes, longest
+    first (closures only cloudpickle carries); each is seeded, so results do not depend on the process."""
     workers = min(len(jobs), os.cpu_count() or 1)
     estimates = [estimated_seconds(job, n_resamples) for job in jobs] if workers > 1 else []
     if workers <= 1 or sum(estimates) <= process_start_s:

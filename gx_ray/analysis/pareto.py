@@ -1,12 +1,9 @@
 """The Pareto front of a multi-objective search (a space whose ``metric`` lists several objectives: the primary metric
 against GPU- or CPU-seconds or the parameter count): the trials no other trial beats in every objective, as a table
-and a figure in the report.
+and a figure in the report; Optuna's own ``Study.best_trials`` of an in-memory study.
 
-Only sweeps that searched several objectives get it. Every trial logs its costs, but a single-objective search did
-not trade them off, and in a grid ablation the trials differ by inputs and seed on purpose: a front there would pick
-out lucky seeds, which the report's statistics over seeds are there to see through.
-
-The front is Optuna's own (``Study.best_trials`` of an in-memory study of the trials' objective values).
+Only multi-objective sweeps get it: a single-objective search did not trade costs off, and in a grid ablation a front
+would pick out lucky seeds, which the report's statistics over seeds are there to see through.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """Planning a study from a pilot sweep: how many seeds and test patients a paired comparison of two input schemas
 needs to detect a difference of a given size with 80 % power, after Holm over the family of comparisons.
 
-The pilot's trials logged their test predictions. For each comparison (each schema against the baseline, per task,
-paired on seeds as the report pairs them), every seed's per-patient paired differences are the jackknife
-pseudo-values of arm A's metric minus arm B's on the patients both scored (``n θ − (n − 1) θ₋ᵢ``: for a mean of cases
-exactly each case's own value; for a corpus metric such as AUC, what the patient contributes to it), so the planner
-(:func:`gx_ray.analysis.power.plan_power`) resamples patients for any metric. The seed-to-seed spread comes from the
-pilot's seeds. What :func:`plan_study` writes: ``plan/summary.md`` (every design's power, the smallest design that
-reaches 80 %), ``plan/plan.json`` and a power curve per comparison (power against seeds and against patients).
-
-A cross-validated pilot is planned on its out-of-fold predictions: a seed's differences are its fold models'
-pseudo-values, each within its own fold (fold k holds the same patients in every seed), so their mean weighs the folds
-by their patients as the report's out-of-fold score does; "patients" are then the patients cross-validated. The number
-of folds is not a dimension the resampling can vary (it changes how much each fold model trains on): the plan keeps
-the pilot's.
+For each comparison (paired on seeds as the report pairs them), every seed's per-patient paired differences are the
+jackknife pseudo-values of arm A's metric minus arm B's (``n θ − (n − 1) θ₋ᵢ``: a mean of cases gives each case's own
+value; a corpus metric such as AUC, what the patient contributes to it), so :func:`gx_ray.analysis.power.plan_power`
+resamples patients for any metric; the seed spread comes from the pilot's seeds. :func:`plan_study` writes
+``plan/summary.md`` (every design's power, the smallest reaching 80 %), ``plan/plan.json`` and a power curve per
+comparison. A cross-validated pilot is planned on its out-of-fold predictions, each fold model's pseudo-values within
+its fold; the number of folds (it changes how much each model trains on) stays the pilot's.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """The paper's Figure 4 (a radar of input settings over the tasks' headline metrics), a CI dot chart, and CT-Bench's
 Figure 2 (what drawing the lesion's box in changes, per model and lesion QA family) and Figure 3 (one slice or nine).
 
-Both read a *cells* table (see :mod:`gx_ray.analysis.tables`) and draw one colour per schema
-(:data:`SCHEMA_COLOURS`, the same in every figure). Like Figure 4, which reports X2-VLM-Med only, each task is drawn
-for one (model, fusion): the one given, or else the task's best by its headline metric averaged over the schemas
-(named in the figure's footnote), so that the settings are compared within one model.
-
-Radar normalisation (:func:`normalise_axis`): per axis, min–max over the schemas mapped to [0.2, 1], so the worst
-setting sits on the 0.2 ring rather than collapsing to the centre and the best touches the rim; lower-is-better
-axes (MedR, MnR) are inverted so that outward is always better. A setting without a value is drawn at the centre.
+They read a *cells* table (see :mod:`gx_ray.analysis.tables`), one colour per schema (:data:`SCHEMA_COLOURS`). Like
+Figure 4 (X2-VLM-Med only), each task is drawn for one (model, fusion): the one given, or else the task's best by its
+headline metric over the schemas (named in the footnote), so that settings are compared within one model.
+Radar axes (:func:`normalise_axis`) are min–max over the schemas to [0.2, 1], outward always better; a setting without
+a value is drawn at the centre.
 """
 
 from __future__ import annotations
@@ -41,11 +38,8 @@ def schema_colour(schema: str) -> str:
 
 
 def normalise_axis(values, higher_is_better: bool = True, floor: float = RADAR_FLOOR) -> np.ndarray:
-    """Min–max over ``values`` to [floor, 1], 1 = best (the smallest when lower is better); NaN stays NaN.
-
-    All equal (or a single value): a tie, every finite value half-way between floor and 1 (neither best nor worst:
-    an axis on which every setting scores 0 would otherwise put them all on the "best" ring).
-    """
+    """Min–max over ``values`` to [floor, 1], 1 = best (the smallest when lower is better); NaN stays NaN. All equal
+    is a tie, half-way between floor and 1 (else an axis where every setting scores 0 would be all "best")."""
     values = np.asarray(values, dtype=float)
     finite = values[np.isfinite(values)]
     if finite.size == 0:

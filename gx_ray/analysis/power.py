@@ -28,11 +28,9 @@ class Pilot:
 
 
 def pilot_components(differences: np.ndarray, seed_sd: float | None = None) -> Pilot:
-    """:class:`Pilot` of ``differences`` ``(S0, n0)`` (one row per pilot seed; a 1-D array is one seed).
-
-    ``seed_sd``: the SD over seeds of a seed's mean difference; None estimates it from the pilot's seed means (less the
-    patient x seed noise they carry), which needs two pilot seeds or more and is rough with few (give an upper bound).
-    """
+    """:class:`Pilot` of ``differences`` ``(S0, n0)`` (one row per pilot seed; a 1-D array is one seed). ``seed_sd``:
+    the SD over seeds of a seed's mean difference; None estimates it from the pilot's seed means less their patient x
+    seed noise, which needs two pilot seeds or more and is rough with few (give an upper bound)."""
     d = np.atleast_2d(np.asarray(differences, dtype=float))
     seeds, n = d.shape
     if d.ndim != 2 or n < 2 or not np.isfinite(d).all():
@@ -52,12 +50,9 @@ def pilot_components(differences: np.ndarray, seed_sd: float | None = None) -> P
 
 def family_resamples(comparisons: int, at_least: int = 1000, alpha: float = 0.05) -> int:
     """Bootstrap replicates for a family of ``comparisons`` Holm-corrected at ``alpha``: at least ``at_least``, and
-    enough that the smallest p-value a bootstrap can give, ``2 / (B + 1)``, is at most ``alpha / (2 m)``.
-
-    With fewer, a large family can never show a difference however large it is: at 1,000 replicates the floor is
-    0.002, and Holm multiplies the smallest p by m, so from m = 25 comparisons on (five tasks x six schemas against a
-    baseline) nothing would ever be significant. At the floor a comparison's Holm-adjusted p is at most alpha / 2.
-    """
+    enough that the smallest p-value a bootstrap can give, ``2 / (B + 1)``, is at most ``alpha / (2 m)``. With fewer, a
+    large family can never show a difference: at 1,000 replicates the floor is 0.002, and Holm multiplies it by m, so
+    from m = 25 comparisons on (five tasks x six schemas against a baseline) nothing would ever be significant."""
     if comparisons < 0 or at_least < 1 or not 0 < alpha < 1:
         raise ValueError(f"need comparisons >= 0, at_least >= 1 and 0 < alpha < 1: {comparisons}, {at_least}, {alpha}")
     return max(at_least, math.ceil(4 * comparisons / alpha) - 1)
@@ -93,9 +88,8 @@ def _study_levels(x: np.ndarray, fold_of: np.ndarray) -> tuple[np.ndarray, np.nd
 def _critical(
     var_patients: np.ndarray, var_seeds: np.ndarray, seeds: int, n_resamples: int, level: float, rng
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per study, the estimates beyond which the report's test rejects at ``level``: ``(above, below)``.
-
-    The test as the report runs it on B replicates ``estimate + noise``: p = 2 (min tail count + 1) / (B + 1), so it
+    """Per study, the estimates beyond which the report's test rejects at ``level``: ``(above, below)``. The report's
+    test on B replicates ``estimate + noise``: p = 2 (min tail count + 1) / (B + 1), so it
     rejects "A better" when at most k of the B noise draws lie below -estimate. The noise is drawn as the two-level
     bootstrap draws it, the patient level normal (a mean of many patients) rather than resampled."""
     allowed = math.floor(level * (n_resamples + 1) / 2 - 1)  # tail count
@@ -201,13 +195,9 @@ def design_power(pilot: Pilot, design: Design, effect: float, settings: PowerSet
 def plan_power(differences: np.ndarray, effect: float, settings: PowerSettings = PowerSettings()) -> PowerPlan:
     """Power of every design of ``settings``' seeds x patients x folds to find ``effect`` (A - B, the metric's units)
     significant after Holm over its ``comparisons``, from a pilot's per-patient paired ``differences``
-    ``(seeds, patients)``.
-
-    Method: each simulated study resamples the pilot's patients (:func:`pilot_components`), centred and shifted by
-    ``effect``, draws its seeds' effects N(0, ``seed_sd``) and applies the report's test, the two-level bootstrap with
-    its p-value rule and floor, with the patient level drawn normal (:func:`_critical`). The ``smallest`` design
-    reaching ``target`` has the fewest trainings (seeds x folds), then patients.
-    """
+    ``(seeds, patients)``. Each simulated study resamples the pilot's patients (centred, shifted by ``effect``), draws
+    its seeds' effects N(0, ``seed_sd``) and applies the report's test (:func:`_critical`). The ``smallest`` design
+    reaching ``target`` has the fewest trainings (seeds x folds), then patients."""
     pilot = pilot_components(differences, settings.seed_sd)
     grid = itertools.product(settings.seeds, settings.patients, settings.folds)
     rows = [design_power(pilot, Design(*design), effect, settings) for design in grid]

@@ -1,13 +1,10 @@
 """The Gastric-X paper's published numbers, and our cell statistics placed beside them.
 
-The paper's tables ship as ``analysis/gastric_x_paper_results.csv``: one row per printed number (369), with columns
-``task, model, schema, direction, metric, value, higher_is_better, source_table``; ``value`` is exactly as printed, on
-the paper's percent scale (ranks as ranks) and ``direction`` set for retrieval only. :func:`load_reference` maps its
-retrieval rows (``direction`` + ``metric``) to our metric names (``image_to_text_recall_at_5`` …).
-:func:`beside_paper` puts each of our cells next to every paper model's value for the same (task, schema, metric),
-with a ``cohort`` column that says plainly whether our numbers come from the paper's test set at all. The paper does
-not ablate retrieval and lesion detection by input setting; their rows carry ``image_only`` and are matched to our
-``image_only`` cells only.
+The paper's tables ship as ``analysis/gastric_x_paper_results.csv``, one row per printed number (369), ``value``
+exactly as printed (percent scale, ranks as ranks). :func:`beside_paper` puts each of our cells next to every paper
+model's value for the same (task, schema, metric), with a ``cohort`` column that says whether our numbers come from the
+paper's test set at all. The paper does not ablate retrieval and lesion detection by input setting: their rows carry
+``image_only`` and match our ``image_only`` cells only.
 """
 
 from __future__ import annotations
@@ -44,10 +41,8 @@ def default_reference_path() -> Path:
 
 
 def load_reference(path: str | Path | None = None) -> pd.DataFrame:
-    """The paper's numbers: task, model, schema, metric (our name), value, higher_is_better, source_table, …
-
-    ``paper_metric`` keeps the paper's own name; retrieval rows get ``metric = f"{direction}_{paper_metric}"``.
-    """
+    """The paper's numbers: task, model, schema, metric (our name), value, higher_is_better, source_table, …;
+    ``paper_metric`` keeps the paper's own name; retrieval rows get ``metric = f"{direction}_{paper_metric}"``."""
     path = Path(path) if path is not None else default_reference_path()
     if not path.is_file():
         raise FileNotFoundError(f"the Gastric-X paper results are not at {path} (expected {REFERENCE_FILE})")
@@ -75,11 +70,8 @@ def _note(task: str, schema: str, metric: str, reference: pd.DataFrame, unablate
 
 
 def beside_paper(cells: pd.DataFrame, reference: pd.DataFrame, cohort: str) -> pd.DataFrame:
-    """One row per cell of ours: ``OURS_COLUMNS``, then ``paper: <model>`` per paper model, ``note``, ``cohort``.
-
-    ``ours`` reads "mean ± sd"; a paper column is NaN where that model has no number for the row's (task, schema,
-    metric). Retrieval and detection paper rows (schema ``image_only``) fill our ``image_only`` rows only.
-    """
+    """One row per cell of ours: ``OURS_COLUMNS``, then ``paper: <model>`` per paper model, ``note``, ``cohort``;
+    ``ours`` reads "mean ± sd", a paper column is NaN where that model has no number for the row."""
     ours = cells.copy()
     several = ours.groupby("task")["fusion"].transform("nunique") > 1
     ours["model"] = (

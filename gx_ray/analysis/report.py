@@ -1,10 +1,9 @@
 """A sweep's report: the paper's tables, the radar plot, seed statistics and significance, in ``OUTPUT/report/``.
 
-:func:`write_report` reads the sweep's trial runs from MLflow (:mod:`~gx_ray.analysis.runs`), summarises each
-task x model x schema cell over seeds, compares every schema with the baseline schema on the same seeds and test
-patients (paired bootstrap over patients from the trials' logged test predictions; Wilcoxon over seeds where a
-trial logged none), Holm-corrects across all comparisons, and writes tables, figures, the paper's numbers beside
-ours, search views and a one-page summary (Markdown and HTML); then logs the folder to the sweep's parent run.
+:func:`write_report` reads the sweep's trial runs from MLflow, summarises each task x model x schema cell over seeds,
+compares every schema with the baseline on the same seeds and test patients (bootstrap over patients from the logged
+test predictions; Wilcoxon over seeds where a trial logged none), Holm-corrects across all comparisons, writes tables,
+figures, the paper's numbers beside ours, search views and a one-page summary, and logs the folder to the parent run.
 """
 
 from __future__ import annotations
@@ -68,12 +67,9 @@ def write_report(
     baseline: str = BASELINE,
     n_resamples: int = 1000,
 ) -> Report:
-    """Write ``output/report/`` for the sweep and log it to ``parent_run_id`` (when given).
-
-    ``cohort``: ``"demo"`` labels every number as from the synthetic demo cohort, not the paper's test set.
-    ``n_resamples``: the paired bootstrap's replicates per comparison, at least; a large family of comparisons gets
-    more (:func:`~gx_ray.analysis.stats.family_resamples`).
-    """
+    """Write ``output/report/`` for the sweep and log it to ``parent_run_id`` (when given). ``cohort`` ``"demo"``
+    labels every number as from the synthetic demo cohort; ``n_resamples``: bootstrap replicates per comparison, at
+    least (a large family gets more: :func:`~gx_ray.analysis.stats.family_resamples`)."""
     started = time.perf_counter()
     folder = Path(output) / REPORT_FOLDER
     folder.mkdir(parents=True, exist_ok=True)
@@ -176,11 +172,7 @@ def schema_comparisons(
     """Every schema against ``baseline`` on each task's headline metric (:func:`stats.paired_arms`), paired on seeds
     and test patients: a two-level bootstrap over patients and seeds (:mod:`gx_ray.analysis.study`), with its TOST
     verdict where the space gives the task a margin (``analysis.margin``) and the smallest difference the design
-    could detect.
-
-    A pair of trials is compared on the test patients both scored; the bootstrap needs every trial's test
-    predictions, else the comparison falls back to a Wilcoxon test over seeds.
-    """
+    could detect. The bootstrap needs every trial's test predictions, else it falls back to Wilcoxon over seeds."""
 
     scorer = _trial_scorers(tracking_uri)
     pairs = list(stats.paired_arms(runs, baseline, headline_only=True))
@@ -617,11 +609,9 @@ class SweepStore:
 
 @contextmanager
 def open_sweep(sweep: str, mlflow_uri: str | None = None, output: Path | None = None) -> Iterator[SweepStore]:
-    """A finished (or interrupted) sweep, named by its output folder or by its id, with its MLflow store open.
-
-    An output folder holds ``sweep.json`` (the tracking URI and parent run); when the sweep ran its own local
-    MLflow server (its store is ``OUTPUT/mlflow``) and no ``mlflow_uri`` is given, that store is served again for the
-    block. A sweep id needs ``mlflow_uri``; its folder is ``output`` (default ``outputs/sweeps/ID``)."""
+    """A finished (or interrupted) sweep, named by its output folder (its ``sweep.json``) or by its id (needs
+    ``mlflow_uri``; folder ``output``, default ``outputs/sweeps/ID``), with its MLflow store open: a sweep's own local
+    store (``OUTPUT/mlflow``) is served again for the block when no ``mlflow_uri`` is given."""
     import json
 
     from gx_ray.data.shards import read_manifest

@@ -81,10 +81,8 @@ def _listed(value: Any) -> list:
 
 def higher_is_better(metric: str) -> bool:
     """Whether a larger value of ``metric`` is better: every metric but the retrieval ranks (MedR, MnR) and those a
-    plug-in task scores lower-is-better (its ``min`` primary metric, its ``lower_is_better``: an error in mL).
-
-    A plug-in's directions are known once this process has resolved the task, as :func:`load_runs` does for every
-    task it reads (the task tag is what the space said: the plug-in's reference or entry point)."""
+    plug-in task scores lower-is-better (its ``min`` primary metric, its ``lower_is_better``: an error in mL), known
+    once this process has resolved the task, as :func:`load_runs` does for every task it reads."""
     if metric.endswith(LOWER_IS_BETTER_SUFFIXES):
         return False
     tasks = sys.modules.get("gx_ray.tasks")  # no plug-in was resolved where the tasks were never imported (no torch)
@@ -148,11 +146,8 @@ def child_runs(client: MlflowClient, sweep_id: str) -> list[Run]:
 
 
 def load_runs(tracking_uri: str, sweep_id: str) -> pd.DataFrame:
-    """The sweep's trial runs as the tidy table of this module's docstring (empty, with the columns, if none).
-
-    The ``test`` rows are every ``test_*`` metric the trial logged (the best checkpoint on the test split); the
-    ``val`` rows hold the headline metric at the best epoch (what the search optimised).
-    """
+    """The sweep's trial runs as the tidy table of this module's docstring (empty, with the columns, if none): ``test``
+    rows for every ``test_*`` metric logged, ``val`` rows for the headline metric at the best epoch."""
     runs = child_runs(MlflowClient(tracking_uri), sweep_id)
     params = [{k: _parse(v) for k, v in r.data.params.items()} for r in runs]
     searched = _searched(runs, params)
@@ -195,10 +190,8 @@ def load_runs(tracking_uri: str, sweep_id: str) -> pd.DataFrame:
 
 
 def _searched(runs: list[Run], params: list[dict[str, Any]]) -> list[str]:
-    """Config keys that take more than one value among trials of the same task and schema: what was searched.
-
-    Keys that vary only between tasks (per-task overrides such as the detection box cues) are not searched.
-    """
+    """Config keys that take more than one value among trials of the same task and schema: what was searched (keys
+    that vary only between tasks, per-task overrides such as the detection box cues, are not)."""
     groups: dict[tuple, dict[str, set]] = {}
     for run, param in zip(runs, params, strict=True):
         values = groups.setdefault((run.data.tags.get("task"), run.data.tags.get("schema")), {})

@@ -29,9 +29,8 @@ from gx_ray.analysis.study import (
 
 @dataclass(frozen=True)
 class StudyModel:
-    """Simulated two-arm studies with a known truth, on the percent scale.
-
-    Arm k, seed s, patient p: latent ``z_p + v_pk + u_sk + e_psk``: patient difficulty ``z`` (shared by the arms),
+    """Simulated two-arm studies with a known truth, on the percent scale. Arm k, seed s, patient p: latent
+    ``z_p + v_pk + u_sk + e_psk``: patient difficulty ``z`` (shared by the arms),
     patient x arm ``v``, a seed effect ``u`` per arm (correlated ``seed_correlation`` between the arms: a shared data
     order and init) and patient x seed noise ``e``, all normal. ``accuracy``: correct when ``baseline (+ effect for
     A) + latent > 0``. ``auc``: label 1 with probability ``prevalence``; score ``(baseline (+ effect) + u) * label + z
@@ -111,11 +110,9 @@ def coverage(
 ) -> list[dict]:
     """The share of ``studies`` simulated studies whose interval holds the truth, for a cell (arm A) and a difference
     (A - B), by each seed level (``t``: this module's; ``resample``; ``none``: patients only, as
-    :func:`~gx_ray.analysis.bootstrap.paired_bootstrap`), all from the same replicates of each study.
-
-    One row per target and seed level: ``coverage``, its Monte-Carlo standard error ``mc_error``, ``width`` (mean),
-    ``se_patients``/``se_seeds`` (mean, ``t`` level), ``truth``. Every study is seeded (``seed``, its index).
-    """
+    :func:`~gx_ray.analysis.bootstrap.paired_bootstrap`), all from the same replicates of each study. One row per
+    target and seed level: ``coverage``, its Monte-Carlo standard error ``mc_error``, ``width`` (mean),
+    ``se_patients``/``se_seeds`` (mean, ``t`` level), ``truth``. Every study is seeded (``seed``, its index)."""
     truth_a, truth_b = model.truth()
     targets = {"cell": truth_a, "difference": truth_a - truth_b}
     intervals = {(t, level): np.zeros((studies, 2)) for t in targets for level in SEED_LEVELS}

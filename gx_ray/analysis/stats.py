@@ -1,12 +1,8 @@
 """Statistics across seeds and paired significance between input schemas.
 
-:func:`seed_summary` / :func:`cell_statistics` give mean, SD and a t interval of the mean over seeds for
-every cell of the runs table (:mod:`gx_ray.analysis.runs`). A schema is compared with another either by
-:func:`paired_bootstrap` over test patients (preferred: needs each seed's per-case predictions) or by
-:func:`wilcoxon_over_seeds` (the fallback on the runs table alone, see :func:`seed_comparisons`), on the pairs
-of trials :func:`paired_arms` finds;
-:func:`significance_table` Holm-corrects a family of such comparisons and says which schema is better;
-:func:`family_resamples` gives the bootstrap enough replicates for the family's size.
+:func:`cell_statistics`: mean, SD and a t interval over seeds per cell of the runs table. Schemas are compared on the
+trial pairs :func:`paired_arms` finds, by :func:`paired_bootstrap` over test patients (needs per-case predictions) or
+else :func:`wilcoxon_over_seeds`; :func:`significance_table` Holm-corrects the family and says which schema is better.
 """
 
 from __future__ import annotations
@@ -27,14 +23,9 @@ COMPARISON_KEYS = ["task", "metric", "schema_a", "schema_b"]
 
 
 def seed_summary(values: Sequence[float], confidence: float = 0.95) -> dict:
-    """Mean, SD (ddof=1), n and Student's t interval of the mean of one cell's values over seeds.
-
-    NaN values (the metric undefined on the split) are dropped. With n < 2 the SD and the interval are NaN.
-    Not a bootstrap: with 3 seeds a percentile bootstrap gives back their min and max, an interval that holds the
-    mean of three normal draws 75 % of the time, not 95 (tested). The t interval holds it at the stated level
-    for normal seed-to-seed variation, and is wide with few seeds, as it should be. It describes training
-    randomness on this test set; the paired bootstrap over patients (:func:`paired_bootstrap`) adds the patients.
-    """
+    """Mean, SD (ddof=1), n and Student's t interval of the mean of one cell's values over seeds; NaNs dropped, SD and
+    interval NaN with n < 2. Not a bootstrap: with 3 seeds a percentile bootstrap gives back their min and max, which
+    hold the mean of three normal draws 75 % of the time, not 95 (tested)."""
     x = np.asarray(values, dtype=float)
     x = x[~np.isnan(x)]
     n = len(x)
@@ -64,13 +55,9 @@ def cell_statistics(runs: pd.DataFrame, split: str = "test") -> pd.DataFrame:
 
 
 def wilcoxon_over_seeds(a: Sequence[float], b: Sequence[float]) -> dict:
-    """Wilcoxon signed-rank test (two-sided) of ``a`` against ``b`` paired by seed; pairs with a NaN are dropped.
-
-    Returns ``diff`` = mean(a - b), ``p_value``, ``n_seeds`` and ``method``; all-zero differences give p = 1.
-    This is the fallback when per-case predictions are not available: with n <= 5 seeds the smallest two-sided
-    p is 2 / 2**n >= 0.0625, so it can never reach 0.05 however large the effect. :func:`paired_bootstrap` over
-    test patients has the power the seeds lack and is preferred whenever per-case predictions exist.
-    """
+    """Wilcoxon signed-rank test (two-sided) of ``a`` against ``b`` paired by seed, NaN pairs dropped: ``diff`` =
+    mean(a - b), ``p_value`` (1 for all-zero differences), ``n_seeds``, ``method``. Only the fallback without per-case
+    predictions: with n <= 5 seeds the smallest p is 2 / 2**n >= 0.0625, never 0.05 however large the effect."""
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     ok = ~(np.isnan(a) | np.isnan(b))
     d = a[ok] - b[ok]
@@ -84,10 +71,7 @@ def wilcoxon_over_seeds(a: Sequence[float], b: Sequence[float]) -> dict:
 
 def holm(p_values: Sequence[float]) -> np.ndarray:
     """Holm-Bonferroni step-down adjusted p-values: monotone in p, capped at 1; NaN stays NaN and is not counted.
-
-    Our own few lines since scipy's ``false_discovery_control`` only does BH/BY and statsmodels is not a
-    dependency.
-    """
+    (scipy's ``false_discovery_control`` only does BH/BY and statsmodels is not a dependency.)"""
     p = np.asarray(p_values, dtype=float)
     out = np.full_like(p, np.nan)
     ok = np.flatnonzero(~np.isnan(p))
@@ -99,13 +83,9 @@ def holm(p_values: Sequence[float]) -> np.ndarray:
 
 
 def significance_table(comparisons: list[dict], alpha: float = 0.05) -> pd.DataFrame:
-    """The comparisons (dicts with task, metric, schema_a, schema_b and the keys of :func:`paired_bootstrap` or
-    :func:`wilcoxon_over_seeds`) as a table, Holm-corrected across ALL comparisons given as one family.
-
-    Adds ``p_holm``, ``significant`` (``p_holm < alpha``) and ``better``: the schema whose value is better given
-    :func:`~gx_ray.analysis.runs.higher_is_better` of the metric (for ranks the lower one), or ``""`` when not
-    significant. Sorted by task, then p-value.
-    """
+    """The comparisons (task, metric, schema_a, schema_b and a test's keys) as a table, Holm-corrected across ALL of
+    them as one family, sorted by task then p-value. Adds ``p_holm``, ``significant`` (``p_holm < alpha``) and
+    ``better``: the schema better by :func:`~gx_ray.analysis.runs.higher_is_better`, or ``""`` when not significant."""
     table = pd.DataFrame(comparisons)
     if table.empty:
         return pd.DataFrame(columns=[*COMPARISON_KEYS, "diff", "p_value", "p_holm", "significant", "better"])
@@ -135,13 +115,9 @@ def per_seed(frame: pd.DataFrame) -> pd.DataFrame:
 def paired_arms(
     runs: pd.DataFrame, baseline: str = "image_only", split: str = "test", headline_only: bool = False
 ) -> Iterator[tuple[dict, pd.DataFrame, pd.DataFrame]]:
-    """Every schema against ``baseline`` per task, model, fusion and metric: ``(cell, arm, baseline_arm)``, the two
-    arms' rows indexed by seed (:func:`per_seed`), on the seeds both have; ``cell`` names the comparison.
-
-    A schema with several trials on one seed that are not its cross-validation folds differs from the baseline in more
-    than its inputs (a search over other parameters too) and is not paired. ``headline_only`` keeps each task's
-    primary metric (:func:`~gx_ray.analysis.runs.headline_metric`, which imports the tasks).
-    """
+    """Every schema against ``baseline`` per task, model, fusion and metric: ``(cell, arm, baseline_arm)``, both arms'
+    rows by seed (:func:`per_seed`) on the seeds both have. A schema with several non-fold trials on one seed (a search
+    over other parameters) is not paired. ``headline_only`` keeps each task's primary metric (imports the tasks)."""
     keys = ["task", "model", "fusion", "metric"]
     for (task, model, fusion, metric), group in runs[runs["split"] == split].groupby(keys, dropna=False):
         if headline_only and metric != headline_metric(task):

@@ -2,29 +2,24 @@
 (TOST with a margin), and p-values shown with the bootstrap's resolution floor (:func:`format_p`). NumPy and SciPy
 only, like :mod:`gx_ray.analysis.bootstrap`, for the report's workers.
 
-**Two-level bootstrap** (:func:`two_level_bootstrap`). A cell's number is the mean over S seeds of a metric on n test
-patients; it moves with the patients (another test set), the seeds (another training run) and their interaction (a
-patient one seed gets right and another wrong). Patients and seeds are *crossed*, not nested: every seed's model
-scores every patient. So one replicate draws ONE multiset of patients, shared by every seed and both arms, and ONE
-seed-level deviation, shared by both arms: seed s of schema A and of schema B share a data order and an initialisation,
-so the seed level acts on the per-seed paired difference. Drawing seeds per patient (nested) would average the seed
-effect away. The order of the two draws does not matter, as they are independent; patients come first in the code.
+**Two-level bootstrap** (:func:`two_level_bootstrap`). A cell is the mean over S seeds of a metric on n test patients;
+it moves with the patients, the seeds and their interaction. Patients and seeds are *crossed* (every seed's model
+scores every patient), so one replicate draws ONE multiset of patients, shared by every seed and both arms, and ONE
+seed-level deviation shared by both arms (seed s of A and of B share data order and initialisation); drawing seeds per
+patient (nested) would average the seed effect away.
 
 - Patient level: n patients with replacement (within each fold, where there are folds), deviations scaled by
   sqrt(k / (k - 1)) for k patients per fold, the bootstrap's own small-sample bias (exact for means).
-- Seed level: NOT resampled. With 3-5 seeds a resample only spans their range (three seeds' min and max hold the
-  mean 75 % of the time). It is Student's t with S - 1 degrees of freedom, scaled by the standard error of the seed
-  main effect: the variance over seeds of their full-test-set scores, over S, less the patient x seed interaction's
-  share of it (measured on the patient replicates, which already carry it), clamped at 0: seeds that agree within
-  their interaction noise add no seed level. With one seed there is none.
-- Folds (cross-validation): each seed's out-of-fold predictions cover every patient once. Patients are resampled
-  within their fold (each fold's models keep their count of patients); a seed's fold models are one unit of the seed
-  level (their spread is in the seed's score). The fold assignment must be the same for every seed.
+- Seed level: NOT resampled (with 3 seeds a resample spans their min and max, which hold the mean 75 % of the time).
+  Student's t with S - 1 degrees of freedom times the seed main effect's standard error: the variance over seeds of
+  their full-test-set scores, over S, less the patient x seed interaction's share (measured on the patient
+  replicates), clamped at 0. With one seed there is none.
+- Folds: patients are resampled within their fold; a seed's fold models are one unit of the seed level. The fold
+  assignment must be the same for every seed.
 
-Assumptions: patients exchangeable draws from the population the test set samples; seeds exchangeable; the seed
-main effect roughly normal (the t interval's assumption; heavy-tailed seed effects need more seeds); the metric
-smooth enough in the patients for a percentile interval (about 20 patients or more).
-:func:`~gx_ray.analysis.simulation.coverage` measures the coverage on simulated studies with a known truth.
+Assumptions: patients and seeds exchangeable; the seed main effect roughly normal; the metric smooth enough in the
+patients for a percentile interval (about 20 patients or more). :func:`~gx_ray.analysis.simulation.coverage`
+measures the coverage on simulated studies with a known truth.
 """
 
 from __future__ import annotations
@@ -48,12 +43,9 @@ SEED_LEVELS = ("t", "resample", "none")
 
 @dataclass(frozen=True, eq=False)
 class CaseMeans:
-    """A mean-of-cases metric: ``scale * sum(numerator[i]) / sum(denominator[i])`` over the scored cases ``i``.
-
-    ``denominator`` None weighs every case 1 (accuracy from 0/1 correctness); VQA accuracy pools questions:
-    numerator = right answers, denominator = questions per patient. :meth:`batch` scores every replicate with one
-    matrix product.
-    """
+    """``scale * sum(numerator[i]) / sum(denominator[i])`` over the scored cases ``i``; ``denominator`` None weighs
+    every case 1 (VQA pools questions: right answers over questions per patient). :meth:`batch` scores every replicate
+    with one matrix product."""
 
     numerator: np.ndarray
     denominator: np.ndarray | None = None
@@ -293,12 +285,8 @@ def two_level_bootstrap(
     options: Resampling = Resampling(),
 ) -> BootstrapResult:
     """One cell (``score_b`` None) or schema A minus schema B, over test patients AND seeds (see the module).
-
-    ``score_a[s](indices)``: seed ``s``'s metric on the cases ``indices`` of one ordered list of ``n_cases`` patients
-    (repeats allowed), as :func:`~gx_ray.analysis.bootstrap.paired_bootstrap` takes; or, with ``folds`` (each
-    patient's fold, the same for every seed), a list of one scorer per fold. Scorers with a ``batch(counts)`` method
-    (:class:`CaseMeans`, :class:`CaseAUC`) score all replicates at once.
-    """
+    ``score_a[s](indices)``: seed ``s``'s metric on the cases ``indices`` (repeats allowed) of ``n_cases`` patients;
+    with ``folds`` (each patient's fold), one scorer per fold. Scorers with ``batch(counts)`` score all at once."""
     if options.seed_level not in SEED_LEVELS:
         raise ValueError(f"seed_level must be one of {SEED_LEVELS}, got {options.seed_level!r}")
     if score_b is not None and len(score_a) != len(score_b):
@@ -359,19 +347,12 @@ def equivalence(
 ) -> Equivalence:
     """TOST equivalence and non-inferiority of schema A against schema B within ``margin`` (the metric's units).
 
-    ``differences``: bootstrap replicates of A - B (e.g. :attr:`BootstrapResult.replicates`), or a tuple
-    ``(low, high)``: their 1 - 2 alpha interval. Each test is one-sided at ``alpha``; on replicates its p-value is
-    ``(count + 1) / (B + 1)``. With d = A - B oriented so that positive is better (sign flipped when lower is better):
-
-    - ``"equivalent within ±m"``: d > -m and d < m both shown (TOST: the 1 - 2 alpha interval lies within ±m);
-    - ``"non-inferior (margin m)"``: d > -m shown, d < m not (A does not lose more than m; it may be better);
-    - ``"worse"``: non-inferiority not shown, and d < 0 shown (the 1 - 2 alpha interval lies below 0): A is worse,
-      by possibly more than m; ``beyond_margin`` says whether d < -m is shown too;
-    - ``"not shown"``: none of these. It does NOT mean the schemas are alike: the data cannot tell.
-    - ``"equivalence not tested"``: no margin given.
-
-    A one-sided test at alpha = 0.05 is the two-sided test at 0.10: "worse" here is not the report's significance at
-    0.05 (pass alpha = 0.025 for the report's 95 % intervals), and m comparisons claimed together need alpha / m.
+    ``differences``: bootstrap replicates of A - B, or ``(low, high)``, their 1 - 2 alpha interval. Each test is
+    one-sided at ``alpha`` (on replicates p = ``(count + 1) / (B + 1)``), with d = A - B oriented so positive is better:
+    ``"equivalent within ±m"`` (d > -m and d < m shown), ``"non-inferior (margin m)"`` (d > -m shown, d < m not),
+    ``"worse"`` (non-inferiority not shown, d < 0 shown; ``beyond_margin``: d < -m shown too), ``"not shown"`` (the
+    data cannot tell; NOT that the schemas are alike), ``"equivalence not tested"`` (no margin).
+    One-sided at 0.05 is two-sided at 0.10: pass alpha = 0.025 for the report's 95 % intervals, alpha / m for m claims.
     """
     if margin is not None and not margin > 0:
         raise ValueError(f"margin must be positive (the metric's units), got {margin}")

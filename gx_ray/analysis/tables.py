@@ -1,15 +1,13 @@
 """A task's cell statistics as the paper's result tables (Tables 2a, 2b, 4, 5, 6): Markdown, LaTeX and CSV.
 
-Input is a *cells* table (what :func:`gx_ray.analysis.stats.cell_statistics` returns): one row per (task, model,
-fusion, schema, metric) with ``mean``, ``sd``, ``n``, ``ci_low``, ``ci_high`` and ``higher_is_better``. A task's
-table has one row per model (``model (fusion)`` when the task has several fusions), the input settings (schemas)
-as column groups and the task's metrics as columns within each group. Cells read ``mean ± sd`` over seeds.
+Input is a *cells* table (:func:`gx_ray.analysis.stats.cell_statistics`). A task's table has one row per model
+(``model (fusion)`` when the task has several fusions), the schemas as column groups and the task's metrics as columns
+within each group; cells read ``mean ± sd`` over seeds.
 
-Marking, as in the paper: within each metric, over *all* cells of the table (every model and every setting),
-the best value is **bold** and the second best underlined, so an ablation reader sees at once which setting wins
-each metric. Values are compared at the displayed precision (:data:`DECIMALS`), so cells that print the same
-are tied: all tied best are bold, and "second" is the next distinct printed value (all of its ties underlined).
-The smallest is best for lower-is-better metrics (MedR, MnR). Missing or NaN cells print "—" and are never ranked.
+Marking, as in the paper: within each metric, over *all* cells of the table, the best value is **bold** and the second
+best underlined. Values are compared at the displayed precision (:data:`DECIMALS`): all tied best are bold, and
+"second" is the next distinct printed value. The smallest is best for lower-is-better metrics (MedR, MnR). Missing or
+NaN cells print "—" and are never ranked.
 """
 
 from __future__ import annotations
@@ -286,10 +284,7 @@ def render(table: TaskTable, fmt: str) -> str:
 
 def write_task_tables(cells: pd.DataFrame, folder: str | Path) -> list[Path]:
     """``table_<task>.md``, ``.tex`` and ``.csv`` in ``folder`` for every task in ``cells``; the paths written.
-
-    Markdown and LaTeX print the metrics of the paper's tables (per-category accuracies and the like would make
-    them too wide to read); the CSV holds every metric.
-    """
+    Markdown and LaTeX print the paper's metrics only (more would be too wide to read); the CSV holds every metric."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     base = cells["metric"].str.replace(r"^(image_to_text|text_to_image)_", "", regex=True)
