@@ -1,10 +1,6 @@
-"""The sweep: a search space → Ray Tune trials (each a training run, :mod:`gx_ray.sweep.trial`) → MLflow → a summary
-per task and schema (:mod:`~gx_ray.sweep.summary`) and the report.
-
-The driver starts what a sweep needs (Ray, its MLflow server, the demo cohort), checks the data and the space before
-any trial, builds what trials share (:class:`~gx_ray.sweep.trial.SweepContext`: the tasks' sweep inputs, the GPU plan
-of :mod:`~gx_ray.sweep.gpu_plan`), runs Tune with the callbacks of :mod:`~gx_ray.sweep.callbacks`, and stops cleanly
-on a signal (:mod:`~gx_ray.sweep.signals`).
+"""The sweep: a search space → Ray Tune trials (:mod:`gx_ray.sweep.trial`) → MLflow → a summary per task and schema
+and the report. The driver starts Ray, its MLflow server and the demo cohort, checks the data and the space before any
+trial, builds what trials share (:class:`~gx_ray.sweep.trial.SweepContext`), runs Tune and stops cleanly on a signal.
 """
 
 from __future__ import annotations
@@ -242,10 +238,8 @@ class SweepRun:
 
 
 def run_sweep(options: SweepOptions) -> SweepResult:
-    """Run (or resume) a sweep; writes ``OUTPUT/sweep.json`` and prints a summary table.
-
-    Ctrl-C or SIGTERM stops it cleanly: Tune saves its trials' state, the MLflow server is stopped, ``sweep.json`` is
-    written and the result says ``interrupted``; ``--resume`` goes on from there."""
+    """Run (or resume) a sweep; writes ``OUTPUT/sweep.json`` and prints a summary table. Ctrl-C or SIGTERM stops it
+    cleanly (Tune saves its trials' state, the result says ``interrupted``); ``--resume`` goes on from there."""
     run = plan_sweep(options, time.perf_counter(), time.time())
     mlflow_retries()  # an unreachable server fails a call after ~30 s, not ~4 minutes
     _quiet_tune()

@@ -1,15 +1,11 @@
-"""One Tune trial, and the one route from its chosen values to its config: the only part of a sweep that runs in trial
-processes, so it imports what training needs and nothing of the driver's (Optuna, the MLflow server, data
-preparation, analysis).
+"""One Tune trial: the only part of a sweep that runs in trial processes, so it imports what training needs and nothing
+of the driver's (Optuna, the MLflow server, data preparation, analysis).
 
-A trial's config takes one route: Tune's chosen values → :meth:`SweepContext.setting` (the space's
-:meth:`~gx_ray.sweep.spaces.SearchSpace.resolve`, the shards, what the task built before the trials, the GPU plan's
-measured share) → a validated :class:`~gx_ray.train.config.TrialConfig`. The driver places trials, names their
-results and measures the GPU plan through the same method, so what Ray reserves is what the trial runs with.
-
-A Tune trial is :func:`run_trial`. With one worker it runs the training loop itself (it is already a Ray actor
-holding the trial's resources, and a ``TorchTrainer`` would add ~20 s of start-up); with several it starts a
-Ray Train ``TorchTrainer`` for DDP, whose metrics reach Tune through Train's Tune report callback (Train V2).
+A trial's config takes one route: Tune's chosen values → :meth:`SweepContext.setting` (the space's resolve, the
+shards, what the task built before the trials, the GPU plan's share) → a validated
+:class:`~gx_ray.train.config.TrialConfig`. The driver places trials and measures the GPU plan through the same method,
+so what Ray reserves is what the trial runs with. :func:`run_trial` runs the training loop itself with one worker (it
+is already a Ray actor, and a ``TorchTrainer`` would add ~20 s of start-up), a Ray Train ``TorchTrainer`` for DDP.
 """
 
 from __future__ import annotations
