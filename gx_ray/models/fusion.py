@@ -1,9 +1,8 @@
 """Fusion blocks: image tokens (+ endoscopy and table cues) and text tokens → one :class:`Encoded`.
 
-Image tokens are the deepest vision map flattened and projected to ``hidden``, followed by one token for the
-endoscopy image and one for the numeric lab table when the schema has them. Text tokens (context, then query)
-arrive already projected to ``hidden``. Every block reports the image side before text (``Encoded.image``)
-the same way, so retrieval sees the same "image + its cues" whatever the fusion.
+Image tokens are the deepest vision map flattened and projected to ``hidden``, then one token each for the endoscopy
+image and the lab table when the schema has them; text tokens (context, then query) arrive projected. Every block
+reports the image side before text (``Encoded.image``) alike, so retrieval sees the same "image + cues" whatever fusion.
 
 - ``concat``: pooled image ⊕ cue tokens ⊕ pooled context text ⊕ pooled query → MLP. Context and query are pooled
   apart: pooled together, a VQA question drowned in the lab-table text before it (VQA accuracy 10 % with the table

@@ -1,9 +1,8 @@
 """One registry that builds the multimodal encoder of a trial from a model config and a modality schema.
 
-Configs are data (a search space writes them as mappings, :meth:`ModelConfig.from_dict`); the names they hold
-index the registries of :mod:`~gx_ray.models.vision`, :mod:`~gx_ray.models.text` and
-:mod:`~gx_ray.models.fusion`. :func:`param_groups` gives the optimiser the paper's recipe: the text side at a
-multiple of the base learning rate, no weight decay on biases and norms.
+Configs are data (:meth:`ModelConfig.from_dict`) whose names index the vision, text and fusion registries.
+:func:`param_groups` gives the optimiser the paper's recipe: the text side at a multiple of the base learning rate, no
+weight decay on biases and norms.
 """
 
 from __future__ import annotations
@@ -179,11 +178,8 @@ def _no_decay(name: str, parameter: nn.Parameter) -> bool:
 def param_groups(
     model: nn.Module, base_lr: float, weight_decay: float, text_lr_multiplier: float
 ) -> list[dict[str, Any]]:
-    """AdamW groups: every trainable parameter once; text-encoder ones at ``base_lr * text_lr_multiplier``.
-
-    The text side is found by module type (:class:`TextEncoder`), so a task model that wraps the encoder
-    gets the same groups. Empty groups are left out.
-    """
+    """AdamW groups: every trainable parameter once; text-encoder ones (found by module type, also inside a task
+    model) at ``base_lr * text_lr_multiplier``. Empty groups are left out."""
     text_ids = {id(p) for m in model.modules() if isinstance(m, TextEncoder) for p in m.parameters()}
     groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
     for name, parameter in model.named_parameters():

@@ -1,40 +1,32 @@
 """A 3D Swin transformer with exactly MONAI's parameters and outputs, laid out for speed on GPUs.
 
-:class:`SwinTransformer` takes the arguments of MONAI's ``monai.networks.nets.swin_unetr.SwinTransformer`` (3D, the
-options gx-ray builds it with) and has the same modules, parameter names, shapes and registration order: MONAI's
-state dict loads into it with ``strict=True`` and back, and ``forward(x, normalize=True)`` returns the same five
-stage outputs (B, C_i, d_i, h_i, w_i), MONAI's quirks included: zero-padded tokens attend and are attended to in
-unshifted windows, a window shrinks to a stage that is no larger than it (and then takes the first rows and columns
-of the full window's relative position index), shifted windows are masked with -100, not -inf.
+:class:`SwinTransformer` takes the arguments of MONAI's ``monai.networks.nets.swin_unetr.SwinTransformer`` (3D) and has
+the same modules, parameter names, shapes and registration order: MONAI's state dict loads into it with
+``strict=True`` and back, and ``forward(x, normalize=True)`` returns the same five stage outputs (B, C_i, d_i, h_i,
+w_i), MONAI's quirks included: zero-padded tokens attend and are attended to in unshifted windows, a window shrinks to
+a stage no larger than it (taking the first rows and columns of the full window's relative position index), shifted
+windows are masked with -100, not -inf. What differs is how the arithmetic runs:
 
-What differs is how the arithmetic runs:
+- **Attention** is one ``scaled_dot_product_attention`` call per block, the relative position bias (and shift mask)
+  one additive bias in the compute dtype, its last axis padded to 8 so that PyTorch does not copy it to align it. On
+  CUDA the memory-efficient kernel computes the bias gradient without an fp32 score matrix (MONAI's explicit softmax
+  makes one). In a shifted block the windows go in as heads of one row per image (``B × (windows·heads)``), so the
+  per-window bias broadcasts over the images; the shift mask is cached per stage shape (eager) or built in the graph.
+  The two other ``attention_backend`` paths (:data:`ATTENTION_BACKENDS`), equal to MONAI's, were slower on an H200
+  (torch 2.11, stage 1's shifted block at micro-batch 8, forward and backward with the bias gradient: this path
+  26.8 ms). ``split``: cuDNN's fused kernel with a constant bias (12.1 ms) plus the bias gradient from a recomputed
+  softmax, 24.8 ms in all (the compiler folds the 16-wide products into its reductions, off the tensor cores).
+  ``flex`` (FlexAttention, shift as block mask, bias gradient summed by atomic adds): 29–34 ms, its forward alone
+  twice the memory-efficient kernel's, and a compilation per stage shape.
+- **No fp32 round trips under autocast**: block norms run in the compute dtype (statistics accumulate in fp32 in the
+  kernel), the bias is gathered and cast once per block (heads × n × n, not per window), nothing is upcast before a
+  matrix product; the five stage outputs are normalised as MONAI does (fp32 under autocast).
+- **Layout**: channels-last (B, D, H, W, C) from the patch embedding (a reshape and one matrix product, equal to
+  MONAI's stride-``patch`` convolution) to the patch merging; stage outputs are (B, C, D, H, W) views. In eager mode
+  pad, cyclic shift and window partition are one gather with a cached index (and their reverse another, a gather as
+  backward instead of a scatter-add); under ``torch.compile`` plain pad/roll/permute ops are left to the compiler.
 
-- **Attention** is one ``scaled_dot_product_attention`` call per block with the relative position bias (and, in
-  shifted blocks, the shift mask) as one additive bias in the compute dtype (bf16 under autocast), its last axis
-  padded to 8 elements so that PyTorch does not copy it to align it. On CUDA this is the memory-efficient kernel,
-  which computes the bias gradient (the relative position tables train) without materialising a score matrix in
-  fp32, as MONAI's explicit softmax does. In a shifted block the windows go in as heads of one row per image
-  (``B × (windows·heads)``) so that the per-window bias broadcasts over the images rather than being copied per image.
-  The shift mask is built once per stage shape and cached (eager), or built inside the graph (``torch.compile``).
-  Two other paths are selectable (``attention_backend``, :data:`ATTENTION_BACKENDS`) and equal to MONAI's; neither
-  was faster on an H200 (torch 2.11, stage 1's shifted block at micro-batch 8, forward and backward with the bias
-  gradient: this path 26.8 ms). ``split`` runs cuDNN's fused kernel with the bias as a constant (12.1 ms) and
-  computes the bias gradient apart, from a recomputed softmax (24.8 ms in all: the compiler folds the 16-wide
-  products into its reductions, off the tensor cores). ``flex`` (FlexAttention, the shift as a block mask, the bias
-  as a score modification whose gradient the backward kernel sums with atomic adds) 29–34 ms; its forward alone is
-  twice the memory-efficient kernel's, and it needs a compilation per stage shape.
-- **No fp32 round trips under autocast**: the block norms run in the compute dtype (statistics still accumulate in
-  fp32 inside the kernel), the bias is gathered and cast once per block (heads × n × n, not per window), and nothing
-  is upcast before a matrix product. The five returned stage outputs are normalised as MONAI does (fp32 under
-  autocast), so consumers see the same dtype.
-- **Layout**: every stage stays channels-last (B, D, H, W, C) from the patch embedding (a reshape and one matrix
-  product, equal to MONAI's stride-``patch`` convolution) to the patch merging; stage outputs are returned as
-  (B, C, D, H, W) views of it. In eager mode, padding, the cyclic shift and the window partition are one gather with
-  a cached index (and its reverse, the roll back and the crop, another), with a gather as backward instead of a
-  scatter-add; under ``torch.compile`` plain pad/roll/permute ops are left for the compiler to fuse.
-
-Gradient checkpointing (``use_checkpoint``) recomputes each block's attention half and MLP half, as MONAI's does
-(``torch.utils.checkpoint`` with ``use_reentrant=False``).
+``use_checkpoint`` recomputes each block's attention and MLP halves, as MONAI's does (``use_reentrant=False``).
 """
 
 from __future__ import annotations

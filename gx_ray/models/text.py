@@ -1,11 +1,9 @@
 """Text encoders: a transformers encoder with its tokenizer, turning a list of strings into token features.
 
-Names follow timm's convention: a registered name (``bert_tiny``, ``minilm``), ``hf-hub:<name>`` for a model
-from the Hugging Face hub (or its local cache), or a path to a local model folder. Keeping hub names behind a
-prefix means a misspelt name fails at once with the valid choices instead of trying the network.
-Offline, the MiniLM tokenizer (bert-base-uncased vocabulary) serves every registered encoder.
-transformers' model classes are imported when an encoder is built, not with this module (a sweep driver that only
-checks names need not pay for them).
+Names follow timm's convention: a registered name (``bert_tiny``, ``minilm``), ``hf-hub:<name>`` for a hub model (or
+its local cache), or a local model folder; the prefix makes a misspelt name fail at once with the valid choices instead
+of trying the network. Offline, the MiniLM tokenizer (bert-base-uncased vocabulary) serves every registered encoder.
+transformers' model classes are imported when an encoder is built (a sweep driver checking names need not pay).
 """
 
 from __future__ import annotations
@@ -46,14 +44,11 @@ CUDNN_ATTENTION_ENV = "GX_RAY_CUDNN_ATTENTION"
 
 def choose_attention_backends(enabled: bool | None = None) -> bool:
     """Turn cuDNN's SDPA attention off for this process unless ``GX_RAY_CUDNN_ATTENTION=1`` (or ``enabled`` says
-    otherwise: the attention benchmark's variants); returns whether it is on.
-
-    cuDNN builds an execution plan for every attention shape it meets for the first time, and a trial's text meets
-    many once: a plan per (length bucket, batch size) for the encoder, forward and backward apart, and one per decoded
-    length when a report is generated (256 of them). On an H200 that one-off cost was 20-45 s of a report or
-    text trial's first epoch; FlashAttention and the memory-efficient kernel plan nothing (``python jobs/benchmark.py
-    attention`` measures both). The models' attention is a small share of their step, so cuDNN's faster kernels do
-    not win that back in a trial. Process-wide: a trial process sets it before it builds its model."""
+    otherwise: the attention benchmark's variants); returns whether it is on. cuDNN plans every new attention shape, and
+    a trial's text meets many (per length bucket and batch size, forward and backward, and per decoded length: 256): on
+    an H200 20-45 s of a text trial's first epoch, which its faster kernels on a small share of the step do not win
+    back; FlashAttention and the memory-efficient kernel plan nothing (``python jobs/benchmark.py attention``).
+    Process-wide: a trial process sets it before it builds its model."""
     if enabled is None:
         enabled = os.environ.get(CUDNN_ATTENTION_ENV, "0") == "1"
     torch.backends.cuda.enable_cudnn_sdp(enabled)
@@ -68,12 +63,8 @@ def tokenize_bucketed(
     tokenizer: PreTrainedTokenizerBase, texts: Sequence[str | None], max_length: int, device: torch.device | str
 ) -> BatchEncoding:
     """Tokenise ``texts`` (``None`` as empty), truncated to ``max_length``, on ``device``: on a GPU padded to the
-    bucket of the longest, elsewhere to the longest.
-
-    Padding per batch meets a new length at most steps, and cuDNN/SDPA attention re-plans for every new shape;
-    a few fixed lengths keep the number of shapes small on a GPU. A CPU plans nothing and pays for every padded
-    token (the demo sweep took 60 % longer with buckets). Padding is masked out, so features do not change.
-    """
+    bucket of the longest (attention re-plans for every new shape), elsewhere to the longest (a CPU plans nothing and
+    pays for every padded token: the demo sweep took 60 % longer with buckets). Padding is masked out."""
     encoded = tokenizer([t or "" for t in texts], truncation=True, max_length=max_length)
     longest = max((len(ids) for ids in encoded["input_ids"]), default=0)
     length = bucket_length(longest, max_length) if torch.device(device).type in BUCKET_DEVICES else max(longest, 1)

@@ -1,10 +1,8 @@
 """Vision encoders: the multi-phase CT as a list of feature maps, and the endoscopy image as one vector.
 
-Each CT encoder wraps one MONAI network (``backbone``; swin3d by default gx-ray's equal one, :mod:`gx_ray.models.swin`)
-and keeps the arguments it was built with (``backbone_arguments``), so the model benchmark can instantiate the same
-MONAI class raw and compare rates.
-Every CT encoder returns 5D maps ``(B, C_i, d_i, h_i, w_i)``, finest first; ``channels`` lists the ``C_i``.
-MONAI is imported when an encoder is built: ``import monai`` loads all of MONAI (its apps, handlers and MLflow),
+Each CT encoder wraps one MONAI network (``backbone``; swin3d by default gx-ray's equal one, :mod:`gx_ray.models.swin`),
+keeps its ``backbone_arguments`` for the model benchmark, and returns 5D maps ``(B, C_i, d_i, h_i, w_i)``, finest first
+(``channels`` lists the ``C_i``). MONAI is imported when an encoder is built: ``import monai`` loads all of MONAI,
 seconds that a process which only reads the registry's names (a sweep driver validating configs) need not pay.
 """
 
@@ -85,16 +83,14 @@ def swin_arguments(
 
 
 class Swin3d(nn.Module):
-    """MONAI's 3D ``SwinTransformer`` (the SwinUNETR encoder); its five normalised stage outputs are the maps.
+    """MONAI's 3D ``SwinTransformer`` (the SwinUNETR encoder); its five normalised stage outputs are the maps. Spatial
+    sizes must be multiples of 32 (patch 2, then four 2x merges).
 
-    Spatial sizes must be multiples of 32 (patch 2, then four 2x merges). ``implementation``: ``gx`` (the default)
-    builds :class:`gx_ray.models.swin.SwinTransformer`, MONAI's network with the same parameters, state-dict keys and
-    outputs but laid out for speed; ``monai`` builds MONAI's own class. For MONAI's, ``attention``: ``fused`` computes
-    every window's attention with PyTorch's ``scaled_dot_product_attention`` also in training (its relative position
-    bias and shifted-window mask as the additive mask, as timm's Swin does); ``explicit`` keeps MONAI's own, which
-    materialises each window's score matrix whenever a gradient is taken, and alone (no ``implementation``) selects
-    MONAI's class. ``backbone_arguments`` are MONAI's in both cases, and ``monai_class`` is MONAI's class, so the model
-    benchmark can build the raw MONAI network beside either.
+    ``implementation``: ``gx`` (default) builds :class:`gx_ray.models.swin.SwinTransformer` (MONAI's parameters, keys
+    and outputs, laid out for speed); ``monai`` MONAI's own class, whose ``attention`` is ``fused`` (PyTorch's
+    ``scaled_dot_product_attention`` also in training, bias and shift mask additive, as timm's Swin) or ``explicit``
+    (MONAI's own score matrices; alone, it selects MONAI's class). ``backbone_arguments`` and ``monai_class`` are
+    MONAI's either way, so the model benchmark can build the raw network beside either.
     """
 
     def __init__(
@@ -190,11 +186,8 @@ class ResNet3d(nn.Module):
 
 
 class MultiChannel2d(nn.Module):
-    """The paper's adaptation for 2D VLMs (LLaVA, BLIP-2): slices and phases stacked as channels of one image.
-
-    The depth axis is first averaged down to ``slices`` slabs so that the channel count is fixed whatever the
-    volume depth; a MONAI 2D ResNet then reads ``C * slices`` channels. Its maps get a singleton depth axis.
-    """
+    """The paper's adaptation for 2D VLMs (LLaVA, BLIP-2): depth averaged to ``slices`` slabs (a fixed channel count
+    whatever the depth) stacked as ``C * slices`` channels of a MONAI 2D ResNet; its maps get a singleton depth axis."""
 
     def __init__(self, in_channels: int, slices: int = 16, depth: int = 18, **overrides: Any):
         super().__init__()

@@ -2,16 +2,13 @@
 ``AutoProcessor``: LLaVA, PaliGemma, Qwen2-VL, Idefics/SmolVLM, …) from a hub name or a local folder, fine-tuned with
 LoRA through peft.
 
-The base model is frozen; LoRA adapters (:class:`~gx_ray.models.lora.LoraSettings`, the text encoders' settings:
-rank, alpha, dropout and target modules are search dimensions) train on the language model's projections
-(:data:`VLM_LORA`), the vision tower's too with ``lora_vision``; ``train_vision`` / ``train_language`` open the vision
-tower or the language model too.
-A question is put to the model with its images inside the model's own chat template (or, for a model without one,
-the processor's plain prompt), and the answer is taught by cross-entropy on the answer's tokens only (the prompt and
-the image tokens are masked); with ``packing`` (``vlm.packing``, LLaVA only: :func:`check_packing`) the taught batch
-is one row without padding, its samples told apart by position ids that restart at 0.
-:meth:`VisionLanguageModel.generate` answers greedily; the answers are then scored by :mod:`gx_ray.metrics.cascade`.
-Images are RGB ``(3, H, W)`` arrays in [0, 1], as :func:`gx_ray.modalities.views.ct_images` gives them.
+The base model is frozen; LoRA adapters (:class:`~gx_ray.models.lora.LoraSettings`) train on the language model's
+projections (:data:`VLM_LORA`), the vision tower's too with ``lora_vision``; ``train_vision`` / ``train_language`` open
+either whole. A question goes in with its images through the model's own chat template (else the processor's plain
+prompt); the answer is taught by cross-entropy on its tokens only; with ``packing`` (LLaVA only: :func:`check_packing`)
+the taught batch is one unpadded row, samples told apart by position ids restarting at 0.
+:meth:`VisionLanguageModel.generate` answers greedily, scored by :mod:`gx_ray.metrics.cascade`. Images are RGB
+``(3, H, W)`` arrays in [0, 1] (:func:`gx_ray.modalities.views.ct_images`).
 """
 
 from __future__ import annotations
@@ -190,26 +187,18 @@ class VisionLanguageModel(nn.Module):
     def _taught(
         self, images: Sequence[Sequence[np.ndarray]], questions: Sequence[str], answers: Sequence[str]
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """The model's inputs for each question followed by its answer, and labels that keep the answer's tokens (and
-        the end-of-text token after it) only.
-
-        The prompts (with their images) go through the processor once, exactly as :meth:`generate` puts them; each
-        answer's tokens are appended to its prompt's, so the model is taught to continue the very prompt it is asked
-        with, and the images are processed once a step. With ``packing`` the batch is one row
-        (:meth:`_with_answers`)."""
+        """The model's inputs for each question followed by its answer, labels only on the answer's tokens (and the
+        end-of-text token). The prompts go through the processor once, exactly as :meth:`generate` puts them, so the
+        model is taught to continue the very prompt it is asked with."""
         return self._with_answers(self._prompt_inputs(images, questions, "right"), answers, self.packing)
 
     def _with_answers(
         self, prompts: dict[str, torch.Tensor], answers: Sequence[str], packed: bool = False
     ) -> tuple[dict[str, Any], torch.Tensor]:
-        """Right-padded prompt inputs with each answer's tokens appended, padded on the tokenizer's own side, and the
-        labels (the answers' tokens only).
-
-        ``packed``: the samples one after the other in a single row instead, without padding, as transformers'
-        ``DataCollatorWithFlattening`` makes it: position ids restarting at 0 for each sample, the label of each
-        sample's first token ignored (nothing is predicted across a boundary), and no attention mask, from which
-        transformers builds a block-diagonal causal mask (or flash attention's varlen boundaries). The images' tensors
-        are the batch's, in the same order as their image tokens in the row."""
+        """Prompt inputs with each answer's tokens appended, padded on the tokenizer's own side, and the labels (the
+        answers' tokens only). ``packed``: the samples in one unpadded row, as transformers'
+        ``DataCollatorWithFlattening`` makes it: position ids restarting at 0, each sample's first label ignored
+        (nothing predicted across a boundary), no attention mask: transformers builds a block-diagonal causal one."""
         tokenizer = self.processor.tokenizer
         eos = getattr(tokenizer, "eos_token", None) or getattr(tokenizer, "sep_token", None) or ""
         answer_ids = tokenizer([a + eos for a in answers], add_special_tokens=False)["input_ids"]
