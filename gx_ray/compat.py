@@ -1,10 +1,7 @@
-"""Every use gx-ray makes of a private name of Ray, Tune or torch, in one module: where Ray 2.60 or torch 2.13 gives no
-public way. Each says what it waits on; ``tests/test_compat.py`` fails when an upgrade breaks one, so that it is found
-here and not in a sweep. Nothing outside this module reads or writes a name of Ray, Tune, MLflow or torch that starts
-with an underscore.
-
-Tune's subclasses are built on first use (the module's ``__getattr__``): importing this module imports Ray, not Tune
-(seconds more), which a process that only reads data or compiles a model does not need.
+"""Every use gx-ray makes of a private name of Ray, Tune, MLflow or torch, in one module: where Ray 2.60 or torch 2.13
+gives no public way. Each says what it waits on; ``tests/test_compat.py`` fails when an upgrade breaks one. Tune's
+subclasses are built on first use (``__getattr__``): a process that only reads data or compiles a model need not pay
+the seconds of importing Tune.
 """
 
 from __future__ import annotations
@@ -94,7 +91,6 @@ def _donor_checkpoint_pbt() -> type:
         a trial that reached the perturbation epoch first is paused with a save of its own; should that save register
         after the trial was exploited (trials arriving together), Tune would restore the trial's own, stale weights
         under the donor's config. The trial is pointed at the donor's checkpoint again whenever it is chosen to run.
-
         Private hooks of Ray 2.60's PBT (``_exploit``, ``_quantiles``, ``_log_config_on_step``, ``_trial_state``, the
         synchronisation point) and of its checkpoint manager: PBT has no public extension points."""
 
@@ -274,4 +270,3 @@ def is_compiled(module: Any) -> bool:
     """Whether ``nn.Module.compile()`` was called on ``module`` (torch 2.13 keeps it only in the private
     ``_compiled_call_impl``, which ``copy.deepcopy`` drops). Waits on a public flag of ``nn.Module``."""
     return getattr(module, "_compiled_call_impl", None) is not None
-

@@ -42,15 +42,11 @@ logger = logging.getLogger(__name__)
 def init_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: int | None = None) -> None:
     """Connect to ``address`` (``"auto"`` or ``host:port``) or start a local cluster; no-op when connected.
 
-    Without ``address`` this does what ``ray.init()`` does (:func:`running_cluster`): it joins the cluster that
-    ``RAY_ADDRESS`` names or that ``ray start`` left running on this machine, and starts a local one only where there
-    is none. Who runs a job on a cluster's head node expects it on that cluster, as every Ray program runs there;
-    refusing would make each command need ``--address auto`` there, and a second cluster beside the first is what
-    ``address="local"`` (or ``RAY_ADDRESS=local``) asks for. A cluster joined is one like any given by address: its
-    nodes keep their own CPUs, GPUs and settings (``num_cpus`` and ``num_gpus`` are not applied, and a warning says
-    so), and since its workers may not have gx-ray installed, the package travels in the runtime environment.
-
-    Ray Data progress bars are kept only for a terminal: in logs they are noise.
+    Without ``address``, as ``ray.init()`` (:func:`running_cluster`): join the cluster ``RAY_ADDRESS`` names or
+    ``ray start`` left running here (a job run on a head node is expected on that cluster), else start a local one;
+    ``address="local"`` asks for a second cluster. A joined cluster's nodes keep their own CPUs, GPUs and settings
+    (``num_cpus``/``num_gpus`` are not applied, with a warning), and the package travels in the runtime environment,
+    since its workers may not have gx-ray installed. Ray Data progress bars are kept only for a terminal.
     """
     if ray.is_initialized():
         return
@@ -114,13 +110,10 @@ def running_cluster(address: str | None) -> str | None:
 
 
 def exit_quietly_on_sigterm() -> None:
-    """Run by every Ray worker as it starts (the runtime environment's ``worker_process_setup_hook``).
-
-    Ray ends a worker (a finished or failed trial's actor, an idle reader) with SIGTERM, whose handler raises
-    SystemExit. When the signal lands while a finaliser runs (a ``__del__``, a weakref callback), Python cannot raise
-    there: it prints "Exception ignored in ... SystemExit" with a traceback, which Ray forwards to the sweep's console,
-    and the worker carries on until Ray's SIGKILL. Here the exit is put off instead: a thread sends the signal again a
-    moment later, when the finaliser has returned (or, should it land in another, once more)."""
+    """Every Ray worker's ``worker_process_setup_hook``. Ray ends a worker with SIGTERM, whose handler raises
+    SystemExit; landing in a finaliser (a ``__del__``, a weakref callback), Python prints "Exception ignored in ...
+    SystemExit" with a traceback to the sweep's console and the worker carries on until Ray's SIGKILL. Here the exit
+    is put off instead: a thread sends the signal again a moment later, once the finaliser has returned."""
     default = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:

@@ -1,8 +1,7 @@
 """The trial config: one typed, validated object per trial; everything logged to MLflow as params comes from it.
 
-Search spaces address its fields with dotted keys (``optimiser.lr``, ``model.vision``, ``schema.table``); a
-trial's flat key → value mapping becomes a :class:`TrialConfig` with :meth:`TrialConfig.from_flat`, and
-:meth:`TrialConfig.to_flat` gives the same keys back for MLflow.
+Search spaces address its fields with dotted keys (``optimiser.lr``, ``model.vision``): :meth:`TrialConfig.from_flat`
+reads a trial's flat mapping, :meth:`TrialConfig.to_flat` gives the same keys back for MLflow.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """A trial's cost in device-seconds, reported with every epoch: what Ray reserves for it (its GPU share, its CPUs) times
-the wall seconds it has held them, counted from the start of each attempt and summed over its attempts.
-
-A retried or resumed trial goes on from what its earlier attempts had spent by their last report (the last values its
-MLflow run holds): each attempt's seconds are counted once, by that attempt; an attempt's seconds after its last report
-(the epoch a kill cut short) are not in the ledger, the same epoch trained again is.
+the wall seconds it has held them, summed over its attempts. A retried or resumed trial goes on from its MLflow run's
+last values; an attempt's seconds after its last report (the epoch a kill cut short) are not in the ledger, the same
+epoch trained again is.
 """
 
 from __future__ import annotations

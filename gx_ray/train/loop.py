@@ -1,17 +1,14 @@
 """The per-worker training loop of a trial: one recipe (:class:`TrainingRecipe`) that Ray Train's workers and a
-one-worker Tune trial both run (torchtune's shape: ``setup`` then ``train``; no trainer framework in between). What a
-checkpoint holds, and restoring or pre-empting a trial, is :mod:`gx_ray.train.checkpoint`.
+one-worker Tune trial both run (torchtune's shape: ``setup`` then ``train``; no trainer framework in between).
 
-Per epoch: stream this rank's share of the training split in a seeded per-epoch order, AdamW with the text encoder at
-its own learning rate, linear warm-up then linear decay, micro-batches accumulated to the effective batch, bf16
-autocast on GPU; validate with the task's metric; report the epoch's metrics and a checkpoint (the latest and the
-best model). After the last epoch the best model scores the test split. Metrics go to Ray (Tune sees them) and,
-from rank 0, to the trial's MLflow run.
+Per epoch: stream this rank's share of the training split in a seeded order, AdamW (text encoder at its own rate),
+linear warm-up then decay, micro-batches accumulated to the effective batch, bf16 autocast on GPU; validate; report
+the metrics and a checkpoint (latest and best, :mod:`gx_ray.train.checkpoint`) to Ray and, from rank 0, to MLflow.
+After the last epoch the best model scores the test split.
 
-What keeps a GPU busy here: batches are collated and pinned in Ray's prefetch threads and copied to the GPU one batch
-ahead; the loss is read once per epoch, not per step (a read waits for the GPU); the next epoch's first batch is
-fetched while this epoch validates; each rank reads its own row groups (no coordinator between ranks); DDP looks
-for unused parameters only when a measured step found some.
+What keeps a GPU busy: batches collated and pinned in Ray's prefetch threads and copied one batch ahead; the loss read
+once per epoch (a read waits for the GPU); the next epoch's first batch fetched while this one validates; each rank
+reads its own row groups; DDP looks for unused parameters only when a measured step found some.
 """
 
 from __future__ import annotations
