@@ -16,6 +16,7 @@ the final model's test predictions with the task's metrics and a patient bootstr
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import os
@@ -195,11 +196,8 @@ def tested_weights(state_root: str, sweep_id: str, trial: str) -> dict[str, torc
     for name in reversed(checkpoints):
         metrics = json.loads(storage.read_text(storage.join(trial_folder, name, "metrics.json")))
         if "test_primary" in metrics:  # the final epoch's: the model as tested
-            data = storage.read_bytes(storage.join(trial_folder, name, CHECKPOINT_FILE))
-            with tempfile.NamedTemporaryFile(suffix=".pt") as handle:
-                handle.write(data)
-                handle.flush()
-                return torch.load(handle.name, map_location="cpu", weights_only=True)["model"]
+            data = io.BytesIO(storage.read_bytes(storage.join(trial_folder, name, CHECKPOINT_FILE)))
+            return torch.load(data, map_location="cpu", weights_only=True)["model"]
     raise FileNotFoundError(f"trial {trial} has no final checkpoint under {trial_folder}: did it finish?")
 
 
@@ -267,13 +265,8 @@ def training_inputs(shards: str) -> dict[str, Any]:
     """What a new cohort must be prepared like (from the shards' manifest), and the training patients' fingerprint
     ranges (from the cohort's QC report beside the shards, where it is)."""
     manifest = read_manifest(shards)
-    inputs = {
-        "preprocess": manifest["preprocess"],
-        "ct_shape": manifest["ct_shape"],
-        "endoscopy_shape": manifest["endoscopy_shape"],
-        "lab_names": manifest["lab_names"],
-        "cohort_sha256": manifest.get("sha256", ""),
-    }
+    inputs = {k: manifest[k] for k in ("preprocess", "ct_shape", "endoscopy_shape", "lab_names")}
+    inputs["cohort_sha256"] = manifest.get("sha256", "")
     ranges = None
     qc_path = storage.join(shards.rstrip("/").rsplit("/", 1)[0], QC_JSON)  # prepare_data writes it beside shards/
     if storage.exists(qc_path):

@@ -100,11 +100,9 @@ def bundle_folder(model: str, mlflow_uri: str | None, scratch: Path) -> Path:
     try:
         folder = Path(mlflow.artifacts.download_artifacts(artifact_uri=model, dst_path=str(scratch)))
     except mlflow.MlflowException as err:  # most often the wrong store: say where to look, not MLflow's traceback
-        raise ValueError(
-            f"{model} cannot be fetched from the MLflow registry at {mlflow.get_tracking_uri()} "
-            f"({str(err).split(chr(10))[0]}): finalize registers in the sweep's own store, give --sweep SWEEP_FOLDER "
-            "(or --mlflow-uri for the server it logged to)"
-        ) from None
+        raise ValueError(f"{model} cannot be fetched from the MLflow registry at {mlflow.get_tracking_uri()} "
+                         f"({str(err).split(chr(10))[0]}): finalize registers in the sweep's own store, give --sweep "
+                         "SWEEP_FOLDER (or --mlflow-uri for the server it logged to)") from None  # fmt: skip
     found = sorted(folder.glob("artifacts/*/bundle.json"))
     if not found:
         raise FileNotFoundError(f"{model} is not a gx-ray model: no bundle among its artifacts")

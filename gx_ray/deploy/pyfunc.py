@@ -79,15 +79,8 @@ class GxRayModel(mlflow.pyfunc.PythonModel):
         return predict_frame(self.predictor, model_input)
 
 
-def log_pyfunc(
-    client: MlflowClient,
-    run_id: str,
-    bundle: Path,
-    name: str,
-    card: str,
-    alias: str,
-    input_example: pd.DataFrame | None = None,
-) -> str:
+def log_pyfunc(client: MlflowClient, run_id: str, bundle: Path, name: str, card: str, alias: str,
+               input_example: pd.DataFrame | None = None) -> str:  # fmt: skip
     """Log ``bundle`` as the run's pyfunc model, register it as ``name`` and point ``alias`` at the new version; the
     version's description is the model card."""
     # MLflow announces each step at INFO ("Inferring model signature ...", "Waiting up to 300 seconds ..."): the
