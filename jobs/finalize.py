@@ -19,18 +19,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("sweep", help="a sweep's output folder (holding sweep.json), or its id with --mlflow-uri")
     parser.add_argument("--task", required=True, help="the task (or task label, e.g. lesion_qa.img2txt.matched)")
     parser.add_argument("--schema", help="choose among this modality schema's configurations only")
-    parser.add_argument(
-        "--select",
-        choices=("best", "last"),
-        default="best",
-        help="a refit trains for the epochs its seeds validated best at (best) or its whole schedule",
-    )
-    parser.add_argument(
-        "--refit",
-        action="store_true",
-        help="one model on training + validation patients, also "
-        "for a cross-validated sweep (default there: the fold models as an ensemble)",
-    )
+    parser.add_argument("--select", choices=("best", "last"), default="best", help="a refit trains for the epochs its "
+                        "seeds validated best at (best) or its whole schedule")  # fmt: skip
+    parser.add_argument("--refit", action="store_true", help="one model on training + validation patients, also for a "
+                        "cross-validated sweep (default there: the fold models as an ensemble)")  # fmt: skip
     parser.add_argument("--name", help="the registered model's name (default gx-ray-<task>)")
     parser.add_argument("--mlflow-uri", help="the MLflow server; default: the sweep's own")
     return parser
