@@ -430,10 +430,8 @@ def predict_command(model_uri: str, store: SweepStore, mlflow_uri: str | None) -
 def _test_metrics(client: MlflowClient, run_id: str, primary: str) -> list[str]:
     """The metrics the trials scored the test split with (primary first): what the final model is tested with."""
     logged = client.get_run(run_id).data.metrics
-    names = [
-        k.removeprefix("test_") for k in logged if k.startswith("test_") and k not in ("test_primary", "test_chance")
-    ]
-    return [primary, *sorted(set(names) - {primary})]
+    names = {k.removeprefix("test_") for k in logged if k.startswith("test_")} - {"primary", "chance", primary}
+    return [primary, *sorted(names)]
 
 
 def _choice(
