@@ -52,10 +52,8 @@ def _ended(runs: pd.DataFrame) -> pd.Series:
 
 
 def study_from_runs(runs: pd.DataFrame, task: str, metric: str | None = None, split: str = "val") -> optuna.Study:
-    """The task's finished trials as a study whose objective is ``metric`` on ``split`` (default: what it optimised).
-
-    Trials are added in start order, so a trial's ``number`` is its place in the sweep; NaN objectives are left out.
-    """
+    """The task's finished trials as a study whose objective is ``metric`` on ``split`` (default: what it optimised),
+    in start order (a trial's ``number`` is its place in the sweep); NaN objectives are left out."""
     metric = metric or headline_metric(task)
     rows = runs[(runs["task"] == task) & (runs["split"] == split) & (runs["metric"] == metric) & _ended(runs)]
     rows = rows.dropna(subset=["value"]).sort_values(["start_time", "trial"]).drop_duplicates("trial")
@@ -172,10 +170,8 @@ def _importance(study: optuna.Study) -> dict[str, float]:
 
 
 def importance(runs: pd.DataFrame, task: str, metric: str | None = None, split: str = "val") -> dict[str, float]:
-    """Each varying searched parameter's share of the importance (PED-ANOVA) for the objective, largest first.
-
-    Empty (the reason is logged) when fewer than two searched parameters vary or the task has too few trials.
-    """
+    """Each varying searched parameter's share of the importance (PED-ANOVA) for the objective, largest first; empty
+    (the reason logged) when fewer than two searched parameters vary or the task has too few trials."""
     return _importance(study_from_runs(runs, task, metric, split))
 
 

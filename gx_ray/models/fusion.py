@@ -23,11 +23,6 @@ from gx_ray.models.encoded import Encoded
 from gx_ray.models.text import masked_mean
 
 
-def map_tokens(feature_map: torch.Tensor) -> torch.Tensor:
-    """(B, C, d, h, w) → (B, d*h*w, C)."""
-    return feature_map.flatten(2).transpose(1, 2)
-
-
 def mlp(width_in: int, hidden: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(width_in, hidden), nn.GELU(), nn.Linear(hidden, hidden))
 
@@ -44,7 +39,7 @@ class Fusion(nn.Module):
 
     def image_tokens(self, deepest: torch.Tensor, cues: list[torch.Tensor]) -> torch.Tensor:
         """(B, N + cues, hidden): the projected deepest map, then one token per cue."""
-        return torch.cat([self.project(map_tokens(deepest)), *(c.unsqueeze(1) for c in cues)], dim=1)
+        return torch.cat([self.project(deepest.flatten(2).transpose(1, 2)), *(c.unsqueeze(1) for c in cues)], dim=1)
 
     def encoded(
         self,

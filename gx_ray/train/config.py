@@ -204,7 +204,7 @@ class TrialConfig:
         unknown = set(nested) - {f.name for f in fields(cls)} - {"schema.", "task_options."}
         if unknown:
             raise ValueError(
-                f"unknown trial config keys {sorted(unknown)}; valid sections: {', '.join(valid_sections())}"
+                f"unknown trial config keys {sorted(unknown)}; valid sections: {', '.join(f.name for f in fields(cls))}"
             )
         schema = resolve_schema(nested.get("schema", "image_only"))
         if overrides := nested.pop("schema.", None):
@@ -266,10 +266,6 @@ def _positive(value: Any) -> bool:
 
 def _integer(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def valid_sections() -> list[str]:
-    return [f.name for f in fields(TrialConfig)]
 
 
 def valid_keys() -> list[str]:
