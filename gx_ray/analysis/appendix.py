@@ -1,15 +1,11 @@
 """The report's reporting appendix: the items of CLAIM 2024 (the checklist for AI in medical imaging) and TRIPOD+AI
 (prediction models) that a sweep can fill from what it ran on and what it logged.
 
-- **Flow of patients** (CLAIM 2024 item 33, TRIPOD+AI 20a): cases found, included, excluded by quality control with
-  their reasons, per split and, under cross-validation, per fold.
+- **Flow of patients** (CLAIM 2024 item 33, TRIPOD+AI 20a): found, included, excluded by QC with reasons, per split.
 - **Characteristics per split** (CLAIM 34, TRIPOD+AI 20b): stage groups, sex and age, from the cohort's fingerprint.
-- **Sample size** (CLAIM 17, TRIPOD+AI 10): test patients, seeds, folds and comparisons, and the smallest difference
-  each comparison could detect.
-- **Metric definitions** (CLAIM 28, TRIPOD+AI 12e): each task's primary metric and the reference implementation its
-  code is tested against.
-- **Failure analysis** (CLAIM 39): per task, the test patients its best cell got most wrong, by their jackknife
-  share of the metric averaged over seeds.
+- **Sample size** (CLAIM 17, TRIPOD+AI 10): test patients, seeds, folds, comparisons, each one's detectable difference.
+- **Metric definitions** (CLAIM 28, TRIPOD+AI 12e): each task's primary metric and its tested reference implementation.
+- **Failure analysis** (CLAIM 39): per task, the test patients its best cell got most wrong (jackknife share).
 - **Provenance** (CLAIM 22, TRIPOD+AI 18f): code, library versions, seeds, hardware, the cohort's and folds' hashes.
 """
 

@@ -1,15 +1,12 @@
 """The tidy table of a sweep's runs: one row per (trial, split, metric), the contract of :mod:`gx_ray.analysis`.
 
-Columns (:data:`RUN_COLUMNS`): ``sweep_id``, ``run_id``, ``trial`` (the trial's name), ``status`` (MLflow's run
-status), ``stopped_early`` (the scheduler ended the trial before its last epoch: it has validation values, no
-test values), ``start_time`` (ms since the epoch; the order trials began), ``task``, ``schema``, ``model`` (a label
-such as ``swin3d+minilm``; ``vlm:<vlm.name>`` for a vision-language model, whose ``fusion`` is ``vlm``), ``vision``,
-``text``, ``fusion``, ``seed``, ``fold`` (the cross-validation fold the trial validated on; None without
-cross-validation), ``inputs`` (what the schema gave the model, in words: :func:`inputs_of`), ``split`` (``val``: the
-best epoch's validation value; ``test``: the best checkpoint on the test split), ``metric`` (the task's metric
-name, e.g. ``auc`` or ``image_to_text_recall_at_5``) and ``value`` (NaN where the metric is undefined on the split),
-then one column per searched parameter, named by its flat config key (``optimiser.lr``) and listed in
-``table.attrs["searched"]``.
+Columns (:data:`RUN_COLUMNS`): ``sweep_id``, ``run_id``, ``trial`` (name), ``status`` (MLflow's), ``stopped_early``
+(ended by the scheduler before its last epoch: validation values, no test values), ``start_time`` (ms since the
+epoch), ``task``, ``schema``, ``model`` (e.g. ``swin3d+minilm``; ``vlm:<vlm.name>``, fusion ``vlm``, for a VLM),
+``vision``, ``text``, ``fusion``, ``seed``, ``fold`` (validated on; None without cross-validation), ``inputs`` (the
+schema's inputs in words: :func:`inputs_of`), ``split`` (``val``: the best epoch's; ``test``: the best checkpoint's),
+``metric`` (e.g. ``auc``) and ``value`` (NaN where undefined on the split), then one column per searched parameter,
+named by its flat config key (``optimiser.lr``) and listed in ``table.attrs["searched"]``.
 """
 
 from __future__ import annotations

@@ -30,12 +30,11 @@ from gx_ray.analysis.study import (
 @dataclass(frozen=True)
 class StudyModel:
     """Simulated two-arm studies with a known truth, on the percent scale. Arm k, seed s, patient p: latent
-    ``z_p + v_pk + u_sk + e_psk``: patient difficulty ``z`` (shared by the arms),
-    patient x arm ``v``, a seed effect ``u`` per arm (correlated ``seed_correlation`` between the arms: a shared data
-    order and init) and patient x seed noise ``e``, all normal. ``accuracy``: correct when ``baseline (+ effect for
-    A) + latent > 0``. ``auc``: label 1 with probability ``prevalence``; score ``(baseline (+ effect) + u) * label + z
-    + v + e``. The truth, the mean over seeds of each arm's population metric, is in closed form (:meth:`truth`).
-    """
+    ``z_p + v_pk + u_sk + e_psk``: patient difficulty ``z`` (shared by the arms), patient x arm ``v``, a seed effect
+    ``u`` per arm (correlated ``seed_correlation`` between the arms: a shared data order and init) and patient x seed
+    noise ``e``, all normal. ``accuracy``: correct when ``baseline (+ effect for A) + latent > 0``. ``auc``: label 1
+    with probability ``prevalence``; score ``(baseline (+ effect) + u) * label + z + v + e``. The truth, the mean over
+    seeds of each arm's population metric, is in closed form (:meth:`truth`)."""
 
     metric: str = "accuracy"
     baseline: float = 0.55

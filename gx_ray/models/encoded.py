@@ -9,12 +9,10 @@ import torch
 
 @dataclass
 class Encoded:
-    """The encoder's view of one batch, all features of width ``dim`` (the model config's ``hidden``). ``pooled`` is
-    the fused representation a classifier reads, and the "image side with its schema inputs" that
-    retrieval aligns with the report; ``tokens`` the fused sequence a text decoder cross-attends to (image tokens,
-    then text-context and query tokens); ``image`` the image side alone (vision and its cues, before any text);
-    ``feature_maps`` the spatial vision features a detector reads.
-    """
+    """The encoder's view of one batch, all features of width ``dim`` (the model config's ``hidden``). ``pooled``: the
+    fused representation a classifier reads and retrieval aligns with the report; ``tokens``: the fused sequence a text
+    decoder cross-attends to (image, then text-context and query tokens); ``image``: the image side alone (vision and
+    its cues, before any text); ``feature_maps``: the spatial vision features a detector reads."""
 
     pooled: torch.Tensor
     """(B, dim)."""

@@ -25,10 +25,9 @@ from gx_ray.train.telemetry import GpuSampler, busy_fraction, sample_metrics
 
 
 def gpu_plan(context: SweepContext, output: Path) -> dict[str, dict[str, Any]]:
-    """Each distinct model setting's micro-batch, GPU share and host memory, from one measured training step of it on
-    a GPU (one Ray task a setting, all GPUs at once) where the space asks for ``auto``, or from the plan cache where an
-    earlier sweep measured it on the same kind of card, code and cohort (:mod:`~gx_ray.sweep.plan_cache`). Written to
-    ``OUTPUT/gpu_plan.json`` and read back on resume; empty for CPU sweeps and fixed settings."""
+    """Each distinct model setting's micro-batch, GPU share and host memory where the space asks for ``auto``: one
+    measured training step on a GPU (one Ray task a setting, all GPUs at once), or the plan cache's for the same card,
+    code and cohort. Written to ``OUTPUT/gpu_plan.json``, read back on resume; empty for CPU sweeps, fixed settings."""
     space = context.space
     if space.gpus_per_worker == 0:
         return {}

@@ -1,8 +1,7 @@
 """A trial's checkpoint: what it holds (the latest state, the best weights so far, where within an epoch a pre-empted
-node stopped it), writing it with a report, and restoring a trial from it.
-
-The file ``state.pt`` holds plain types and tensors only (it is loaded with ``weights_only=True``: a checkpoint on
-shared storage is not a program anyone may plant), so the dataclasses here travel as ``to_dict()``/``from_dict()``.
+node stopped it), writing it with a report, and restoring a trial from it. ``state.pt`` holds plain types and tensors
+only (loaded with ``weights_only=True``: a checkpoint on shared storage is not a program anyone may plant), so the
+dataclasses here travel as ``to_dict()``/``from_dict()``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """Multi-phase abdominal CT of one demo case: a procedural phantom, or a real CT template, with a gastric tumour.
 
-Both modes render the same :class:`~gx_ray.data.demo.findings.Findings`: a tumour in the stomach wall at the
-findings' location, as large and as deep as its imaging T stage says; perigastric lymph nodes with the
-findings' short axes; hypodense liver metastases; ascites. Each present phase gets its own voxel grid (spacing,
-slice count) and a small known rigid offset from the venous phase, so registration has an answer to check.
-
-* :func:`make_phantom` needs no file. The anatomy is a set of analytic shapes (ellipsoids with smooth wobble,
-  tubes along splines) in the venous patient frame; every phase is rendered by evaluating them at that phase's
-  voxel centres mapped back through its rigid offset, so images, masks and boxes are exact on every grid.
-* :func:`make_from_template` takes a real CT and its TotalSegmentator labels as venous anatomy, inserts the
-  findings, sets each labelled organ to the phase's enhancement and resamples every other phase with SimpleITK.
-
-Attenuation comes from one table, :data:`HU_TABLE`; everything random comes from the caller's generator.
+Both modes render the same :class:`~gx_ray.data.demo.findings.Findings`: a stomach-wall tumour at the findings'
+location, as large and deep as its imaging T stage says; perigastric lymph nodes with the findings' short axes;
+hypodense liver metastases; ascites. Each present phase gets its own voxel grid and a small known rigid offset from the
+venous phase, so registration has an answer to check. :func:`make_phantom` needs no file: analytic shapes (wobbly
+ellipsoids, tubes along splines) in the venous frame, evaluated at each phase's voxel centres mapped back through its
+offset, so images, masks and boxes are exact on every grid. :func:`make_from_template` builds on a real CT and its
+TotalSegmentator labels, resampling the other phases with SimpleITK. Attenuation comes from :data:`HU_TABLE`;
+everything random from the caller's generator.
 """
 
 from __future__ import annotations
@@ -173,10 +169,8 @@ class _Rigid:
 
 
 def offset_transform(offset: dict) -> sitk.Euler3DTransform:
-    """The SimpleITK transform of one entry of :attr:`PhantomCase.phase_offsets` (venous → phase points).
-
-    It is what a registration with the venous phase as fixed and this phase as moving image should recover.
-    """
+    """The SimpleITK transform of one entry of :attr:`PhantomCase.phase_offsets` (venous → phase points): what a
+    registration with the venous phase as fixed and this phase as moving image should recover."""
     transform = sitk.Euler3DTransform()
     transform.SetComputeZYX(True)
     transform.SetFixedParameters(offset["fixed_parameters"])
@@ -422,11 +416,8 @@ class _Tube:
 @dataclass(frozen=True)
 class _TumourShape:
     """A lens-shaped wall thickening around wall point ``w``, optionally breaching along a bar into an organ.
-
-    ``surface_distance`` maps (3, n) points to their signed distance (mm, negative inside) from the stomach's
-    outer surface; the tumour spans ``thickness`` mm of it inwards from ``reach`` (its outer boundary), so a
-    thick tumour bulges into the lumen.
-    """
+    ``surface_distance`` maps (3, n) points to their signed distance (mm, negative inside) from the stomach's outer
+    surface; the tumour spans ``thickness`` mm inwards from ``reach``, so a thick tumour bulges into the lumen."""
 
     w: np.ndarray
     normal: np.ndarray  # outward
@@ -1116,14 +1107,10 @@ def make_from_template(
     labels: sitk.Image,
     config: PhantomConfig = PhantomConfig(),
 ) -> PhantomCase:
-    """Build a case on a real CT with TotalSegmentator ``labels`` (6 = stomach), taken as the venous anatomy.
-
-    The findings are inserted (tumour in the real stomach wall, nodes in the perigastric fat, metastases in the
-    labelled liver, ascites around it); each labelled organ and vessel is set to the phase's enhancement of
-    :data:`HU_TABLE` while keeping its own texture; the other phases are resampled through known rigid offsets
-    (linear for the image, nearest neighbour for the masks). In ``tissue_maps``, code 0 is unlabelled template
-    tissue, left as scanned.
-    """
+    """Build a case on a real CT with TotalSegmentator ``labels`` (6 = stomach), taken as the venous anatomy: the
+    findings inserted (tumour in the stomach wall, nodes in the perigastric fat, metastases in the liver, ascites),
+    each labelled organ set to the phase's :data:`HU_TABLE` enhancement keeping its texture, the other phases
+    resampled through known rigid offsets. In ``tissue_maps``, code 0 is unlabelled template tissue, left as scanned."""
     if labels.GetSize() != ct.GetSize() or not np.allclose(labels.GetOrigin(), ct.GetOrigin()):
         labels = sitk.Resample(labels, ct, sitk.Transform(), sitk.sitkNearestNeighbor, 0)
     hu = sitk.GetArrayFromImage(ct).astype(np.float32)
