@@ -198,11 +198,10 @@ def _from_task(cls: Any, records: Records, metric: str) -> CaseScorer | None:
 
 @dataclass(frozen=True)
 class BootstrapJob:
-    """One bootstrap of the report: arm A (and B, for a comparison) with one unit per seed, the equivalence margin in
-    the metric's units (None: equivalence not tested), the metric's direction, and the size of its Holm family (for
-    the smallest difference the design could detect). A unit is a trial's :class:`CaseScorer`, or under
-    cross-validation the scorers of that seed's fold models, whose mean is the seed's score on the test patients
-    (each fold model scores all of them); None where a trial logged no predictions."""
+    """One bootstrap of the report: arm A (and B, for a comparison) with one unit per seed, the equivalence margin
+    (None: not tested), the metric's direction and its Holm family's size (for the smallest detectable difference).
+    A unit is a trial's :class:`CaseScorer`, or a seed's fold models' scorers, whose mean is the seed's score on the
+    test patients; None where a trial logged no predictions."""
 
     arms: list[list[CaseScorer | list[CaseScorer | None] | None]]
     margin: float | None = None
@@ -228,11 +227,10 @@ POWER, ALPHA = 0.8, 0.05
 
 
 def bootstrap_job(job: BootstrapJob, n_resamples: int) -> dict | None:
-    """:func:`~gx_ray.analysis.job.two_level_bootstrap` of a cell (one arm) or of arm A against arm B, on the test
-    patients every trial scored; None without predictions or patients. A comparison also carries its TOST verdict
-    against the margin (``equivalence``; one-sided tests at 0.025, as the 95 % intervals) and ``mde``: the smallest
-    difference this design detects with 80 % power after Holm over its family, (z(1 - 0.05 / 2m) + z(0.8)) x the
-    difference's standard error (both levels), a normal approximation."""
+    """:func:`~gx_ray.analysis.study.two_level_bootstrap` of a cell or of arm A against arm B on the test patients
+    every trial scored; None without predictions or patients. A comparison adds its TOST ``equivalence`` (one-sided at
+    0.025, as the 95 % intervals) and ``mde``: the smallest difference detected with 80 % power after Holm over its
+    family, (z(1 - 0.05 / 2m) + z(0.8)) x the difference's standard error (both levels), a normal approximation."""
     from scipy.stats import norm
 
     from gx_ray.analysis.study import Resampling, equivalence, two_level_bootstrap

@@ -17,9 +17,8 @@ import numpy as np
 @dataclass(frozen=True)
 class Pilot:
     """A pilot's per-patient paired differences (seeds x patients), split by two-way ANOVA into what a future study
-    resamples: patient effects (centred, shrunk so that their variance is the patients' alone, without the pilot's
-    own seed noise), patient x seed residuals (rescaled to the noise variance; none with one pilot seed) and the SD of
-    the seed main effect."""
+    resamples: patient effects (centred, shrunk to the patients' variance without the pilot's seed noise), patient x
+    seed residuals (rescaled to the noise variance; none with one pilot seed) and the SD of the seed main effect."""
 
     patient_effects: np.ndarray
     residuals: np.ndarray

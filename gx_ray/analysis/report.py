@@ -221,9 +221,8 @@ def cell_intervals(cells: pd.DataFrame, runs: pd.DataFrame, tracking_uri: str, n
 def out_of_fold(
     runs: pd.DataFrame, tracking_uri: str, baseline: str = BASELINE, n_resamples: int = 1000, margins=None
 ) -> tuple[pd.DataFrame, list[dict]]:
-    """Cross-validated sweeps: each cell's headline metric on its out-of-fold predictions (every training and
-    validation patient predicted once a seed, by the fold model that did not train on it), with the two-level
-    bootstrap's interval (patients resampled within their fold, a seed's fold models one unit), and each schema
+    """Cross-validated sweeps: each cell's headline metric on its out-of-fold predictions (each patient predicted once
+    a seed, by the fold model that did not train on it) with the two-level bootstrap's interval, and each schema
     against ``baseline`` on them. Empty for sweeps without cross-validation."""
     test = runs[(runs["split"] == "test") & runs["fold"].notna()] if "fold" in runs else runs.iloc[0:0]
     if test.empty:

@@ -237,10 +237,9 @@ def _method(seeds: int, n_folds: int, seed_level: str) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class Resampling:
-    """How :func:`two_level_bootstrap` resamples: ``n_resamples`` replicates from ``seed``, a ``confidence`` interval,
-    the p-value against ``null`` (0 for a difference; a chance level for a cell), the ``seed_level``: ``"t"`` (this
-    module's method), ``"resample"`` (seeds resampled, which under-covers with few seeds) or ``"none"`` (patients
-    only), the last two for comparison; ``keep_replicates`` keeps them in the result."""
+    """How :func:`two_level_bootstrap` resamples: ``n_resamples`` from ``seed``, a ``confidence`` interval, p against
+    ``null`` (0 for a difference; a chance level for a cell), ``seed_level`` ``"t"`` (this module's), or for comparison
+    ``"resample"`` (under-covers with few seeds) or ``"none"`` (patients only); ``keep_replicates`` in the result."""
 
     n_resamples: int = 2000
     confidence: float = 0.95
@@ -252,10 +251,9 @@ class Resampling:
 
 @dataclass(frozen=True, kw_only=True)
 class BootstrapResult:
-    """:func:`two_level_bootstrap`'s answer: ``estimate`` (and ``diff``, the same, for a comparison), the percentile
-    interval ``ci_low``/``ci_high``, the two-sided ``p_value`` (+1 correction), ``n_resamples`` (replicates kept),
-    ``dropped`` (replicates where a score was NaN, e.g. an AUC of one class), ``se_patients``/``se_seeds`` (each
-    level's standard error) and ``replicates`` where kept."""
+    """:func:`two_level_bootstrap`'s answer: ``estimate`` (``diff`` too, for a comparison), percentile ``ci_low``/
+    ``ci_high``, two-sided ``p_value`` (+1 correction), ``n_resamples`` (kept), ``dropped`` (a NaN score, e.g. an AUC
+    of one class), each level's standard error ``se_patients``/``se_seeds``, and ``replicates`` where kept."""
 
     estimate: float
     ci_low: float
