@@ -158,12 +158,10 @@ def _schedule_replay() -> type:
     from ray.tune.schedulers import PopulationBasedTrainingReplay, TrialScheduler
 
     class ScheduleReplay(PopulationBasedTrainingReplay):
-        """Tune's PBT replay (the policy read, the trial started from its first config), each change made the way
-        synchronous PBT pauses a trial: the config set and a PAUSE returned, so that Tune saves the trial's
-        checkpoint, stops it, and restarts it from that checkpoint with the new config. Tune's own replay saves and
-        stops the trial in one step; the save, finishing after the stop, fails the trial, and the retried trial is
-        refused as a second one. The replay's position in the policy is private state of Ray 2.60's
-        ``PopulationBasedTrainingReplay``."""
+        """Tune's PBT replay, each change made the way synchronous PBT pauses a trial: the config set and a PAUSE
+        returned, so Tune saves, stops and restarts the trial from that checkpoint with the new config. Tune's own
+        replay saves and stops in one step: the save, finishing after the stop, fails the trial, and the retry is
+        refused as a second one. Its place in the policy is private to Ray 2.60's ``PopulationBasedTrainingReplay``."""
 
         def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
             step = result.get("training_iteration")
@@ -220,10 +218,9 @@ def _resumable_optuna_search() -> type:
     from ray.tune.search.optuna import OptunaSearch
 
     class ResumableOptunaSearch(OptunaSearch):
-        """Tune's Optuna searcher over a study that outlives the driver. A driver killed after a trial ended, but before
-        Tune saved its searcher, leaves the study holding the trial as finished while the resumed sweep runs it again
-        from its checkpoint: its results are not reported, nor its end told, a second time. Optuna refuses both (an
-        ``UpdateFinishedTrialError`` that ended the resumed sweep), and the study already holds the same values.
+        """Tune's Optuna searcher over a study that outlives the driver. A driver killed after a trial ended but before
+        Tune saved its searcher leaves the trial finished in the study while the resumed sweep runs it again: its
+        results and end are not told a second time (Optuna's ``UpdateFinishedTrialError`` ended the resumed sweep).
         Ray 2.60's OptunaSearch keeps its study and trials private, and Optuna its storage."""
 
         def on_trial_result(self, trial_id: str, result: dict) -> None:

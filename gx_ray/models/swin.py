@@ -266,10 +266,9 @@ def shift_regions(windows: Windows, device: torch.device) -> torch.Tensor:
 
 
 def build_block_mask(windows: Windows, device: torch.device) -> BlockMask:
-    """FlexAttention's block mask of a shifted block, the windows as its batch: a token attends to the tokens of its
-    own shift region. Blocks whose tokens all share one region (every block of a window inside the volume) run
-    without the mask; blocks between regions only are skipped. MONAI adds -100 where this masks to -inf: the same
-    softmax (e^-100 is below fp32's resolution beside a token's own region, which is never empty)."""
+    """FlexAttention's block mask of a shifted block, the windows as its batch: a token attends to its own shift
+    region's tokens; blocks within one region run unmasked, blocks between regions only are skipped. MONAI's -100
+    where this masks to -inf gives the same softmax (e^-100 is below fp32's resolution beside a non-empty region)."""
     region = shift_regions(windows, device)
 
     def same_region(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -429,10 +428,9 @@ class WindowAttention(nn.Module):
         return self.proj_drop(self.proj(out))
 
     def flex(self, qkv: torch.Tensor, windows: Windows) -> torch.Tensor:
-        """The windows as FlexAttention's batch and images × heads as its heads, so that the shift's block mask
-        (one per window) and the position bias (one per head) broadcast over the images. The bias is read in the
-        score modification in fp32 (as the kernel's scores are) and its gradient summed over the windows inside
-        the backward kernel, never written per window."""
+        """The windows as FlexAttention's batch and images × heads as its heads, so that the shift's block mask (per
+        window) and the position bias (per head) broadcast over the images. The bias is read in fp32 in the score
+        modification and its gradient summed over the windows in the backward kernel, never written per window."""
         b, nw, n, c3 = qkv.shape
         heads, c = self.num_heads, c3 // 3
         q, k, v = qkv.view(b, nw, n, 3, heads, c // heads).permute(3, 1, 0, 4, 2, 5).reshape(3, nw, b * heads, n, -1)
