@@ -41,9 +41,8 @@ def draining_nodes() -> dict[str, int]:
 
 
 def drain_node(node_id: str, gcs_address: str, deadline_ms: int, message: str) -> tuple[bool, str]:
-    """Drain ``node_id`` for preemption with a deadline, as ``ray drain-node`` does (that CLI is the public way; it
-    calls this, and a process of its own per drain would cost the grace period seconds of imports): accepted, and why
-    not."""
+    """Drain ``node_id`` for preemption with a deadline, as ``ray drain-node`` does (the public way; it calls this,
+    and a process per drain would cost the grace period seconds of imports): accepted, and why not."""
     from ray.core.generated import autoscaler_pb2
 
     reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")

@@ -40,14 +40,12 @@ logger = logging.getLogger(__name__)
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: int | None = None) -> None:
-    """Connect to ``address`` (``"auto"`` or ``host:port``) or start a local cluster; no-op when connected.
-
-    Without ``address``, as ``ray.init()`` (:func:`running_cluster`): join the cluster ``RAY_ADDRESS`` names or
-    ``ray start`` left running here (a job run on a head node is expected on that cluster), else start a local one;
+    """Connect to ``address`` (``"auto"`` or ``host:port``) or start a local cluster; no-op when connected. Without
+    ``address``, as ``ray.init()`` (:func:`running_cluster`): join the cluster ``RAY_ADDRESS`` names or ``ray start``
+    left running here (a job run on a head node is expected on that cluster), else start a local one;
     ``address="local"`` asks for a second cluster. A joined cluster's nodes keep their own CPUs, GPUs and settings
     (``num_cpus``/``num_gpus`` are not applied, with a warning), and the package travels in the runtime environment,
-    since its workers may not have gx-ray installed. Ray Data progress bars are kept only for a terminal.
-    """
+    since its workers may not have gx-ray installed. Ray Data progress bars are kept only for a terminal."""
     if ray.is_initialized():
         return
     from gx_ray import compat  # Tune's classes with it: not for the processes that import this module to read data

@@ -17,14 +17,12 @@ def paired_bootstrap(
     confidence: float = 0.95,
     seed: int = 0,
 ) -> dict:
-    """Paired bootstrap over test patients of schema A minus schema B, averaged over seeds.
-
-    ``score_a[s](indices)``: seed ``s``'s model A's metric on the test cases ``indices`` (an int array, repeats
-    allowed, into ``n_cases`` cases shared by every model), likewise ``score_b``. Each replicate scores both arms of
-    every seed on the same indices, so patient difficulty cancels. Returns ``diff`` (all cases), its percentile
-    ``ci_low``/``ci_high``, ``p_value`` = ``2 * min(P(d <= 0), P(d >= 0))`` (+1 correction, capped at 1), ``n_seeds``,
-    ``n_cases``, ``n_resamples`` (kept) and ``dropped``: replicates with a NaN score (an AUC of one class), left out.
-    """
+    """Paired bootstrap over test patients of schema A minus schema B, averaged over seeds. ``score_a[s](indices)``:
+    seed ``s``'s model A's metric on the test cases ``indices`` (an int array, repeats allowed, into ``n_cases`` cases
+    shared by every model), likewise ``score_b``. Each replicate scores both arms of every seed on the same indices, so
+    patient difficulty cancels. Returns ``diff`` (all cases), its percentile ``ci_low``/``ci_high``, ``p_value`` = ``2 *
+    min(P(d <= 0), P(d >= 0))`` (+1 correction, capped at 1), ``n_seeds``, ``n_cases``, ``n_resamples`` (kept) and
+    ``dropped``: replicates with a NaN score (an AUC of one class), left out."""
     if len(score_a) != len(score_b) or not score_a:
         raise ValueError(f"need the same seeds for both arms, got {len(score_a)} and {len(score_b)}")
 

@@ -119,9 +119,8 @@ CONDITIONS = {"image_only": "without box", "image_bbox": "with box"}
 
 
 def load_related(path: str | Path | None = None) -> pd.DataFrame:
-    """The related papers' numbers (``analysis/related_papers_results.csv``: CT-Bench's QA averages and readers,
-    the upper-GI endoscopy paper's CLS/REC/REG), one row per printed number, with the paper's inconsistencies in
-    ``note``."""
+    """The related papers' numbers (``analysis/related_papers_results.csv``: CT-Bench's QA averages and readers, the
+    upper-GI endoscopy paper's CLS/REC/REG), one row per printed number, the papers' inconsistencies in ``note``."""
     path = Path(path) if path is not None else default_reference_path().with_name(RELATED_FILE)
     return pd.read_csv(path)
 

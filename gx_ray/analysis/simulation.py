@@ -58,8 +58,7 @@ class StudyModel:
         return 100 * float(stats.norm.cdf(a / scale)), 100 * float(stats.norm.cdf(b / scale))
 
     def draw(self, n_patients: int, n_seeds: int, rng: np.random.Generator):
-        """``(values_a, values_b, labels)``: ``(S, n)`` per arm: 0/100 correctness, or scores with 0/1 labels (None
-        for accuracy)."""
+        """``(values_a, values_b, labels)``, ``(S, n)`` per arm: 0/100 correctness, or scores with 0/1 labels."""
         shared = rng.normal(0, self.patient_sd, n_patients) + np.zeros((2, 1, 1))
         patient = shared + rng.normal(0, self.patient_arm_sd, (2, 1, n_patients))
         rho = self.seed_correlation

@@ -344,14 +344,12 @@ def equivalence(
     higher_is_better: bool = True,
 ) -> Equivalence:
     """TOST equivalence and non-inferiority of schema A against schema B within ``margin`` (the metric's units).
-
     ``differences``: bootstrap replicates of A - B, or ``(low, high)``, their 1 - 2 alpha interval. Each test is
     one-sided at ``alpha`` (on replicates p = ``(count + 1) / (B + 1)``), with d = A - B oriented so positive is better:
     ``"equivalent within ±m"`` (d > -m and d < m shown), ``"non-inferior (margin m)"`` (d > -m shown, d < m not),
-    ``"worse"`` (non-inferiority not shown, d < 0 shown; ``beyond_margin``: d < -m shown too), ``"not shown"`` (the
-    data cannot tell; NOT that the schemas are alike), ``"equivalence not tested"`` (no margin).
-    One-sided at 0.05 is two-sided at 0.10: pass alpha = 0.025 for the report's 95 % intervals, alpha / m for m claims.
-    """
+    ``"worse"`` (non-inferiority not shown, d < 0 shown; ``beyond_margin``: d < -m shown too), ``"not shown"`` (the data
+    cannot tell; NOT that the schemas are alike), ``"equivalence not tested"`` (no margin). One-sided at 0.05 is
+    two-sided at 0.10: pass alpha = 0.025 for the report's 95 % intervals, alpha / m for m claims."""
     if margin is not None and not margin > 0:
         raise ValueError(f"margin must be positive (the metric's units), got {margin}")
     if not 0 < alpha < 0.5:

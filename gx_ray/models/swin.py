@@ -167,9 +167,8 @@ def reverse_plain(y: torch.Tensor, windows: Windows) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=64)
 def gather_indices(windows: Windows, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Indices that do :func:`partition_plain` as one gather: ``gather`` (each window-order position's source voxel,
-    or 0 where it is padding), ``scatter`` (each voxel's window-order position), ``padding`` (the padded positions,
-    None if there are none)."""
+    """Indices that do :func:`partition_plain` as one gather: ``gather`` (each window-order position's source voxel, 0
+    for padding), ``scatter`` (each voxel's window-order position), ``padding`` (the padded positions, or None)."""
     d, h, w = windows.size
     # torch.roll(x, -s)[i] = x[(i + s) % P]: each padded-volume coordinate's source along one axis
     axes = [(torch.arange(p, device=device) + s) % p for p, s in zip(windows.padded, windows.shift, strict=True)]
@@ -380,8 +379,7 @@ def drop_path(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
 
 
 class WindowAttention(nn.Module):
-    """MONAI's ``WindowAttention`` parameters; forward through FlexAttention or ``scaled_dot_product_attention``
-    (module docstring)."""
+    """MONAI's ``WindowAttention`` parameters; forward through SDPA or FlexAttention (see the module docstring)."""
 
     def __init__(
         self,
@@ -539,8 +537,7 @@ class SwinTransformerBlock(nn.Module):
 
 
 class PatchMerging(nn.Module):
-    """MONAI's ``PatchMerging`` (``v2=False``: its v0.9 order of the eight neighbours) or ``PatchMergingV2``;
-    channels-last in and out."""
+    """MONAI's ``PatchMerging`` (``v2=False``: v0.9's neighbour order) or ``PatchMergingV2``; channels-last."""
 
     ORDER = ((0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 1, 0), (1, 0, 1), (0, 1, 1), (1, 1, 1))
 

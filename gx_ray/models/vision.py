@@ -84,14 +84,12 @@ def swin_arguments(
 
 class Swin3d(nn.Module):
     """MONAI's 3D ``SwinTransformer`` (the SwinUNETR encoder); its five normalised stage outputs are the maps. Spatial
-    sizes must be multiples of 32 (patch 2, then four 2x merges).
-
-    ``implementation``: ``gx`` (default) builds :class:`gx_ray.models.swin.SwinTransformer` (MONAI's parameters, keys
-    and outputs, laid out for speed); ``monai`` MONAI's own class, whose ``attention`` is ``fused`` (PyTorch's
-    ``scaled_dot_product_attention`` also in training, bias and shift mask additive, as timm's Swin) or ``explicit``
-    (MONAI's own score matrices; alone, it selects MONAI's class). ``backbone_arguments`` and ``monai_class`` are
-    MONAI's either way, so the model benchmark can build the raw network beside either.
-    """
+    sizes must be multiples of 32 (patch 2, then four 2x merges). ``implementation``: ``gx`` (default) builds
+    :class:`gx_ray.models.swin.SwinTransformer` (MONAI's parameters, keys and outputs, laid out for speed); ``monai``
+    MONAI's own class, whose ``attention`` is ``fused`` (PyTorch's ``scaled_dot_product_attention`` also in training,
+    bias and shift mask additive, as timm's Swin) or ``explicit`` (MONAI's own score matrices; alone, it selects MONAI's
+    class). ``backbone_arguments`` and ``monai_class`` are MONAI's either way, so the model benchmark can build the raw
+    network beside either."""
 
     def __init__(
         self, in_channels: int, gradient_checkpointing: bool = False, attention: str = "fused",

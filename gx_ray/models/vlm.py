@@ -52,8 +52,7 @@ PACKED_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "fla
 
 @dataclass(frozen=True)
 class VLMConfig:
-    """A trial's vision-language model (its ``vlm.*`` keys, read when ``model.family`` is ``vlm``): every field is a
-    search dimension."""
+    """A trial's VLM (its ``vlm.*`` keys, read when ``model.family`` is ``vlm``); every field is a search dimension."""
 
     name: str = ""
     """A hub name (``Qwen/Qwen2-VL-2B-Instruct``) or a local folder holding the model and its processor."""

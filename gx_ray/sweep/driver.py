@@ -481,8 +481,7 @@ def _experiment(context: SweepContext) -> str:
 
 def _tuner(run: SweepRun, context: SweepContext, param_space: dict, tune_config: tune.TuneConfig,
            run_config: tune.RunConfig) -> tune.Tuner:  # fmt: skip
-    """The sweep's Tuner: restored from its saved state on ``--resume`` (with the configs it was started with), else
-    new."""
+    """The sweep's Tuner: restored on ``--resume`` (with the configs it was started with), else new."""
     path = _experiment(context)
     trainable = tune.with_resources(tune.with_parameters(run_trial, context=context), context.resources)
     if run.options.resume and tune.Tuner.can_restore(path):

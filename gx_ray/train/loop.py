@@ -235,8 +235,7 @@ class TrainingRecipe:
         return self.metrics
 
     def train_one_epoch(self, epoch: int) -> tuple[ResumePoint, float]:
-        """The epoch's optimiser steps (those a resumed attempt took already skipped); returns their sums and the
-        mean training loss."""
+        """The epoch's optimiser steps (a resumed attempt's done ones skipped); returns their sums and mean loss."""
         at = self.resume if self.resume and self.resume.epoch == epoch else ResumePoint(epoch)
         loss_sum = torch.zeros((), device=self.ctx.device) + at.loss_sum
         skip, group = at.micro_steps, []  # the same seeded order: skipped batches are in the weights already
