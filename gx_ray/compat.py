@@ -196,9 +196,8 @@ def resumable_bohb(metric: str, mode: str, seed: int) -> Any:
 
 
 def __getattr__(name: str) -> Any:
-    """Tune's subclasses, each built on first use: Tune's and Optuna's imports stay out of the processes that import
-    this module for the drain calls or to compile (a saved sweep's searcher or scheduler unpickles by its name, which
-    builds it)."""
+    """Tune's subclasses, each built on first use, keeping Tune's and Optuna's imports out of processes that only drain
+    or compile (a saved sweep's searcher or scheduler unpickles by its name, which builds it)."""
     built = {"DonorCheckpointPBT": _donor_checkpoint_pbt, "ScheduleReplay": _schedule_replay,
              "ResumableOptunaSearch": _resumable_optuna_search}  # fmt: skip
     if name in built:

@@ -44,8 +44,7 @@ SEED_LEVELS = ("t", "resample", "none")
 @dataclass(frozen=True, eq=False)
 class CaseMeans:
     """``scale * sum(numerator[i]) / sum(denominator[i])`` over the scored cases ``i``; ``denominator`` None weighs
-    every case 1 (VQA pools questions: right answers over questions per patient). :meth:`batch` scores every replicate
-    with one matrix product."""
+    every case 1 (VQA pools questions per patient). :meth:`batch` scores every replicate with one matrix product."""
 
     numerator: np.ndarray
     denominator: np.ndarray | None = None
@@ -413,8 +412,7 @@ def _round_up(value: float, digits: int = 2) -> str:
 
 def format_p(p: float | None, replicates: int, comparisons: int = 1) -> str:
     """A bootstrap p-value for a reader: ``"≤ 0.025 (floor of 1,199 replicates)"`` at the floor (:func:`p_floor`;
-    ``comparisons`` = m for a Holm-adjusted p), where "0.025" would read as a borderline result; else 3 significant
-    digits; ``"—"`` for none."""
+    ``comparisons`` = m for a Holm p), where "0.025" would read as borderline; else 3 significant digits, or ``"—"``."""
     if p is None or math.isnan(p):
         return "—"
     floor = p_floor(replicates, comparisons)
