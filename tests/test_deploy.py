@@ -332,6 +332,7 @@ def test_predict_refuses_a_model_uri_it_cannot_find_in_one_line_naming_where_to_
     said = (done.stdout + done.stderr).strip()
     assert done.returncode != 0 and "Traceback" not in said and len(said.splitlines()) == 1, said
     assert "--sweep" in said and "--mlflow-uri" in said and "gx-ray-stage_classification" in said
+    assert not (tmp_path / "out").exists()  # nothing left behind by a refused run
 
 
 def test_what_cannot_predict_on_new_patients_is_refused_before_anything_is_trained():

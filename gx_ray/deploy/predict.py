@@ -165,9 +165,9 @@ def predict_cohort(options: PredictOptions) -> PredictResult:
     """Predict every case of ``options.data`` with ``options.model`` and write the outputs (module docstring)."""
     started = time.perf_counter()
     out = Path(options.out)
-    out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gx-model-") as scratch, _registry(options) as uri:
         predictor = Predictor(bundle_folder(options.model, uri, Path(scratch)), options.device)
+        out.mkdir(parents=True, exist_ok=True)  # once the model is found: a refused one leaves no empty folder
         shards, skipped, qc_cases = prepared_cohort(options.data, predictor, out)
         records: list[dict[str, Any]] = []
         for split in SPLITS:
@@ -190,7 +190,9 @@ def predict_cohort(options: PredictOptions) -> PredictResult:
             evaluation.append({"metric": metric, "external": external, "internal": internal.get(metric)})
         _write_evaluation(out, document, evaluation, options.data)
     flagged = sum(bool(f) for f in flags.values())
-    return PredictResult(out, len(records), skipped, flagged, evaluation, time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    return PredictResult(out=out, predicted=len(records), skipped=skipped, flagged=flagged, evaluation=evaluation,
+                         seconds=seconds)  # fmt: skip
 
 
 def _write_outputs(
