@@ -31,8 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     tolerant_console()
     args = build_parser().parse_args(argv)
-    options = FinalizeOptions(args.sweep, args.task, args.schema, args.select, True if args.refit else None,
-                              args.mlflow_uri, args.name)  # fmt: skip
+    options = FinalizeOptions(**{**vars(args), "refit": True if args.refit else None})  # its flags are its fields
     try:
         result = finalize(options)
     except (FileNotFoundError, ValueError) as err:

@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     tolerant_console()
     args = build_parser().parse_args(argv)
-    options = PredictOptions(args.model, args.data, args.out, args.mlflow_uri, args.sweep, args.batch_size, args.device)
+    options = PredictOptions(**vars(args))  # its flags are the options' fields
     try:
         result = predict_cohort(options)
     except (FileNotFoundError, ValueError, CaseError) as err:

@@ -348,7 +348,9 @@ def finalize(options: FinalizeOptions) -> FinalizeResult:
             client.set_terminated(run_id, "FAILED")
             raise
         command = predict_command(uri, store, options.mlflow_uri)
-    return FinalizeResult(uri, version, run_id, bundle, chosen.choice, test, time.perf_counter() - started, command)
+    seconds = time.perf_counter() - started
+    return FinalizeResult(model_uri=uri, version=version, run_id=run_id, bundle=bundle, choice=chosen.choice, test=test,
+                          seconds=seconds, predict=command)  # fmt: skip
 
 
 def chosen_configuration(client: MlflowClient, store: SweepStore, options: FinalizeOptions) -> Chosen:
@@ -363,7 +365,8 @@ def chosen_configuration(client: MlflowClient, store: SweepStore, options: Final
     refitting = options.refit if options.refit is not None else not cross_validated
     check_predictable(config, ensemble=not refitting)
     choice = _choice(configs, label, metric, cross_validated, refitting, options.select)
-    return Chosen(label, metric, trials, seed_trials, config, refitting, choice)
+    return Chosen(label=label, metric=metric, trials=trials, seed_trials=seed_trials, config=config,
+                  refitting=refitting, choice=choice)  # fmt: skip
 
 
 def final_model(client: MlflowClient, store: SweepStore, chosen: Chosen, select: str,
