@@ -129,7 +129,9 @@ def test_a_forecast_from_its_pilot_a_ledger_of_every_trial_and_a_multi_objective
     expected = {front[i]["trial"] for i in pareto_front(points, ["max", "min"])}
     assert {r["trial"] for r in front if r["on_front"] == "True"} == expected and expected
     summary = (output / "report" / "summary.md").read_text(encoding="utf-8")
-    assert "## Pareto front" in summary and "(pareto/front_parameters.png)" in summary
+    # the figure named by its path (MLflow's Markdown view shows no relative image; summary.html embeds it, below)
+    assert "## Pareto front" in summary and "`pareto/front_parameters.png`" in summary
+    assert (output / "report" / "pareto" / "front_parameters.png").is_file()
     assert all(trial in summary.split("## Pareto front")[1] for trial in expected)
     assert "data:image/png;base64" in (output / "report" / "summary.html").read_text(encoding="utf-8")
 
