@@ -105,9 +105,24 @@ class _StoppedByTheScheduler(Exception):
     """What a scheduler's stop looks like to the loop: its report never returns."""
 
 
+class _Predictions:
+    """A tracker that keeps which split each ``log_predictions`` call logged and its cases (nothing else)."""
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def log_predictions(self, records: list[dict], task, split: str = "test") -> None:
+        self.calls.append((split, sorted(r["case_id"] for r in records)))
+
+    def __getattr__(self, name: str):  # tags, metrics, points: not what this test reads
+        return lambda *args, **kwargs: None
+
+
 def test_the_run_ends_before_the_last_report_which_a_scheduler_may_stop_the_trial_at(ray_cluster, demo_prepared):
     """ASHA stops every trial at the report of its last epoch, and nothing after that report runs: the hook that
-    ends the trial's run (status, telemetry) is called once the test split is scored, before that report."""
+    ends the trial's run (status, telemetry) is called once the test split is scored, before that report. Before it, a
+    single-split trial logs its tested model's predictions on the test and on the validation patients (what a
+    selection-corrected estimate of a single-split sweep resamples)."""
     config = TrialConfig.from_flat(
         {"task": "stage_classification", "data.shards": str(demo_prepared.shard_dir), "schedule.epochs": 2,
          "schedule.max_steps_per_epoch": 1, "data.effective_batch": 2, "model.vision": "resnet10_3d",
@@ -128,10 +143,13 @@ def test_the_run_ends_before_the_last_report_which_a_scheduler_may_stop_the_tria
         report=report,
         latest_checkpoint=None,
         before_final_report=lambda: calls.append("end"),
+        tracker=_Predictions(calls),
     )
     with pytest.raises(_StoppedByTheScheduler):
         loop.run_loop(config, ctx)
-    assert calls == [("report", False), "end", ("report", True)]
+    cases = {s: sorted(r["case_id"] for r in data_stream.split_rows(config.data.shards, s)) for s in ("test", "val")}
+    assert calls == [("report", False), ("test", cases["test"]), ("val", cases["val"]), "end", ("report", True)]
+    assert cases["val"] and not set(cases["val"]) & set(cases["test"])
 
 
 def test_the_loop_stops_after_the_epochs_its_context_asks_for(ray_cluster, demo_prepared):

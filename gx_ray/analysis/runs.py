@@ -199,8 +199,8 @@ def _searched(runs: list[Run], params: list[dict[str, Any]]) -> list[str]:
 
 
 def test_records(tracking_uri: str, run_id: str, split: str = "test") -> list[dict[str, Any]] | None:
-    """The trial's full test predictions (``predictions/test.json``; ``split="val"``: a cross-validation trial's
-    out-of-fold predictions), or None when it logged none."""
+    """The trial's full test predictions (``predictions/test.json``; ``split="val"``: its tested model's on the
+    validation patients, a cross-validation trial's out-of-fold predictions), or None when it logged none."""
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per small file is noise
     with tempfile.TemporaryDirectory() as folder:
         try:

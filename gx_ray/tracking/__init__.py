@@ -87,8 +87,8 @@ class TrialTracker:
         set_tags(self.client, self.run_id, tags)
 
     def log_predictions(self, records: list[dict[str, Any]], task: Any, split: str = "test") -> None:
-        """Every prediction on ``split`` (the test split's: what the analysis's paired bootstrap rescoring reads; a
-        cross-validation fold's validation patients': its out-of-fold predictions), and for the test split a
+        """Every prediction on ``split`` (the test split's: what the analysis's paired bootstrap rescoring reads; the
+        validation patients': under cross-validation the fold's out-of-fold predictions), and for the test split a
         readable sample of them (reports, answers, boxes ..., without embeddings), the task's figures and its
         documents (a task's ``documents()``: artifact path → JSON-able data), as artifacts."""
         self.client.log_dict(self.run_id, records, f"predictions/{split}.json")

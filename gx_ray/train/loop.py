@@ -299,8 +299,10 @@ class TrainingRecipe:
         return metrics
 
     def test(self, epoch: int, started: float) -> None:
-        """The best model (with select: last, the final one) scores the test split; under cross-validation it also
-        predicts its fold's validation patients (every patient once a seed). The run's end is written last."""
+        """The best model (with select: last, the final one) scores the test split and predicts its validation
+        patients (``predictions/val.json``: under cross-validation its fold's, every patient once a seed; on a single
+        split what a selection-corrected estimate resamples; not for a refit, which trained on them). The run's end is
+        written last."""
         config, ctx, task = self.config, self.ctx, self.task
         if config.schedule.select == "last":  # the tested model is this one: the checkpoint keeps it as tested
             self.best = Best(self.metrics["val_primary"], epoch, None)
@@ -321,10 +323,11 @@ class TrainingRecipe:
         if ctx.tracker:
             ctx.tracker.log_metrics(final, step=epoch)
             ctx.tracker.log_predictions(records, task)
-        if config.data.fold is not None:
-            _, out_of_fold = evaluate(self.model, task, self.streams["val"], config, ctx.device, records=True)
+        if not config.data.refit:  # a refit trained on its validation patients: their predictions are no evidence
+            # every rank evaluates (the records are gathered collectively); a fold's are its out-of-fold predictions
+            _, validation = evaluate(self.model, task, self.streams["val"], config, ctx.device, records=True)
             if ctx.tracker:
-                ctx.tracker.log_predictions(out_of_fold, task, split="val")
+                ctx.tracker.log_predictions(validation, task, split="val")
         if ctx.before_final_report:
             ctx.before_final_report()
 
