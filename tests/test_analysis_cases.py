@@ -3,10 +3,20 @@ two trials on the same patients."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
-from gx_ray.analysis.cases import case_scorer
+from gx_ray.analysis.cases import (
+    NO_VARIATION,
+    ONE_ANSWER,
+    BootstrapJob,
+    CaseScorer,
+    bootstrap_job,
+    case_scorer,
+    one_answer,
+)
 from gx_ray.metrics.classification import classification_metrics
 from gx_ray.metrics.detection import detection_metrics
 from gx_ray.metrics.retrieval import retrieval_metrics
@@ -138,3 +148,46 @@ def test_stage_records_with_nan_probabilities_are_refused_not_scored_as_nan():
     records[3]["probabilities"] = [float("nan"), 0.5, 0.25, 0.25]
     with pytest.raises(ValueError, match=r"probabilities\[3, 0\] is nan"):
         case_scorer("stage_classification", records, "auc")
+
+
+def test_one_answer_for_all_is_told_from_the_predictions():
+    """One report for every patient, one stage for every patient, one answer to each VQA question for every patient:
+    degenerate. Two reports, or two answers to one question, are not; a question asked of one patient cannot tell."""
+    references = ["a 3 cm ulcerated mass in the antrum", "thickened wall", "no mass seen", "a mass of the body"]
+    same = [{"case_id": f"r{i}", "prediction": "a mass in the stomach", "target": r} for i, r in enumerate(references)]
+    assert case_scorer("report_generation", same, "rouge_l").one_answer
+    varied = [dict(r, prediction=r["target"]) for r in same]
+    assert not case_scorer("report_generation", varied, "rouge_l").one_answer
+    assert case_scorer("stage_classification", _stage_records(), "auc").one_answer  # "I" for everyone
+    questions = [
+        {"case_id": c, "question": q, "category": "lesion", "prediction": a, "target": "yes"}
+        for c in ("a", "b", "c") for q, a in (("q1", "yes"), ("q2", "T2"))
+    ]  # fmt: skip
+    assert case_scorer("vqa", questions, "accuracy").one_answer
+    questions[0]["prediction"] = "no"
+    assert not case_scorer("vqa", questions, "accuracy").one_answer
+    assert not one_answer([{"case_id": "a", "prediction": "x"}]) and not one_answer([{"case_id": "a"}] * 2)
+
+
+def _job(arm_a, arm_b) -> BootstrapJob:
+    return BootstrapJob(arms=[arm_a, arm_b], family=3)
+
+
+def test_smallest_detectable_says_why_it_is_undefined_instead_of_a_number():
+    """Every patient's AP 0 in both arms: the difference never varies and its "smallest detectable" would read 0.00.
+    A report model writing one report for all: ROUGE-L still varies with the references (the number read 0.27). Both
+    rows get NaN and the words; a model that varies gets its number."""
+    zeros = [CaseScorer([f"p{i}" for i in range(30)], lambda idx: 0.0 * len(idx)) for _ in range(3)]
+    flat = bootstrap_job(_job(zeros, zeros), 400)
+    assert math.isnan(flat["mde"]) and flat["mde_note"] == NO_VARIATION == "undefined: no variation"
+    rng = np.random.default_rng(3)
+    references = [" ".join(rng.choice(["mass", "wall", "antrum", "ulcer", "node"], 6)) for _ in range(30)]
+    one = [{"case_id": f"p{i}", "prediction": "a mass in the antrum", "target": r} for i, r in enumerate(references)]
+    learnt = [[dict(r, prediction=" ".join(rng.permutation(r["target"].split()))) for r in one] for _ in range(3)]
+    degenerate = [case_scorer("report_generation", one, "rouge_l")] * 3
+    trained = [case_scorer("report_generation", records, "rouge_l") for records in learnt]
+    row = bootstrap_job(_job(trained, degenerate), 400)
+    assert row["se_patients"] > 0 and math.isnan(row["mde"]) and row["mde_note"] == ONE_ANSWER
+    assert ONE_ANSWER == "degenerate: one answer for all"
+    fine = bootstrap_job(_job(trained, trained[::-1]), 400)
+    assert fine["mde"] > 0 and "mde_note" not in fine

@@ -468,3 +468,26 @@ def test_the_significance_table_fits_a_preview_with_its_method_said_once_under_i
     assert "method" not in header and "smallest detectable" not in header and header.count("|") == 10
     assert text.count("two-level bootstrap: patients × seeds") == 1 and "\n\nMethod: two-level bootstrap" in text
     assert "overflow-wrap:anywhere" in _markdown_to_html(text, Path("."))
+
+
+def test_a_smallest_detectable_difference_without_a_number_is_said_in_words():
+    """A comparison whose scores do not vary, or whose model gave one answer for all, shows why in the MDE column of
+    the summary and of the appendix's sample size, not 0.00 or a number that describes nothing."""
+    from gx_ray.analysis.appendix import _sample_size
+    from gx_ray.analysis.report import _significance_markdown
+
+    row = {"task": "lesion_detection", "metric": "ap_50", "schema_a": "image_table", "diff": 0.0, "ci_low": 0.0}
+    row |= {"ci_high": 0.0, "p_value": 1.0, "p_holm": 1.0, "significant": False, "n_resamples": 999, "n_cases": 64}
+    row |= {"n_seeds": 3, "method": "two-level bootstrap: patients × seeds"}
+    table = pd.DataFrame([
+        row | {"mde": np.nan, "mde_note": "undefined: no variation"},
+        row | {"task": "report_generation", "mde": np.nan, "mde_note": "degenerate: one answer for all"},
+        row | {"task": "vqa", "mde": 7.4, "mde_note": np.nan},
+    ])  # fmt: skip
+    text = _significance_markdown(table, "image_only")
+    assert "| undefined: no variation |" in text and "| degenerate: one answer for all |" in text
+    assert text.count("| undefined: no variation |\n") == 1 and "| 7.40 |" in text
+    runs = pd.DataFrame({"split": ["test"] * 3, "run_id": ["a", "b", "c"], "seed": [0, 1, 2]})
+    sizes = _sample_size(runs, table)
+    assert "| lesion_detection | image_table | 64 | 3 | undefined: no variation |" in sizes
+    assert "degenerate: one answer for all" in sizes and "| 7.40 |" in sizes

@@ -139,19 +139,34 @@ def test_seed_effects_shared_by_the_arms_cancel_in_the_difference_but_not_in_a_c
     assert "diff" in difference.to_dict() and "diff" not in cell.to_dict()
 
 
-def test_interaction_noise_is_not_counted_twice_at_the_seed_level():
+def test_interaction_noise_is_counted_once_with_the_seeds():
     """No seed effect, only patient x seed noise: the seeds' spread on the test set is that noise, which the patient
-    level already carries, so the seed level is near zero, not the seeds' standard error."""
+    replicates carry too. It is counted once, at the seed level (the seeds' own standard error), and taken out of the
+    patient level: se_patients is the patients' 10 / sqrt(50), not sqrt(100 + 400 / 4) / sqrt(50)."""
     rng = np.random.default_rng(20)
-    found, naive = [], []
+    patients = []
     for _ in range(20):
         patient = rng.normal(60, 10, 50)
         values = [patient + rng.normal(0, 20, 50) for _ in range(4)]
-        found.append(
-            two_level_bootstrap([CaseMeans(v) for v in values], None, 50, options=Resampling(n_resamples=300)).se_seeds
-        )
-        naive.append(np.std([v.mean() for v in values], ddof=1) / 2)
-    assert np.mean(found) < 0.4 * np.mean(naive)
+        result = two_level_bootstrap([CaseMeans(v) for v in values], None, 50, options=Resampling(n_resamples=300))
+        assert result.se_seeds == pytest.approx(np.std([v.mean() for v in values], ddof=1) / 2)
+        patients.append(result.se_patients**2)
+    assert np.mean(patients) == pytest.approx(100 / 50, rel=0.25)  # counted twice: 4.0
+
+
+def test_seed_level_is_never_zero_when_the_seeds_disagree():
+    """Three seeds whose test-set means differ by less than their patient x seed noise: the seed level is their
+    standard error, not 0 (subtracting the interaction from 2 degrees of freedom set it to 0, and such studies'
+    intervals covered about 60 %); only seeds that agree exactly have none."""
+    rng = np.random.default_rng(21)
+    patient = rng.normal(60, 10, 80)
+    noise = rng.normal(0, 20, (3, 80))
+    values = patient + noise - noise.mean(axis=1, keepdims=True) + np.array([[0.0], [0.1], [0.3]])
+    result = two_level_bootstrap([CaseMeans(v) for v in values], None, 80, options=Resampling(n_resamples=400))
+    assert result.se_seeds == pytest.approx(np.std(values.mean(axis=1), ddof=1) / math.sqrt(3))
+    assert result.se_seeds > 0
+    same = two_level_bootstrap([CaseMeans(values[0])] * 3, None, 80, options=Resampling(n_resamples=400))
+    assert same.se_seeds == 0
 
 
 def test_seed_level_alone_gives_the_t_interval_over_seeds():
@@ -247,7 +262,7 @@ def test_a_seed_undefined_on_the_whole_test_set_is_refused():
 # --- coverage against a known truth ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("metric", ["accuracy", "auc"])
+@pytest.mark.parametrize("metric", ["accuracy", "mean", "auc"])
 def test_truth_is_the_mean_over_seeds_of_the_population_metric(metric: str):
     model = StudyModel(metric=metric, seed_sd=0.3)
     a, b, labels = model.draw(20000, 60, np.random.default_rng(9))
@@ -270,6 +285,19 @@ def test_two_level_intervals_cover_where_patients_only_do_not(metric: str):
         assert rows[target, "t"]["mc_error"] == pytest.approx(
             math.sqrt(rows[target, "t"]["coverage"] * (1 - rows[target, "t"]["coverage"]) / 120)
         )
+
+
+@pytest.mark.parametrize("metric", ["accuracy", "mean"])
+def test_three_seeds_cover_where_their_spread_often_falls_below_the_noise(metric: str):
+    """Issue 47's independent check: 255 patients x 3 seeds, seeds moving a difference by ~7 points and patient x seed
+    noise that 3 seeds' spread often falls below. The seed level is never 0 (it was in ~17 % of these studies, which
+    then covered ~60 %), and the intervals cover at least the documented 93 % less 1.5 points (600 studies: a
+    simulation SE of ~0.9 point; 299 replicates, which cost coverage a little)."""
+    model = dataclasses.replace(simulation.MIXES["seed-heavy, noisy"], metric=metric)
+    rows = [r for r in coverage(model, 255, 3, studies=600, n_resamples=299, seed=3) if r["seed_level"] == "t"]
+    for row in rows:
+        assert row["seed_level_zero"] <= 0.005, row  # exact ties of 3 seeds' accuracy only
+        assert row["coverage"] >= 0.93 - 0.015, row
 
 
 # --- power planning --------------------------------------------------------------------------------------------------

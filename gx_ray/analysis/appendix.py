@@ -131,10 +131,11 @@ def _sample_size(runs: pd.DataFrame, significance: pd.DataFrame | None) -> str:
     if significance is not None and not significance.empty and "mde" in significance:
         lines += ["| task | schema | test patients | seeds | smallest detectable |", "|---|---|---|---|---|"]
         for _, row in significance.iterrows():
-            if pd.notna(row.get("mde")):
+            note = row.get("mde_note")
+            if pd.notna(row.get("mde")) or isinstance(note, str):
                 lines.append(
                     f"| {row['task']} | {row['schema_a']} | {int(row['n_cases'])} | {int(row['n_seeds'])} | "
-                    f"{row['mde']:.2f} |"
+                    f"{note if isinstance(note, str) else format(row['mde'], '.2f')} |"
                 )
     return "\n\n".join(lines[:2]) + ("\n\n" + "\n".join(lines[2:]) if len(lines) > 2 else "")
 

@@ -9,6 +9,7 @@ and scores are stored rounded, so recomputed values can differ in the last digit
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -25,10 +26,12 @@ Records = Sequence[dict[str, Any]]
 
 @dataclass
 class CaseScorer:
-    """``score(indices)``: the metric on the cases ``[case_ids[i] for i in indices]`` (repeats allowed)."""
+    """``score(indices)``: the metric on the cases ``[case_ids[i] for i in indices]`` (repeats allowed);
+    ``one_answer``: the model gave every patient the same answer (:func:`one_answer`)."""
 
     case_ids: list[str]
     score: Callable[[np.ndarray], float]
+    one_answer: bool = False
 
     def aligned(self, case_ids: Sequence[str], partial: bool = False) -> Callable[[np.ndarray], float]:
         """The scorer over another ordering of (a subset of) this trial's cases: what pairs two trials. With
@@ -37,6 +40,22 @@ class CaseScorer:
         position = {case_id: i for i, case_id in enumerate(self.case_ids)}
         own = np.array([position.get(c, -1) if partial else position[c] for c in case_ids], dtype=np.int64)
         return lambda indices: self.score(own[np.asarray(indices, dtype=np.int64)])
+
+
+def one_answer(records: Records) -> bool:
+    """Whether a model gave every patient one answer: the same ``prediction`` (a stage, a report, a retrieved case,
+    boxes) to every patient asked the same question (VQA's per question), with two patients or more per question. Its
+    metric still varies with the references, so a smallest detectable difference would read as a number: the report
+    says "degenerate" instead. False where records carry no ``prediction``."""
+    answers: dict[str, set[str]] = {}
+    patients: dict[str, set[str]] = {}
+    for record in records:
+        if "prediction" not in record:
+            return False
+        question = str(record.get("question"))
+        answers.setdefault(question, set()).add(json.dumps(record["prediction"], sort_keys=True, default=str))
+        patients.setdefault(question, set()).add(str(record.get("case_id")))
+    return bool(answers) and all(len(answers[q]) == 1 and len(patients[q]) >= 2 for q in answers)
 
 
 def _nan_on_error(compute: Callable[[], float]) -> float:
@@ -169,19 +188,22 @@ def case_scorer(task: str, records: Records, metric: str, language: str = "en") 
 
     task = task_of(task)
     if task == "stage_classification":
-        return _stage(records, metric)
-    if task in ("vqa", "lesion_qa"):  # both: one chosen answer against the right one per question
-        return _vqa(records, metric)
-    if task == "report_generation":
-        return _report(records, metric, language)
-    if task == "retrieval":
-        return _retrieval(records, metric)
-    if task == "lesion_detection":
-        return _detection(records, metric)
-    cls = task_class(task)  # a name that is no task at all is an error (naming the valid ones), not a missing scorer
-    if getattr(cls.record_metrics, "__func__", None) is not Task.record_metrics.__func__:
-        return _from_task(cls, records, metric)
-    return None
+        scorer = _stage(records, metric)
+    elif task in ("vqa", "lesion_qa"):  # both: one chosen answer against the right one per question
+        scorer = _vqa(records, metric)
+    elif task == "report_generation":
+        scorer = _report(records, metric, language)
+    elif task == "retrieval":
+        scorer = _retrieval(records, metric)
+    elif task == "lesion_detection":
+        scorer = _detection(records, metric)
+    else:
+        cls = task_class(task)  # a name that is no task at all is an error (naming the valid ones), not a missing one
+        own = getattr(cls.record_metrics, "__func__", None) is not Task.record_metrics.__func__
+        scorer = _from_task(cls, records, metric) if own else None
+    if scorer is not None:
+        scorer.one_answer = one_answer(records)
+    return scorer
 
 
 def _from_task(cls: Any, records: Records, metric: str) -> CaseScorer | None:
@@ -230,7 +252,8 @@ def bootstrap_job(job: BootstrapJob, n_resamples: int) -> dict | None:
     """:func:`~gx_ray.analysis.study.two_level_bootstrap` of a cell or of arm A against arm B on the test patients
     every trial scored; None without predictions or patients. A comparison adds its TOST ``equivalence`` (one-sided at
     0.025, as the 95 % intervals) and ``mde``: the smallest difference detected with 80 % power after Holm over its
-    family, (z(1 - 0.05 / 2m) + z(0.8)) x the difference's standard error (both levels), a normal approximation."""
+    family, (z(1 - 0.05 / 2m) + z(0.8)) x the difference's standard error (both levels), a normal approximation; NaN
+    with ``mde_note`` saying why (:func:`mde_note`) where the scores do not vary or a model gave one answer for all."""
     from scipy.stats import norm
 
     from gx_ray.analysis.study import Resampling, equivalence, two_level_bootstrap
@@ -258,7 +281,25 @@ def bootstrap_job(job: BootstrapJob, n_resamples: int) -> dict | None:
     tost = equivalence(boot.replicates, job.margin, alpha=ALPHA / 2, higher_is_better=job.higher_is_better)
     mde = (norm.ppf(1 - ALPHA / (2 * job.family)) + norm.ppf(POWER)) * math.hypot(boot.se_patients, boot.se_seeds)
     tested = {"p_noninferior": tost.p_noninferior, "p_equivalence": tost.p_equivalence} if job.margin else {}
-    return {**row, "equivalence": tost.verdict, "margin": job.margin, **tested, "mde": float(mde)}
+    note = mde_note(boot.replicates, job.arms)
+    mde = {"mde": math.nan, "mde_note": note} if note else {"mde": float(mde)}
+    return {**row, "equivalence": tost.verdict, "margin": job.margin, **tested, **mde}
+
+
+NO_VARIATION, ONE_ANSWER = "undefined: no variation", "degenerate: one answer for all"
+
+
+def mde_note(replicates: np.ndarray, arms: Sequence[Sequence[Any]]) -> str | None:
+    """Why a comparison has no smallest detectable difference, or None: its difference never varies over the
+    replicates (e.g. every patient's AP is 0 in both arms: the standard error, and so the number, would be 0), or
+    every trial of one arm gave every patient one answer (:func:`one_answer`; a report model writing one report for
+    all still varies with the references, and its number would describe nothing the model learnt)."""
+    finite = replicates[np.isfinite(replicates)]
+    if not len(finite) or np.ptp(finite) <= 1e-12 * max(1.0, float(np.abs(finite).max())):
+        return NO_VARIATION
+    if any(all(s is not None and s.one_answer for unit in arm for s in _scorers(unit)) for arm in arms):
+        return ONE_ANSWER
+    return None
 
 
 PROCESS_START_S = 2.0

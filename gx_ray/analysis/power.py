@@ -78,10 +78,11 @@ def _study_levels(x: np.ndarray, fold_of: np.ndarray) -> tuple[np.ndarray, np.nd
             y = x[:, cols] - patient_means[:, cols, None]
             squares = ((y - y.mean(axis=1, keepdims=True)) ** 2).sum(axis=(1, 2))
             interaction += share**2 * squares / cols.sum() ** 2 / (seeds - 1)
-    var_seeds = np.zeros(k)
-    if seeds > 1:
-        var_seeds = np.maximum(0.0, seed_means.var(axis=1, ddof=1) / seeds - inflation * interaction / seeds)
-    return seed_means.mean(axis=1), inflation * var_patients, var_seeds
+    if seeds < 2:
+        return seed_means.mean(axis=1), inflation * var_patients, np.zeros(k)
+    # the interaction counted with the seeds, as two_level_bootstrap counts it
+    var_patients = np.maximum(0.0, inflation * var_patients - inflation * interaction / seeds)
+    return seed_means.mean(axis=1), var_patients, seed_means.var(axis=1, ddof=1) / seeds
 
 
 def _critical(

@@ -394,10 +394,18 @@ def _significance_markdown(table: pd.DataFrame | None, baseline: str) -> str:
         lines.append(
             f"| {row['task']} | {row['metric']} | {row['schema_a']} | {_verdict(row, family)} | "
             f"{row.get('equivalence') if isinstance(row.get('equivalence'), str) else '—'} | "
-            f"{_fmt(row.get('mde'), 2) if _present(row.get('mde')) else '—'} |"
+            f"{_mde(row)} |"
         )
     methods = "; ".join(table["method"].drop_duplicates())  # said once: a column of it made the page too wide
     return "\n".join(lines) + f"\n\nMethod: {methods}." + caution
+
+
+def _mde(row: pd.Series) -> str:
+    """The smallest detectable difference, or the words that say why there is none (``mde_note``)."""
+    note = row.get("mde_note")
+    if isinstance(note, str):
+        return note
+    return _fmt(row.get("mde"), 2) if _present(row.get("mde")) else "—"
 
 
 def _present(value: object) -> bool:

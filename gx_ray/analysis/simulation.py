@@ -1,7 +1,7 @@
 """Known-answer checks of the report's statistics, on simulated two-arm studies with a closed-form truth
-(:class:`StudyModel`): :func:`coverage` measures the two-level bootstrap's coverage for a mean-of-cases metric
-(accuracy) and a corpus metric (AUC); :func:`power_check` sets the planner's predicted power against the power the
-real bootstrap finds. ``jobs/validate.py coverage`` runs both.
+(:class:`StudyModel`): :func:`coverage` measures the two-level bootstrap's coverage for a mean of 0/1 cases
+(accuracy), a mean of per-patient scores (ROUGE-L, Dice) and a corpus metric (AUC); :func:`power_check` sets the
+planner's predicted power against the power the real bootstrap finds. ``jobs/validate.py coverage`` runs both.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ class StudyModel:
     """Simulated two-arm studies with a known truth, on the percent scale. Arm k, seed s, patient p: latent
     ``z_p + v_pk + u_sk + e_psk``: patient difficulty ``z`` (shared by the arms), patient x arm ``v``, a seed effect
     ``u`` per arm (correlated ``seed_correlation`` between the arms: a shared data order and init) and patient x seed
-    noise ``e``, all normal. ``accuracy``: correct when ``baseline (+ effect for A) + latent > 0``. ``auc``: label 1
-    with probability ``prevalence``; score ``(baseline (+ effect) + u) * label + z + v + e``. The truth, the mean over
+    noise ``e``, all normal. ``accuracy``: correct when ``baseline (+ effect for A) + latent > 0``. ``mean``: a
+    per-patient score ``100 Phi(baseline (+ effect) + latent)`` in [0, 100], averaged. ``auc``: label 1 with
+    probability ``prevalence``; score ``(baseline (+ effect) + u) * label + z + v + e``. The truth, the mean over
     seeds of each arm's population metric, is in closed form (:meth:`truth`)."""
 
     metric: str = "accuracy"
@@ -47,18 +48,21 @@ class StudyModel:
     prevalence: float = 0.4
 
     def __post_init__(self) -> None:
-        if self.metric not in ("accuracy", "auc"):
-            raise ValueError(f"StudyModel.metric: 'accuracy' or 'auc', got {self.metric!r}")
+        if self.metric not in METRICS:
+            raise ValueError(f"StudyModel.metric: one of {METRICS}, got {self.metric!r}")
 
     def truth(self) -> tuple[float, float]:
         """(arm A, arm B): the population metric averaged over seed effects, in percent."""
         spread = self.patient_sd**2 + self.patient_arm_sd**2 + self.noise_sd**2
-        scale = math.sqrt(spread + self.seed_sd**2 if self.metric == "accuracy" else 2 * spread + self.seed_sd**2)
+        # E Phi(a + N(0, s^2)) = Phi(a / sqrt(1 + s^2)): the mean score is the accuracy of one more unit of noise
+        extra = {"accuracy": 0.0, "mean": 1.0, "auc": spread}[self.metric]
+        scale = math.sqrt(spread + extra + self.seed_sd**2)
         a, b = self.baseline + self.effect, self.baseline
         return 100 * float(stats.norm.cdf(a / scale)), 100 * float(stats.norm.cdf(b / scale))
 
     def draw(self, n_patients: int, n_seeds: int, rng: np.random.Generator):
-        """``(values_a, values_b, labels)``, ``(S, n)`` per arm: 0/100 correctness, or scores with 0/1 labels."""
+        """``(values_a, values_b, labels)``, ``(S, n)`` per arm: 0/100 correctness, 0-100 scores, or scores with 0/1
+        labels."""
         shared = rng.normal(0, self.patient_sd, n_patients) + np.zeros((2, 1, 1))
         patient = shared + rng.normal(0, self.patient_arm_sd, (2, 1, n_patients))
         rho = self.seed_correlation
@@ -66,9 +70,10 @@ class StudyModel:
         seed = self.seed_sd * (math.sqrt(rho) * common + math.sqrt(1 - rho) * own)
         noise = rng.normal(0, self.noise_sd, (2, n_seeds, n_patients))
         location = np.array([self.baseline + self.effect, self.baseline])[:, None, None]
-        if self.metric == "accuracy":
-            correct = 100.0 * (location + patient + seed + noise > 0)
-            return correct[0], correct[1], None
+        if self.metric != "auc":
+            latent = location + patient + seed + noise
+            values = 100.0 * (latent > 0) if self.metric == "accuracy" else 100.0 * stats.norm.cdf(latent)
+            return values[0], values[1], None
         labels = (rng.random(n_patients) < self.prevalence).astype(int)
         scores = (location + seed) * labels + patient + noise
         return scores[0], scores[1], labels
@@ -89,12 +94,18 @@ class StudyModel:
         return 100 * float(np.std(a - stats.norm.cdf((self.baseline + u[1]) / scale)))
 
 
+METRICS = ("accuracy", "mean", "auc")
+
 MIXES = {
+    "no seed effect": StudyModel(seed_sd=0.0),
     "balanced": StudyModel(),
     "seed-heavy": StudyModel(seed_sd=0.3),
+    "seed-heavy, noisy": StudyModel(seed_sd=0.3, noise_sd=1.0),
 }
-"""Variance mixes of :func:`coverage`: seeds moving a difference by ~2.5 points (SD of a seed's difference, accuracy)
-and by ~7 points, against ~6 points of patient standard error at 64 patients."""
+"""Variance mixes of :func:`coverage`: seeds moving a difference by nothing (only patient x seed noise), by ~2.5 points
+(SD of a seed's difference, accuracy) and by ~7 points, against ~6 points of patient standard error at 64 patients;
+"noisy" doubles the patient x seed noise (the independent check of issue 47, where 3 seeds' spread often fell below
+it)."""
 
 
 def coverage(
@@ -110,7 +121,8 @@ def coverage(
     (A - B), by each seed level (``t``: this module's; ``resample``; ``none``: patients only, as
     :func:`~gx_ray.analysis.bootstrap.paired_bootstrap`), all from the same replicates of each study. One row per
     target and seed level: ``coverage``, its Monte-Carlo standard error ``mc_error``, ``width`` (mean),
-    ``se_patients``/``se_seeds`` (mean, ``t`` level), ``truth``. Every study is seeded (``seed``, its index)."""
+    ``se_patients``/``se_seeds`` (mean, ``t`` level), ``seed_level_zero`` (the share of studies whose seed level was
+    0), ``truth``. Every study is seeded (``seed``, its index)."""
     truth_a, truth_b = model.truth()
     targets = {"cell": truth_a, "difference": truth_a - truth_b}
     intervals = {(t, level): np.zeros((studies, 2)) for t in targets for level in SEED_LEVELS}
@@ -139,6 +151,7 @@ def coverage(
                      "width": float(np.mean(bounds[:, 1] - bounds[:, 0])),
                      "se_patients": float(np.sqrt(components[target][:, 0]).mean()),
                      "se_seeds": float(np.sqrt(components[target][:, 1]).mean()),
+                     "seed_level_zero": float(np.mean(components[target][:, 1] == 0)),
                      "truth": targets[target]})  # fmt: skip
     return rows
 
