@@ -77,7 +77,7 @@ class StageClassification(Task):
                 "case_id": case_id,
                 "prediction": STAGE_GROUPS[int(p.argmax())],
                 "target": STAGE_GROUPS[label] if label >= 0 else None,
-                "probabilities": [round(float(x), 4) for x in p],
+                "probabilities": [float(x) for x in p],  # unrounded: AUC ties from rounding move the score
             }
             for case_id, p, label in zip(batch["case_id"], probabilities, labels, strict=True)
         ]
@@ -97,8 +97,8 @@ class StageClassification(Task):
             combined.append({
                 **records[0],
                 "prediction": STAGE_GROUPS[int(mean.argmax())],
-                "probabilities": [round(float(x), 4) for x in mean],
-                "spread": [round(float(x), 4) for x in probabilities.std(0)],
+                "probabilities": [float(x) for x in mean],
+                "spread": [float(x) for x in probabilities.std(0)],
                 "members": len(records),
             })  # fmt: skip
         return combined
