@@ -86,6 +86,92 @@ def test_a_lower_is_better_metric_chooses_the_smallest_and_nan_scores_never_win(
     assert json.loads(configs["key"].iloc[0]) == {"lr": "b"} and "c" not in "".join(configs["key"])
 
 
+def test_one_se_chooses_the_cheapest_configuration_within_one_standard_error_of_the_best():
+    from gx_ray.analysis.selection import SelectionEstimate
+    from gx_ray.deploy.finalize import NO_VALIDATION_PREDICTIONS as NO_PREDICTIONS
+    from gx_ray.deploy.finalize import one_se_choice
+
+    # "best" 80 +- 2 over 3 seeds (SE 1.15) at 100 s; "near" 79 at 10 s is within it, "far" 78 at 1 s is not
+    rows = [("best", s, None, v, 100) for s, v in enumerate((78.0, 80.0, 82.0))]
+    rows += [("near", s, None, v, 10) for s, v in enumerate((79.0, 78.0, 80.0))]
+    rows += [("far", s, None, v, 1) for s, v in enumerate((77.0, 78.0, 79.0))]
+    configs, _ = choose(_candidates(rows))
+    index, why = one_se_choice(configs, "auc", None)
+    assert json.loads(configs["key"].iloc[index]) == {"lr": "near"}
+    assert why["se"] == pytest.approx(2 / math.sqrt(3)) and why["se_from"] == "across its 3 seeds"
+    assert (why["chosen"], why["best"], why["score"], why["best_score"]) == ("lr=near", "lr=best", 79.0, 80.0)
+    assert (why["seconds"], why["best_seconds"]) == (10.0, 100.0)
+    # one seed each: the best's bootstrap SE over validation patients decides (2.5 takes in "far" too, 0.5 neither)
+    single = choose(_candidates([("best", 0, None, 80.0, 100), ("near", 0, None, 79.0, 10),
+                                 ("far", 0, None, 78.0, 1)]))[0]  # fmt: skip
+    order = [json.loads(k)["lr"] for k in single["key"]]
+
+    def estimate(errors: dict[str, float]) -> SelectionEstimate:
+        return SelectionEstimate(method="select-then-score", chosen=0, naive=80.0, corrected=77.0, low=70.0,
+                                 high=84.0, indistinguishable=(0,), standard_errors=tuple(errors[k] for k in order),
+                                 patients=24, configurations=3, resamples=1000)  # fmt: skip
+
+    index, why = one_se_choice(single, "auc", estimate({"best": 2.5, "near": 9.0, "far": 9.0}))
+    assert order[index] == "far" and why["se"] == 2.5 and "bootstrap over 24 validation patients" in why["se_from"]
+    index, _ = one_se_choice(single, "auc", estimate({"best": 0.5, "near": 9.0, "far": 9.0}))
+    assert order[index] == "best"
+    with pytest.raises(ValueError, match="one_se needs the best configuration's standard error.*no validation pred"):
+        one_se_choice(single, "auc", None, NO_PREDICTIONS)
+    # lower is better: within one SE above the smallest
+    table = _candidates([("best", s, None, v, 100) for s, v in enumerate((2.0, 3.0, 4.0))]
+                        + [("near", s, None, v, 10) for s, v in enumerate((3.0, 3.5, 4.0))])  # fmt: skip
+    table["metric"] = "median_rank"
+    configs, _ = choose(table)
+    index, _ = one_se_choice(configs, "median_rank", None)
+    assert json.loads(configs["key"].iloc[index]) == {"lr": "near"}
+
+
+def _logged_validation(uri: str, skill: dict[str, float], folds: int | None) -> pd.DataFrame:
+    """One run per configuration (and fold) of ``skill`` (how far its stage probabilities lean to the truth) in the
+    MLflow store ``uri``, holding hand-made ``predictions/val.json``: finalize's candidate table of them."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    experiment = client.create_experiment(f"selection {len(client.search_experiments())}")
+    rng = np.random.default_rng(3)
+    labels = rng.integers(0, 4, 40)
+    rows = []
+    for lr, lean in skill.items():
+        for fold in range(folds) if folds else [None]:
+            patients = [i for i in range(40) if fold is None or i % folds == fold]  # each fold validates its share
+            p = rng.dirichlet(np.ones(4), size=40) + lean * np.eye(4)[labels]
+            records = [{"case_id": f"c{i}", "prediction": STAGE_GROUPS[int(p[i].argmax())],
+                        "target": STAGE_GROUPS[labels[i]], "probabilities": list(p[i] / p[i].sum())}
+                       for i in patients]  # fmt: skip
+            run = client.create_run(experiment).info.run_id
+            if lr != "silent":  # an older trial: no validation predictions logged
+                client.log_dict(run, records[:-1] if lr == "short" else records, "predictions/val.json")
+            rows.append((lr, 0, fold, 70.0, 10.0, run))
+    return _candidates([row[:5] for row in rows]).assign(run_id=[row[5] for row in rows])
+
+
+def test_the_selection_corrected_estimate_pools_a_seeds_folds_and_scores_the_patients_every_configuration_predicted(
+    tmp_path,
+):
+    from gx_ray.deploy.finalize import NO_VALIDATION_PREDICTIONS, selection_estimate
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    table = _logged_validation(uri, {"good": 0.25, "fair": 0.1, "short": 0.0}, folds=2)
+    configs, _ = choose(table)
+    order = [json.loads(k)["lr"] for k in configs["key"]]
+    estimate, why = selection_estimate(uri, table, configs, n_resamples=200)
+    assert why == "" and estimate.method == "bbc-cv" and estimate.configurations == 3
+    assert estimate.patients == 38  # two folds pooled (40 patients), less the one "short" left out of each fold
+    assert order[estimate.chosen] == "good" and estimate.low <= estimate.corrected <= estimate.high
+    assert estimate.corrected <= estimate.naive and estimate.resamples > 100
+    assert order.index("good") in estimate.indistinguishable and order.index("short") not in estimate.indistinguishable
+    table = _logged_validation(uri, {"good": 0.25, "fair": 0.1}, folds=None)
+    estimate, _ = selection_estimate(uri, table, choose(table)[0], n_resamples=200)
+    assert estimate.method == "select-then-score" and estimate.patients == 40
+    table = _logged_validation(uri, {"good": 0.25, "silent": 0.1}, folds=None)
+    assert selection_estimate(uri, table, choose(table)[0], n_resamples=200) == (None, NO_VALIDATION_PREDICTIONS)
+
+
 def test_a_refit_trains_on_training_and_validation_patients_for_the_epochs_its_seeds_validated_best_at():
     config = TrialConfig.from_flat({"task": "stage_classification", "schedule.epochs": 10, "data.fold": 1,
                                     "data.folds_file": "f.json"})  # fmt: skip
@@ -222,9 +308,34 @@ def test_a_finalized_sweep_is_registered_loaded_served_and_predicts_on_new_patie
         best = max(trials, key=lambda r: r.data.metrics["best_val_primary"])
         assert result.choice["settings"]["schema"] == best.data.tags["schema"]
         version = client.get_model_version_by_alias("gx-ray-stage_classification", "champion")
-        assert version.version == result.version and "Chosen by best mean validation score" in version.description
+        assert version.version == result.version and "Rule: best mean validation score" in version.description
+        # the card's sections, its tables (not JSON), the version's tags and the chosen configuration as params
+        for section in ("## Intended use", "### Out-of-scope use", "## Training data", "## Evaluation",
+                        "## Limitations", "## Preprocessing"):  # fmt: skip
+            assert f"\n{section}\n" in version.description
+        assert "Not a medical device" in version.description and "synthetic patients" in version.description
+        assert "| setting | value |" in version.description and "| fingerprint | min | max |" in version.description
+        manifest = json.loads((demo_prepared.shard_dir / "manifest.json").read_text(encoding="utf-8"))
+        tags = {
+            "task": "stage_classification", "schema": best.data.tags["schema"], "sweep": sweep.sweep_id,
+            "cohort": "demo", "cohort_fingerprint": manifest["fingerprint"]["sha256"],
+            "cohort_manifest_sha256": best.data.tags["gx_ray.manifest_sha256"], "select": "best",
+        }  # fmt: skip
+        assert {k: version.tags.get(k) for k in tags} == tags
+        source = client.get_run(version.run_id)
+        assert source.info.run_id == result.run_id and source.data.params["schema"] == best.data.tags["schema"]
+        assert {k: source.data.params[k] for k in result.choice["settings"]} == {
+            k: str(v) for k, v in result.choice["settings"].items()}  # fmt: skip
+        assert source.data.params["finalize.select"] == "best"
+        # the selection-corrected estimate from the trials' validation predictions: 2 validation patients leave at
+        # most one out-of-bag patient, whom no AUC can score, so the card says why there is none, not a number
+        assert all(test_records(server.uri, t.info.run_id, split="val") for t in trials)
+        selection = result.choice["selection"]
+        assert "corrected" not in selection and selection["note"].startswith("no selection-corrected estimate: ")
+        assert selection["note"] in result.summary() and selection["note"] in version.description
         own = _probabilities(test_records(server.uri, result.run_id))  # the refit's own test predictions
         assert set(own) == test_cases
+        assert any(round(p, 4) != p for ps in own.values() for p in ps)  # stored at full precision, not 4 decimals
 
         # the pyfunc on manifest rows from the raw files: the same preprocessing, the same predictions; a bad row is
         # skipped with its reason, never predicted

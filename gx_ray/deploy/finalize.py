@@ -5,17 +5,21 @@ registry as ``gx-ray-<task>@champion`` (docs/how-to/finalize-and-predict.md).
 **The choice** uses validation scores only: the task's finished trials grouped into configurations (everything but
 the seed and the fold), each scored by its mean best validation score over seeds (a cross-validated sweep: over seeds
 of the mean over folds); configurations within :data:`TIE` points of the best are a tie that goes to the smaller mean
-trial time. **The final model** is, by default, nnU-Net's: a cross-validated sweep's fold models of the chosen
-configuration's first seed as an ensemble (the weights each tested); a single-split sweep's configuration trained
-again on the training and validation patients (``data.refit``) for the epochs its seeds validated best at (``select:
-best``) or its full schedule (``last``); ``refit=True`` refits a cross-validated sweep's too. **The test** scores
-the final model's test predictions with the task's metrics and a patient bootstrap (:func:`score_records`), as
-``predict`` scores a new cohort.
+trial time, or (``select: one_se``) the cheapest within one standard error of the best. Beside it, the naive best
+validation score and its selection-corrected estimate (:func:`~gx_ray.analysis.selection.selection_corrected` over
+every configuration's validation predictions). **The final model** is, by default, nnU-Net's: a cross-validated
+sweep's fold models of the chosen configuration's first seed as an ensemble (the weights each tested); a single-split
+sweep's configuration trained again on the training and validation patients (``data.refit``) for the epochs its seeds
+validated best at (``select: best`` or ``one_se``) or its full schedule (``last``); ``refit=True`` refits a
+cross-validated sweep's too. **The test** scores the final model's test predictions with the task's metrics and a
+patient bootstrap (:func:`score_records`), as ``predict`` scores a new cohort. **The card**
+(:mod:`~gx_ray.deploy.card`) is the registered version's description.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 import math
@@ -34,12 +38,13 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from gx_ray import storage
-from gx_ray.analysis.cases import case_scorer
-from gx_ray.analysis.report import SweepStore, open_sweep
+from gx_ray.analysis.cases import CaseScorer, case_scorer
+from gx_ray.analysis.report import SweepStore, cohort_of, open_sweep
 from gx_ray.analysis.runs import higher_is_better, load_runs, test_records
+from gx_ray.analysis.selection import SelectionEstimate, one_standard_error, scores_from_scorers, selection_corrected
 from gx_ray.analysis.study import Resampling, two_level_bootstrap
 from gx_ray.data.prepare import QC_JSON
-from gx_ray.data.shards import read_manifest
+from gx_ray.data.shards import MANIFEST_FILE, read_manifest
 from gx_ray.data.splits import SPLIT_FILE
 from gx_ray.data.stream import split_rows
 from gx_ray.deploy.bundle import (
@@ -50,8 +55,9 @@ from gx_ray.deploy.bundle import (
     learnt_state,
     save_bundle,
 )
+from gx_ray.deploy.card import answers_given, degenerate, fitted, model_card, one_se_sentence
 from gx_ray.tasks import build_task, task_of
-from gx_ray.tracking import TrialTracker
+from gx_ray.tracking import TrialTracker, log_metrics, log_params
 from gx_ray.train.build import build_trial
 from gx_ray.train.config import TrialConfig
 from gx_ray.train.loop import CHECKPOINT_FILE, WorkerContext, run_loop
@@ -61,6 +67,14 @@ TIE = 0.05
 NOT_A_SETTING = ("seed", "data.fold", "data.folds_file", "data.shards")
 """Trial params that do not make another configuration: the seed and the fold are repeats of one."""
 FINALIZE_KIND = "finalize"
+SELECT = ("best", "last", "one_se")
+"""``best``/``last``: a refit's epochs (those its seeds validated best at, or its whole schedule); ``one_se``: the
+one-standard-error rule's configuration, with ``best``'s epochs."""
+PARAM_SHOWN = 250
+"""A chosen setting longer than this is cut in the run's params (whole in its ``choice.json``): params stay readable."""
+RUN_NOTE_LIMIT = 8000
+"""A run tag's limit (the card as the finalize run's description, ``mlflow.note.content``)."""
+NO_VALIDATION_PREDICTIONS = "no selection-corrected estimate: the trials logged no validation predictions"
 
 
 @dataclass(frozen=True)
@@ -71,6 +85,7 @@ class FinalizeOptions:
     schema: str | None = None
     """Choose among this schema's configurations only (default: every schema the task ran with)."""
     select: str = "best"
+    """One of :data:`SELECT`."""
     refit: bool | None = None
     """Train one model on training + validation patients; None: a cross-validated sweep keeps its fold models."""
     mlflow_uri: str | None = None
@@ -96,16 +111,37 @@ class FinalizeResult:
     """The predict command for a new cohort, naming the MLflow store that holds the model (:func:`predict_command`)."""
 
     def summary(self) -> str:
-        test = self.test
+        test, choice = self.test, self.choice
         interval = f" [{test['low']:.1f}, {test['high']:.1f}]" if test.get("low") is not None else ""
-        return (
-            f"{self.choice['label']}: {self.choice['description']}\n"
-            f"  chosen by validation {self.choice['metric']} {self.choice['score']:.1f} "
-            f"(n = {self.choice['repeats']}); "
-            f"test {test['metric']} {test['value']:.1f}{interval} on {test['cases']} patients\n"
-            f"  registered {self.model_uri} (version {self.version}) in {self.seconds:.0f} s; files: {self.bundle}\n"
-            f"  predict with: {self.predict}"
-        )
+        chance = f" (chance {test['chance']:.1f})" if test.get("chance") is not None else ""
+        lines = [
+            f"{choice['label']}: {choice['description']}",
+            f"  chosen by validation {choice['metric']} {choice['score']:.1f} (n = {choice['repeats']}); "
+            f"test {test['metric']} {test['value']:.1f}{interval}{chance} on {test['cases']} patients",
+        ]
+        if one_se := choice.get("one_se"):
+            lines.append(f"  {one_se_sentence(one_se)}")
+        if selection := choice.get("selection"):
+            lines.append(f"  {selection_line(selection)}")
+        lines += [f"  WARNING: {said}" for said in degenerate(test)]
+        lines += [
+            f"  registered {self.model_uri} (version {self.version}) in {self.seconds:.0f} s; files: {self.bundle}",
+            f"  predict with: {self.predict}",
+        ]
+        return "\n".join(lines)
+
+
+def selection_line(selection: dict[str, Any]) -> str:
+    """The naive best validation score beside its selection-corrected estimate, in a line (or why there is none)."""
+    if "corrected" not in selection:
+        return selection.get("note", "no selection-corrected estimate")
+    same = selection["indistinguishable"]
+    return (
+        f"selection: naive best validation {selection['naive']:.1f}, corrected {selection['corrected']:.1f} "
+        f"[{selection['low']:.1f}, {selection['high']:.1f}] ({selection['method']}, {selection['configurations']} "
+        f"configurations, {selection['patients']} patients); indistinguishable from the best: {len(same)} "
+        f"({'; '.join(same[:5])}{' ...' if len(same) > 5 else ''})"
+    )
 
 
 # --- the choice -------------------------------------------------------------------------------------------------
@@ -172,6 +208,78 @@ def _varying(configs: pd.DataFrame) -> dict[str, Any]:
     """The settings every candidate shares (what a description need not repeat)."""
     parsed = [json.loads(k) for k in configs["key"]]
     return {k: v for k, v in parsed[0].items() if all(p.get(k) == v for p in parsed)} if len(parsed) > 1 else {}
+
+
+def validation_scorers(uri: str, candidates: pd.DataFrame, keys: list[str]) -> tuple[list[list[CaseScorer]], str]:
+    """Per configuration (in ``keys``' order) a case scorer per seed over its ``predictions/val.json`` (a
+    cross-validated seed's fold runs pooled: every training patient once), or none and why."""
+    label, metric = candidates["label"].iloc[0], candidates["metric"].iloc[0]
+    configs = []
+    for key in keys:
+        seeds = []
+        for _, trials in candidates[candidates["key"] == key].groupby("seed", dropna=False):
+            records: list[dict[str, Any]] = []
+            for run_id in trials.sort_values("fold")["run_id"]:
+                logged = test_records(uri, run_id, split="val")
+                if logged is None:
+                    return [], NO_VALIDATION_PREDICTIONS
+                records += logged
+            scorer = case_scorer(task_of(label), records, metric) if records else None
+            if scorer is None:
+                return [], f"no selection-corrected estimate: {label}'s validation predictions give no {metric}"
+            seeds.append(scorer)
+        configs.append(seeds)
+    return configs, ""
+
+
+def selection_estimate(
+    uri: str, candidates: pd.DataFrame, configs: pd.DataFrame, n_resamples: int
+) -> tuple[SelectionEstimate | None, str]:
+    """The chosen configuration's validation score corrected for its selection among ``configs`` (BBC-CV over a
+    cross-validated sweep's out-of-fold predictions, else the select-then-score bootstrap over the validation
+    patients), on the patients every configuration predicted; or None and why."""
+    scorers, why = validation_scorers(uri, candidates, list(configs["key"]))
+    if not scorers:
+        return None, why
+    common = sorted(set.intersection(*(set(s.case_ids) for seeds in scorers for s in seeds)))
+    if len(common) < 2:
+        return None, f"no selection-corrected estimate: the configurations share {len(common)} validation patients"
+    aligned = [[CaseScorer(common, s.aligned(common)) for s in seeds] for seeds in scorers]
+    method = "bbc-cv" if candidates["fold"].notna().any() else "select-then-score"
+    try:
+        estimate = selection_corrected(scores_from_scorers(aligned), len(common), method=method,
+                                       higher_is_better=higher_is_better(candidates["metric"].iloc[0]),
+                                       n_resamples=n_resamples)  # fmt: skip
+    except ValueError as err:  # e.g. an AUC undefined on most resamples of few patients
+        return None, f"no selection-corrected estimate: {err}"
+    return estimate, ""
+
+
+def one_se_choice(
+    configs: pd.DataFrame, metric: str, estimate: SelectionEstimate | None, note: str = ""
+) -> tuple[int, dict[str, Any]]:
+    """The row of ``configs`` the one-standard-error rule chooses (:func:`one_standard_error`, costs: mean trial
+    seconds) and why. The standard error: across seeds where a configuration has two or more, else its bootstrap one
+    over the validation patients (``estimate``)."""
+    higher = higher_is_better(metric)
+    scores, repeats = configs["score"].to_numpy(float), configs["repeats"].to_numpy()
+    boot = np.asarray(estimate.standard_errors, dtype=float) if estimate else np.full(len(configs), np.nan)
+    errors = np.where(repeats >= 2, configs["sd"].to_numpy(float) / np.sqrt(np.maximum(repeats, 1)), boot)
+    best = int(np.nanargmax(scores) if higher else np.nanargmin(scores))
+    if not math.isfinite(errors[best]):
+        why = note.removeprefix("no selection-corrected estimate: ") or "its bootstrap one is undefined"
+        raise ValueError(f"--select one_se needs the best configuration's standard error: it ran one seed, and {why}")
+    costs = configs["seconds"].fillna(math.inf).to_numpy(float)
+    index = one_standard_error(scores, errors, costs, higher_is_better=higher)
+    shared = _varying(configs)
+    se_from = (f"across its {repeats[best]} seeds" if repeats[best] >= 2
+               else f"bootstrap over {estimate.patients} validation patients")  # fmt: skip
+    return index, {
+        "chosen": describe(configs["key"].iloc[index], shared), "score": float(scores[index]),
+        "seconds": float(costs[index]), "best": describe(configs["key"].iloc[best], shared),
+        "best_score": float(scores[best]), "best_seconds": float(costs[best]), "se": float(errors[best]),
+        "se_from": se_from,
+    }  # fmt: skip
 
 
 # --- the final model ---------------------------------------------------------------------------------------------
@@ -258,6 +366,33 @@ def score_records(
             "cases": n, "resamples": int(boot.n_resamples)}  # fmt: skip
 
 
+def tested(client: MlflowClient, chosen: Chosen, records: list[dict[str, Any]], runs: list[str],
+           n_resamples: int) -> dict[str, Any]:  # fmt: skip
+    """The final model's test: each metric the trials were tested with on ``records`` (the stored predictions, at
+    full precision), the primary metric's chance level (the first of ``runs`` that logged ``test_chance``: the refit,
+    else the members' trials) and the answers it gave (:func:`~gx_ray.deploy.card.answers_given`)."""
+    metrics = _test_metrics(client, chosen.seed_trials["run_id"].iloc[0], chosen.metric)
+    scores = {m: score_records(chosen.label, records, m, n_resamples) for m in metrics}
+    # a metric the records cannot give (VQA's yes/no AUC is scored in the loop only) is left out, not "n/a"
+    scores = {m: v for m, v in scores.items() if v["low"] is not None or m == chosen.metric}
+    chances = (client.get_run(r).data.metrics.get("test_chance") for r in runs)
+    chance = next((float(c) for c in chances if c is not None and math.isfinite(c)), None)
+    return {**scores[chosen.metric], "metrics": scores, "chance": chance, "answers": answers_given(records)}
+
+
+def log_choice(client: MlflowClient, run_id: str, choice: dict[str, Any]) -> None:
+    """The chosen configuration as the finalize run's params (a long value cut, whole in ``choice.json``) and its
+    selection-corrected estimate as its metrics."""
+    cut = {k: v if len(v := str(value)) <= PARAM_SHOWN else v[: PARAM_SHOWN - 3] + "..."
+           for k, value in choice["settings"].items()}  # fmt: skip
+    log_params(client, run_id, {**cut, "finalize.select": choice["select"], "finalize.model": choice["final_model"]})
+    client.log_dict(run_id, choice, "choice.json")
+    selection = choice["selection"]
+    if "corrected" in selection:
+        figures = {f"selection_{k}": selection[k] for k in ("naive", "corrected", "low", "high", "configurations")}
+        log_metrics(client, run_id, {**figures, "selection_indistinguishable": len(selection["indistinguishable"])}, 0)
+
+
 # --- the whole route ------------------------------------------------------------------------------------------
 
 
@@ -266,7 +401,6 @@ def training_inputs(shards: str) -> dict[str, Any]:
     ranges (from the cohort's QC report beside the shards, where it is)."""
     manifest = read_manifest(shards)
     inputs = {k: manifest[k] for k in ("preprocess", "ct_shape", "endoscopy_shape", "lab_names")}
-    inputs["cohort_sha256"] = manifest.get("sha256", "")
     ranges = None
     qc_path = storage.join(shards.rstrip("/").rsplit("/", 1)[0], QC_JSON)  # prepare_data writes it beside shards/
     if storage.exists(qc_path):
@@ -278,6 +412,21 @@ def training_inputs(shards: str) -> dict[str, Any]:
             {c: qc["fingerprint"] for c, qc in cases.items() if by_patient.get(c) in trained and "fingerprint" in qc}
         )
     return {"inputs": inputs, "training_fingerprint": ranges}
+
+
+def cohort_info(shards: str, store: SweepStore) -> dict[str, Any]:
+    """Which cohort trained the model: its name, whether it is the demo's synthetic one, the sweep's presets (the
+    smoke preset's one short epoch), its patients per split, and the SHA-256 of its shard manifest (what every trial
+    run's ``gx_ray.manifest_sha256`` tag names) and of its data fingerprint."""
+    manifest = read_manifest(shards)
+    split = json.loads(storage.read_text(storage.join(shards, SPLIT_FILE)))
+    return {
+        "name": store.cohort or cohort_of(manifest), "synthetic": bool(manifest.get("demo_cohort")),
+        "presets": [p for p in store.parent.data.params.get("presets", "").split(",") if p],
+        "patients": {s: len(split.get(s, [])) for s in ("train", "val", "test")},
+        "manifest_sha256": hashlib.sha256(storage.read_bytes(storage.join(shards, MANIFEST_FILE))).hexdigest(),
+        "fingerprint_sha256": (manifest.get("fingerprint") or {}).get("sha256", ""),
+    }  # fmt: skip
 
 
 def input_example(shards: str) -> pd.DataFrame | None:
@@ -324,8 +473,8 @@ def finalize(options: FinalizeOptions) -> FinalizeResult:
     started = time.perf_counter()
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per small file is noise
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # the summary prints the model's URI
-    if options.select not in ("best", "last"):
-        raise ValueError(f"--select is best or last, got {options.select!r}")
+    if options.select not in SELECT:
+        raise ValueError(f"--select is one of {', '.join(SELECT)}, got {options.select!r}")
     with open_sweep(options.sweep, options.mlflow_uri) as store:
         client = MlflowClient(store.uri)
         chosen = chosen_configuration(client, store, options)
@@ -336,12 +485,10 @@ def finalize(options: FinalizeOptions) -> FinalizeResult:
         })  # fmt: skip
         run_id = run.info.run_id
         try:
-            members, records = final_model(client, store, chosen, options.select, run_id)
-            metrics = _test_metrics(client, chosen.seed_trials["run_id"].iloc[0], chosen.metric)
-            scores = {m: score_records(chosen.label, records, m, options.n_resamples) for m in metrics}
-            # a metric the records cannot give (VQA's yes/no AUC is scored in the loop only) is left out, not "n/a"
-            scores = {m: v for m, v in scores.items() if v["low"] is not None or m == chosen.metric}
-            test = {**scores[chosen.metric], "metrics": scores}
+            log_choice(client, run_id, chosen.choice)
+            epochs = "last" if options.select == "last" else "best"  # one_se: the chosen configuration's best epochs
+            members, records = final_model(client, store, chosen, epochs, run_id)
+            test = tested(client, chosen, records, [run_id, *chosen.seed_trials["run_id"]], options.n_resamples)
             uri, version, bundle = _register(client, store, chosen, options, run_id, members, test)
             client.set_terminated(run_id, "FINISHED")
         except BaseException:
@@ -354,17 +501,24 @@ def finalize(options: FinalizeOptions) -> FinalizeResult:
 
 
 def chosen_configuration(client: MlflowClient, store: SweepStore, options: FinalizeOptions) -> Chosen:
-    """The task's configuration chosen by validation (:func:`choose`), and whether its final model is a refit (a
-    single-split sweep's always, a cross-validated one's with ``refit``); refused where it cannot predict."""
+    """The task's configuration chosen by validation (:func:`choose`, or with ``select: one_se`` :func:`one_se_choice`)
+    with its selection-corrected estimate, and whether its final model is a refit (a single-split sweep's always, a
+    cross-validated one's with ``refit``); refused where it cannot predict."""
     candidates = candidate_table(client, store.uri, store.sweep_id, options.task, options.schema)
-    configs, trials = choose(candidates)
-    label, metric = trials["label"].iloc[0], trials["metric"].iloc[0]
+    configs, _ = choose(candidates)
+    metric = candidates["metric"].iloc[0]
+    estimate, note = selection_estimate(store.uri, candidates, configs, options.n_resamples)
+    index, one_se = one_se_choice(configs, metric, estimate, note) if options.select == "one_se" else (0, None)
+    trials = candidates[candidates["key"] == configs["key"].iloc[index]]
+    label = trials["label"].iloc[0]
     seed_trials = trials[trials["seed"] == trials["seed"].min()].sort_values("fold", na_position="first")
     config = trial_config(client, seed_trials["run_id"].iloc[0])
-    cross_validated = seed_trials["fold"].notna().any()
+    cross_validated = bool(seed_trials["fold"].notna().any())
     refitting = options.refit if options.refit is not None else not cross_validated
     check_predictable(config, ensemble=not refitting)
-    choice = _choice(configs, label, metric, cross_validated, refitting, options.select)
+    choice = _choice(configs, index, label, metric, cross_validated, refitting, options.select)
+    choice["one_se"] = one_se
+    choice["selection"] = _selection_of(estimate, note, choice["ranked"])
     return Chosen(label=label, metric=metric, trials=trials, seed_trials=seed_trials, config=config,
                   refitting=refitting, choice=choice)  # fmt: skip
 
@@ -407,17 +561,23 @@ def _register(client: MlflowClient, store: SweepStore, chosen: Chosen, options: 
     from gx_ray.deploy.pyfunc import log_pyfunc
 
     config, label = chosen.config, chosen.label
+    cohort = cohort_info(config.data.shards, store)
     info = {
         "task": config.task, "label": label, "metric": chosen.metric, "sweep_id": store.sweep_id,
-        "choice": chosen.choice, "test": test, **training_inputs(config.data.shards),
+        "choice": chosen.choice, "test": test, "cohort": cohort, **training_inputs(config.data.shards),
     }  # fmt: skip
     bundle = save_bundle(store.folder / "finalized" / label / "model", members, info)
-    card = model_card(chosen.choice, test, info, members)
+    card = model_card(chosen.choice, test, info, [m.source for m in members])
     client.log_text(run_id, card, "model_card.md")
-    client.set_tag(run_id, "mlflow.note.content", card)
+    client.set_tag(run_id, "mlflow.note.content", fitted(card, RUN_NOTE_LIMIT))
     mlflow.set_tracking_uri(store.uri)
     name = options.name or f"gx-ray-{label}"
-    version = log_pyfunc(client, run_id, bundle, name, card, options.alias, input_example(config.data.shards))
+    version = log_pyfunc(client, run_id, bundle, name, fitted(card), options.alias, input_example(config.data.shards))
+    tags = {"task": label, "schema": config.schema.name, "sweep": store.sweep_id, "cohort": cohort["name"],
+            "cohort_fingerprint": cohort["fingerprint_sha256"] or cohort["manifest_sha256"],
+            "cohort_manifest_sha256": cohort["manifest_sha256"], "select": options.select}  # fmt: skip
+    for key, value in tags.items():
+        client.set_model_version_tag(name, version, key, value)
     return f"models:/{name}@{options.alias}", version, bundle
 
 
@@ -437,51 +597,28 @@ def _test_metrics(client: MlflowClient, run_id: str, primary: str) -> list[str]:
     return [primary, *sorted(names)]
 
 
-def _choice(
-    configs: pd.DataFrame, label: str, metric: str, cross_validated: bool, refitting: bool, select: str
-) -> dict[str, Any]:
+def _choice(configs: pd.DataFrame, index: int, label: str, metric: str, cross_validated: bool, refitting: bool,
+            select: str) -> dict[str, Any]:  # fmt: skip
     shared = _varying(configs)
     ranked = [
-        {"description": describe(row.key, shared), "score": row.score, "sd": row.sd, "repeats": int(row.repeats),
-         "folds": int(row.folds), "seconds": row.seconds, "tied": bool(row.tied)}
+        {"description": describe(row.key, shared), "score": float(row.score), "sd": float(row.sd),
+         "repeats": int(row.repeats), "folds": int(row.folds), "seconds": float(row.seconds), "tied": bool(row.tied)}
         for row in configs.itertuples()
     ]  # fmt: skip
+    rule = "mean validation score over seeds" + (" (each the mean over its folds)" if cross_validated else "")
+    rule = f"one standard error of the best {rule}" if select == "one_se" else f"best {rule}; ties within {TIE} by time"
     return {
-        "label": label, "metric": metric, "rule": "best mean validation score over seeds"
-        + (" (each the mean over its folds)" if cross_validated else "") + f"; ties within {TIE} by trial time",
-        "description": ranked[0]["description"], "score": ranked[0]["score"], "repeats": ranked[0]["repeats"],
-        "settings": json.loads(configs["key"].iloc[0]), "ranked": ranked,
+        "label": label, "metric": metric, "rule": rule,
+        "description": ranked[index]["description"], "score": ranked[index]["score"],
+        "repeats": ranked[index]["repeats"], "settings": json.loads(configs["key"].iloc[index]), "ranked": ranked,
         "final_model": "refitted on training + validation patients" if refitting else "the fold models' ensemble",
-        "select": select,
+        "select": select, "cross_validated": cross_validated,
     }  # fmt: skip
 
 
-def model_card(choice: dict[str, Any], test: dict[str, Any], info: dict[str, Any], members: list[Member]) -> str:
-    """What the registered model is, what it was chosen against and how it tested, in Markdown."""
-    lines = [
-        f"# gx-ray {choice['label']}: {choice['description']}",
-        "",
-        f"From sweep `{info['sweep_id']}`. Chosen by {choice['rule']}: validation {choice['metric']} "
-        f"{choice['score']:.2f} over {choice['repeats']} seeds. Final model: {choice['final_model']} "
-        f"({len(members)} member{'s' if len(members) > 1 else ''}).",
-        "",
-        "| rank | configuration | validation mean | sd | seeds | mean trial s |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for i, row in enumerate(choice["ranked"][:10], 1):
-        sd = "" if row["sd"] is None or not math.isfinite(row["sd"]) else f"{row['sd']:.2f}"
-        tied = " (tie)" if row["tied"] and i > 1 else ""
-        lines.append(
-            f"| {i} | {row['description']}{tied} | {row['score']:.2f} | {sd} | {row['repeats']} "
-            f"| {row['seconds']:.0f} |"
-        )
-    interval = f" (95 % CI {test['low']:.2f} to {test['high']:.2f}, patient bootstrap)" if test.get("low") else ""
-    lines += [
-        "",
-        f"Held-out test split, scored once: {test['metric']} {test['value']:.2f}{interval}, {test['cases']} patients.",
-        "",
-        "Members: " + "; ".join(json.dumps(m.source) for m in members),
-        "",
-        f"Preprocessing: {json.dumps(info['inputs']['preprocess'])}",
-    ]
-    return "\n".join(lines) + "\n"
+def _selection_of(estimate: SelectionEstimate | None, note: str, ranked: list[dict[str, Any]]) -> dict[str, Any]:
+    """The estimate as the choice holds it: configurations by their description, not their row."""
+    if estimate is None:
+        return {"note": note}
+    return {**estimate.to_dict(), "chosen": ranked[estimate.chosen]["description"],
+            "indistinguishable": [ranked[i]["description"] for i in estimate.indistinguishable]}  # fmt: skip
