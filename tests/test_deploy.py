@@ -139,7 +139,7 @@ def _logged_validation(uri: str, skill: dict[str, float], folds: int | None) -> 
     for lr, lean in skill.items():
         for fold in range(folds) if folds else [None]:
             patients = [i for i in range(40) if fold is None or i % folds == fold]  # each fold validates its share
-            p = rng.dirichlet(np.ones(4), size=40) + lean * np.eye(4)[labels]
+            p = rng.dirichlet(np.ones(4), size=40) + (math.nan if lr == "diverged" else lean) * np.eye(4)[labels]
             records = [{"case_id": f"c{i}", "prediction": STAGE_GROUPS[int(p[i].argmax())],
                         "target": STAGE_GROUPS[labels[i]], "probabilities": list(p[i] / p[i].sum())}
                        for i in patients]  # fmt: skip
@@ -170,6 +170,9 @@ def test_the_selection_corrected_estimate_pools_a_seeds_folds_and_scores_the_pat
     assert estimate.method == "select-then-score" and estimate.patients == 40
     table = _logged_validation(uri, {"good": 0.25, "silent": 0.1}, folds=None)
     assert selection_estimate(uri, table, choose(table)[0], n_resamples=200) == (None, NO_VALIDATION_PREDICTIONS)
+    table = _logged_validation(uri, {"good": 0.25, "diverged": 0.1}, folds=None)  # NaN probabilities: said, no crash
+    estimate, why = selection_estimate(uri, table, choose(table)[0], n_resamples=200)
+    assert estimate is None and why.startswith("no selection-corrected estimate: ") and "nan" in why
 
 
 def test_a_refit_trains_on_training_and_validation_patients_for_the_epochs_its_seeds_validated_best_at():

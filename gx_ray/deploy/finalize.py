@@ -224,7 +224,10 @@ def validation_scorers(uri: str, candidates: pd.DataFrame, keys: list[str]) -> t
                 if logged is None:
                     return [], NO_VALIDATION_PREDICTIONS
                 records += logged
-            scorer = case_scorer(task_of(label), records, metric) if records else None
+            try:
+                scorer = case_scorer(task_of(label), records, metric) if records else None
+            except ValueError as err:  # broken records (a diverged trial's NaN probabilities): no estimate, no crash
+                return [], f"no selection-corrected estimate: {err}"
             if scorer is None:
                 return [], f"no selection-corrected estimate: {label}'s validation predictions give no {metric}"
             seeds.append(scorer)
