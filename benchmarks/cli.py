@@ -8,6 +8,8 @@ python jobs/benchmark.py vlm [--size 2b|tiny] [--batch 8] [--packing] [--varied]
     [--trials stage_classification,vqa]                        # then whole trials through the sweep
 python jobs/benchmark.py sweep [--space modality_ablation]    # a sweep's wall time: data, start-up, training
     [--cpu-hours 1 | --gpu-hours 1]                            # and a budget's forecast against the ledger
+python jobs/benchmark.py startup [--launches 3]                # launch → first optimiser step of one trial,
+                                                               # part by part, cold then warm
 python jobs/benchmark.py loop [--tasks lesion_detection] [--neighbours 3]  # a trial's loop vs its raw step
 python jobs/benchmark.py attention                            # one GPU: what attention's first sight of each
                                                                # text shape costs, cuDNN attention on vs off
@@ -81,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--data", type=Path, help="prepared data; default: the demo cohort, prepared afresh")
     sweep.add_argument("--cpu-hours", type=float, help="a budget: its forecast set beside what the trials spent")
     sweep.add_argument("--gpu-hours", type=float, help="the same in GPU-hours, for trials on GPUs")
+    startup = commands.add_parser(
+        "startup", parents=[common], help="launch → first optimiser step of one trial, part by part, cold and warm"
+    )
+    startup.add_argument("--launches", type=int, default=3, help="the first cold, the rest warm (default 3)")
+    startup.add_argument("--demo-cases", type=int, default=200, help="size of the demo cohort (default 200)")
+    startup.add_argument("--output", type=Path, default=Path("outputs/benchmark/startup"))
     cluster = commands.add_parser(
         "cluster", parents=[common], help="GPU busy fraction, start-up, DDP scaling, loop/raw, projection"
     )
@@ -223,6 +231,14 @@ def main(argv: list[str] | None = None) -> int:
         record(
             "cluster", {"gpus": f"{args.gpus}gpu" if args.gpus else "allgpus", "budget": f"{args.budget:g}s"}, result
         )
+
+    if args.command == "startup":
+        from benchmarks.startup import StartupBenchmarkConfig, format_startup_result, run_startup_benchmark
+
+        config = StartupBenchmarkConfig(launches=args.launches, demo_cases=args.demo_cases)
+        result = run_startup_benchmark(args.output, config)
+        print(format_startup_result(result))
+        record("startup", {"cases": f"{args.demo_cases}cases"}, result)
 
     if args.command == "sweep":
         from benchmarks.sweep import format_sweep_result, run_sweep_benchmark

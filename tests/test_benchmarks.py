@@ -318,3 +318,27 @@ def test_the_sweep_benchmark_sets_a_budgets_forecast_beside_what_each_trial_spen
     assert got["metric"] == "cpu_seconds" and got["spent_seconds"] == 35.0
     assert got["ratio"] == pytest.approx(50 / 35) and got["trials_compared"] == 2
     assert (got["trial_ratio_min"], got["trial_ratio_max"]) == (pytest.approx(0.8), pytest.approx(1.5))
+
+
+def test_the_startup_parts_add_up_to_launch_to_first_step_with_imports_done_ahead_counted_once():
+    """``jobs/benchmark.py startup``'s parts tile launch → first step: the driver's parts from its timings, the trial's
+    from its run's wall clocks; imports a process finished before Tune started count for nothing."""
+    from benchmarks.startup import PARTS, launch_parts, summed
+
+    launched, driver = 1000.0, 1002.0  # the command started; the driver's clock began 2 s later
+    timings = {"ray_seconds": 5.0, "data_seconds": 1.0, "mlflow_seconds": 3.0, "tune_started_seconds": 12.0,
+               "first_step_seconds": 30.0}  # fmt: skip
+    trial = {"import_started_at": driver + 13.0, "imported_at": driver + 18.0, "trial_started_at": driver + 19.0,
+             "setup_started_at": driver + 20.0, "cohort_seconds": 0.5, "build_seconds": 6.5, "setup_seconds": 7.0,
+             "first_batch_at": driver + 28.0, "first_step_at": driver + 30.0}  # fmt: skip
+    parts = launch_parts(launched, timings, trial)
+    assert list(parts) == [name for name, _ in PARTS]
+    assert list(parts.values()) == pytest.approx([2, 5, 1, 3, 3, 1, 5, 1, 1, 0.5, 6, 0.5, 1, 2])
+    total = summed(parts, trial["first_step_at"] - launched)
+    assert total["sum_of_parts"] == pytest.approx(32.0) and total["unaccounted"] == pytest.approx(0.0)
+
+    ahead = {**trial, "import_started_at": driver + 4.0, "imported_at": driver + 9.0}  # done before Tune's start
+    parts = launch_parts(launched, timings, ahead)
+    assert parts["the trial process: Ray starts it"] == 0 and parts["the trial process: its imports"] == 0
+    assert parts["Tune's trial set-up"] == pytest.approx(7.0)  # Tune's start → the trial function
+    assert summed(parts, 32.0)["unaccounted"] == pytest.approx(0.0)

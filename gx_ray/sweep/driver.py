@@ -497,6 +497,7 @@ def _fit(run: SweepRun, tuner: tune.Tuner) -> tuple[tune.ResultGrid, GpuSampler 
     host = GpuSampler(None, interval_s=1.0).start() if run.space.gpus_per_worker != 0 else None
     run.interruption.tuning = True
     memory_kills_fail_trials()  # a trial Ray kills for memory fails (and is retried) rather than ending the sweep
+    run.timings["tune_started_seconds"] = time.perf_counter() - run.started  # launch → the trials' first moment
     try:
         grid = tuner.fit()
     finally:

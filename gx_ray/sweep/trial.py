@@ -28,6 +28,7 @@ from ray import tune
 from gx_ray.preemption import DrainWatch, NodePreempted
 from gx_ray.runtime import quiet_data_context
 from gx_ray.schema import AUTO
+from gx_ray.sweep import IMPORT_STARTED_AT
 from gx_ray.sweep.schedulers import restore_record
 from gx_ray.sweep.spaces import SearchSpace
 from gx_ray.tasks import task_class
@@ -36,6 +37,10 @@ from gx_ray.train.config import TrialConfig
 from gx_ray.train.ledger import COSTS, Ledger
 from gx_ray.train.loop import WorkerContext, run_loop, train_loop_per_worker
 from gx_ray.train.telemetry import GpuSampler, sample_metrics, visible_gpu_uuids
+
+IMPORTED_AT = time.time()
+"""When this module's imports ended (torch, MLflow, Tune, the loop): with ``gx_ray.sweep.IMPORT_STARTED_AT``, what a
+trial process spends importing (``python jobs/benchmark.py startup``)."""
 
 
 @dataclass(frozen=True)
@@ -122,9 +127,12 @@ trials have none."""
 def run_trial(params: dict[str, Any], context: SweepContext) -> None:
     """One Tune trial: build its config, open its MLflow child run, train (directly or with a TorchTrainer)."""
     trial_started = time.perf_counter()
+    # wall clocks, for launch → first step across the driver's and this process's parts (jobs/benchmark.py startup)
+    stamps = {"trial_started_at": time.time()}
     cold = not _process_started
     if cold:
         _process_started.append(time.time() - psutil.Process().create_time())
+        stamps.update(imported_at=IMPORTED_AT, import_started_at=IMPORT_STARTED_AT)
     quiet_data_context()
     # MLflow prints two "View run" lines whenever a run ends: 120 lines per sweep; the parent run's are enough
     os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
@@ -145,7 +153,7 @@ def run_trial(params: dict[str, Any], context: SweepContext) -> None:
                     started=time.time() - (time.perf_counter() - trial_started))  # fmt: skip
     try:
         if not under_torch_trainer(config):
-            started = {"trial_start_seconds": time.perf_counter() - trial_started}
+            started = {"trial_start_seconds": time.perf_counter() - trial_started, **stamps}
             if cold:
                 started["process_start_seconds"] = _process_started[0]
             _train_here(setting, trial, ledger, end, started)

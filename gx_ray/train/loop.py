@@ -125,7 +125,7 @@ class TrainingRecipe:
 
     def setup(self) -> None:
         """Everything before the first epoch; its seconds are reported as ``setup_seconds``."""
-        started = time.perf_counter()
+        started, started_at = time.perf_counter(), time.time()
         seed_everything(self.config.seed)
         self._setup_model()
         built = time.perf_counter() - started
@@ -142,7 +142,9 @@ class TrainingRecipe:
         self.loss_of = loss_function(self.task, self.config, self.ctx.device)
         self.timing = {
             **self.ctx.timing,
+            "setup_started_at": started_at,  # wall clock, as first_step_at
             "setup_seconds": time.perf_counter() - started,
+            "cohort_seconds": self.cohort_seconds,  # of build_seconds: the training rows' ids read
             "build_seconds": built,  # of setup_seconds: the training rows' ids, the model (its imports the first time)
             "train_seconds": 0.0,
             "micro_batch": self.micro,
@@ -154,8 +156,10 @@ class TrainingRecipe:
         """The task and its model, fitted on the training rows (under cross-validation: the fold's training patients,
         whose chance level the test split reports), and the micro-batch that fits."""
         config, ctx = self.config, self.ctx
+        started = time.perf_counter()
         self.train_rows = split_rows(config.data.shards, "train", config.data.folds_file, config.data.fold,
                                      config.data.refit)  # fmt: skip
+        self.cohort_seconds = time.perf_counter() - started
         self.task, self.model, self.layout = build_trial(config, ctx.device, self.train_rows)
         self.parameters = sum(p.numel() for p in self.model.parameters())  # every report: a search may minimise it
         self.micro = ctx.micro_batch or probe.micro_batch_for(config, self.model, self.task, self.layout, ctx.device,
@@ -241,6 +245,7 @@ class TrainingRecipe:
         skip, group = at.micro_steps, []  # the same seeded order: skipped batches are in the weights already
         self.model.train()
         for batch in self.train_stream.batches(epoch):
+            self.timing.setdefault("first_batch_at", time.time())  # wall clock, as first_step_at
             if skip:
                 skip -= 1
                 continue
