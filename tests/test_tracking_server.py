@@ -25,13 +25,14 @@ def test_a_new_store_starts_from_the_empty_store_the_first_server_kept(tmp_path,
     with LocalMlflowServer(tmp_path / "first") as server:  # creates its tables, then keeps a copy before any use
         MlflowClient(server.uri).create_experiment("used")
     assert _experiments(empty_store()) == ["Default"]  # the copy was taken before the experiment was made
-    with LocalMlflowServer(tmp_path / "second") as server:
-        client = MlflowClient(server.uri)
-        experiment = client.create_experiment("gx-ray")
-        run = client.create_run(experiment)
-        client.log_metric(run.info.run_id, "val_primary", 0.5)
-        assert client.get_run(run.info.run_id).data.metrics == {"val_primary": 0.5}
-    assert _experiments(tmp_path / "second" / "mlflow.db") == ["Default", "gx-ray"]
-    # the second store is the copy (its Default experiment made when the first's was), not made afresh
-    assert _default_created(tmp_path / "second" / "mlflow.db") == _default_created(empty_store())
-    assert _experiments(empty_store()) == ["Default"]  # the second server used its copy, never the empty store
+    second = LocalMlflowServer(tmp_path / "second").launch()  # its store is in place before its process runs
+    second.stop()
+    store = tmp_path / "second" / "mlflow.db"
+    # the copy (its Default experiment made when the first's was), a store MLflow takes as it is, with no migration
+    assert _default_created(store) == _default_created(empty_store())
+    client = MlflowClient(f"sqlite:///{store}")
+    run = client.create_run(client.create_experiment("gx-ray"))
+    client.log_metric(run.info.run_id, "val_primary", 0.5)
+    assert client.get_run(run.info.run_id).data.metrics == {"val_primary": 0.5}
+    assert _experiments(store) == ["Default", "gx-ray"]
+    assert _experiments(empty_store()) == ["Default"]  # the new store is a copy: the empty one stays empty
