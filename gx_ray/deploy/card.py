@@ -67,7 +67,8 @@ def degenerate(test: dict[str, Any]) -> list[str]:
 
 
 def _title(choice: dict[str, Any], test: dict[str, Any], info: dict[str, Any], sources: list[dict]) -> list[str]:
-    lines = [f"# gx-ray {choice['label']}: {choice['description']}", ""]
+    # the configuration below the heading: MLflow's registry page draws a wrapped heading's lines over each other
+    lines = [f"# gx-ray {choice['label']}", "", f"**Configuration:** {choice['description']}", ""]
     if warnings := degenerate(test):
         lines += ["> **Warning: a degenerate model.** " + " ".join(warnings), ""]
     chance = f" against chance {_number(test.get('chance'))}" if test.get("chance") is not None else ""
