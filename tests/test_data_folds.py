@@ -173,12 +173,18 @@ def test_a_space_with_cv_runs_every_cell_on_every_fold_and_refuses_what_it_canno
     for where, cv in refused.items():
         with pytest.raises(SpaceError, match=where.replace("cv: ", "")):
             load_space(_cv_space(tmp_path, cv))
-    with pytest.raises(SpaceError, match="needs searcher: grid"):
-        path = tmp_path / "optuna.yaml"
-        path.write_text(yaml.safe_dump({"fixed": {"task": "stage_classification"}, "searcher": "optuna",
-                                        "sample": {"optimiser.lr": {"type": "loguniform", "low": 1e-5, "high": 1e-3}},
-                                        "cv": {"folds": 3}}))  # fmt: skip
-        load_space(str(path))
+    assert space.folds_in_trial == 0  # a grid without a scheduler: each fold a trial of its own
+    sample = {"optimiser.lr": {"type": "loguniform", "low": 1e-5, "high": 1e-3}}
+    searched = {  # a searcher or a scheduler optimises the folds' mean: each trial trains every fold
+        "optuna": {"searcher": "optuna", "sample": sample, "grid": {}, "budget": {"samples": 5}},
+        "grid + asha": {"scheduler": "asha"},
+        "random + pbt": {"searcher": "random", "scheduler": "pbt", "sample": sample},
+    }
+    for name, extra in searched.items():
+        space = load_space(_cv_space(tmp_path, {"folds": 3}, **extra))
+        assert space.folds_in_trial == 3 and "data.fold" not in space.grid, name
+    with pytest.raises(SpaceError, match="cv: .* side by side in one process: resources.workers must be 1"):
+        load_space(_cv_space(tmp_path, {"folds": 3}, scheduler="asha", resources={"workers": 2}))
     with pytest.raises(SpaceError, match="sets data.fold and data.folds_file itself"):
         load_space(_cv_space(tmp_path, {"folds": 3}, fixed={"task": "stage_classification", "data.fold": 0}))
     with pytest.raises(SpaceError, match="cross-validation .* is not built for it"):

@@ -126,9 +126,13 @@ def budgeted(options: Any, context: SweepContext, output: Path, client: MlflowCl
 
 
 def spent_so_far(client: MlflowClient, parent: str, metric: str) -> dict[str, float]:
-    """Each trial's cost as its MLflow run last logged it, by Tune trial id: what earlier runs of the sweep spent."""
-    runs = child_runs(client, parent, abandoned=True)
-    return {r.data.tags[TRIAL_TAG]: r.data.metrics.get(metric, 0.0) for r in runs}
+    """Each trial's cost as its MLflow runs last logged it (a cross-validating trial's folds' runs each hold their
+    share), by Tune trial id: what earlier runs of the sweep spent."""
+    spent: dict[str, float] = {}
+    for run in child_runs(client, parent, abandoned=True):
+        trial = run.data.tags[TRIAL_TAG]
+        spent[trial] = spent.get(trial, 0.0) + run.data.metrics.get(metric, 0.0)
+    return spent
 
 
 class BudgetStop(tune.Callback):
@@ -197,6 +201,8 @@ def forecast(context: SweepContext, budget: Budget, spent: float, at_once: int) 
     rows: dict[tuple, int] = {}
     # the first trial of each of the at_once trial processes pays the process's imports; Tune reuses them after
     costs = [_trial_cost(s, pilots[_pilot_key(s)], budget.metric, rows, i < at_once) for i, s in enumerate(settings)]
+    if space.folds_in_trial:  # each trial trains every fold, each on about the training split's rows
+        costs = [cost * space.folds_in_trial for cost in costs]
     fit, total = 0, 0.0  # of the whole sweep, from its start: a resumed sweep's spent is said beside it
     for cost in costs:
         if total + cost > budget.seconds:

@@ -61,7 +61,9 @@ TOP_LEVEL_KEYS = (
 CV_KEYS = ("folds", "stratify", "seed", "file")
 """``cv``: patient-level cross-validation over the training and validation patients (:mod:`gx_ray.data.folds`):
 ``folds`` (dealt, stratified by ``stratify``, default stage, with ``seed``) or ``file`` (a fold file of one's own,
-gx-ray's or nnU-Net's ``splits_final.json``). It adds the grid axis ``data.fold``."""
+gx-ray's or nnU-Net's ``splits_final.json``). With ``searcher: grid`` and no scheduler it adds the grid axis
+``data.fold`` (each fold a trial); with any other searcher or a scheduler each trial trains its configuration on
+every fold side by side and reports the folds' mean (:mod:`gx_ray.train.folds`), which the search optimises."""
 ANALYSIS_KEYS = ("margin",)
 """``analysis``: how the report reads the sweep; ``margin``: the equivalence margin in the primary metric's units,
 one number or one per task, against which "removing input X does not hurt" is tested."""
@@ -128,6 +130,12 @@ class SearchSpace:
             "resources.gpus_per_worker": self.gpus_per_worker,
             "resources.use_gpu": self.gpus_per_worker != 0,
         }
+
+    @property
+    def folds_in_trial(self) -> int:
+        """The folds each trial trains side by side (``cv`` with a searcher or scheduler); 0 where the folds are a
+        grid axis or there is no ``cv``."""
+        return int(self.cv["folds"]) if self.cv and "data.fold" not in self.grid else 0
 
     @property
     def multi_objective(self) -> bool:
@@ -238,9 +246,13 @@ def _parse(path: Path, doc: dict[str, Any], presets: tuple[str, ...]) -> SearchS
         raise SpaceError(
             path, "scheduler", "a multi-objective search takes no scheduler (each scheduler takes one metric)"
         )
-    cv = _cv(path, doc.get("cv"), searcher, fixed, grid, sample)
-    if cv:  # every cell on every fold: a grid axis as any other
+    cv = _cv(path, doc.get("cv"), fixed, grid, sample)
+    if cv and searcher == "grid" and scheduler == "none":  # every cell on every fold: a grid axis as any other
         grid = {**grid, "data.fold": list(range(cv["folds"]))}
+    elif cv and (int(resources.get("workers", 1)) > 1 or "resources.workers" in {**grid, **sample}
+                 or int(fixed.get("resources.workers", 1)) > 1):  # fmt: skip
+        raise SpaceError(path, "cv", "a search over cross-validated configurations trains each trial's folds "
+                         "side by side in one process: resources.workers must be 1")  # fmt: skip
     analysis = _analysis(path, doc.get("analysis") or {}, [*TASKS, *_plugin_names(fixed, grid, sample)])
     return SearchSpace(
         name=path.stem,
@@ -392,13 +404,11 @@ def _plugin_names(fixed: dict, grid: dict, sample: dict) -> list[str]:
     return names
 
 
-def _cv(path: Path, cv: Any, searcher: str, fixed: dict, grid: dict, sample: dict) -> dict[str, Any]:
+def _cv(path: Path, cv: Any, fixed: dict, grid: dict, sample: dict) -> dict[str, Any]:
     """The ``cv`` section checked and completed (``folds`` from a ``file`` is read when the sweep starts)."""
     if not cv:
         return {}
     _check_keys(path, "cv", cv, CV_KEYS)
-    if searcher != "grid":
-        raise SpaceError(path, "cv", "cross-validation runs every cell on every fold: it needs searcher: grid")
     if any("data.fold" in section or "data.folds_file" in section for section in (fixed, grid, sample)):
         raise SpaceError(path, "cv", "cv sets data.fold and data.folds_file itself: remove them from the space")
     if "file" in cv:

@@ -11,6 +11,7 @@ is already a Ray actor, and a ``TorchTrainer`` would add ~20 s of start-up), a R
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -32,10 +33,11 @@ from gx_ray.sweep import IMPORT_STARTED_AT
 from gx_ray.sweep.schedulers import restore_record
 from gx_ray.sweep.spaces import SearchSpace
 from gx_ray.tasks import task_class
-from gx_ray.tracking import ChildRun, TrialTracker, child_run, log_series, set_tags
+from gx_ray.tracking import FOLD_TAG, ChildRun, TrialTracker, child_run, log_series, set_tags
 from gx_ray.train.config import TrialConfig
+from gx_ray.train.folds import FoldGroup, fold_checkpoint, fold_config, fold_mean
 from gx_ray.train.ledger import COSTS, Ledger
-from gx_ray.train.loop import WorkerContext, run_loop, train_loop_per_worker
+from gx_ray.train.loop import TrainingRecipe, WorkerContext, run_loop, train_loop_per_worker
 from gx_ray.train.telemetry import GpuSampler, sample_metrics, visible_gpu_uuids
 
 IMPORTED_AT = time.time()
@@ -139,6 +141,10 @@ def run_trial(params: dict[str, Any], context: SweepContext) -> None:
     setting = context.setting(params)
     config, trial = setting.config, tune.get_context()
     client = MlflowClient(context.tracking_uri)
+    if context.space.folds_in_trial:
+        stamps["trial_start_seconds"] = time.perf_counter() - trial_started
+        _train_folds(setting, context, client, trial_started, stamps)
+        return
     tags = _run_tags(config, context, trial)
     run = child_run(client, context.parent_run_id, trial.get_trial_id(), trial.get_trial_name(), tags, _params(config))
     if run.status == "FINISHED":  # done before the sweep was killed, its end not saved by Tune: never trained twice
@@ -222,13 +228,20 @@ class _RunEnd:
         self.client.set_terminated(self.run_id, "FAILED")
 
 
-def _train_here(setting: TrialSetting, trial: Any, ledger: Ledger, end: _RunEnd, started: dict[str, float]) -> None:
-    """Run the loop in this process (a one-worker trial: it already holds the trial's resources)."""
-    config, share, tracker = setting.config, setting.gpu_share, end.tracker
+def _device(setting: TrialSetting) -> torch.device:
+    """The device a trial trains on in this process, its threads and (a packed trial's) share of the card set."""
+    config, share = setting.config, setting.gpu_share
     torch.set_num_threads(max(1, int(config.resources.cpus_per_worker)))
     device = torch.device("cuda" if config.resources.use_gpu and torch.cuda.is_available() else "cpu")
     if device.type == "cuda" and share < 1:  # a packed trial keeps to its share of the card's memory
         torch.cuda.set_per_process_memory_fraction(share, torch.cuda.current_device())
+    return device
+
+
+def _train_here(setting: TrialSetting, trial: Any, ledger: Ledger, end: _RunEnd, started: dict[str, float]) -> None:
+    """Run the loop in this process (a one-worker trial: it already holds the trial's resources)."""
+    config, tracker = setting.config, end.tracker
+    device = _device(setting)
     worker = WorkerContext(
         rank=0, world_size=1, device=device, report=ledger.reporting(tune.report, tracker),
         latest_checkpoint=tune.get_checkpoint(), checkpoint_class=tune.Checkpoint,
@@ -245,6 +258,54 @@ def _train_here(setting: TrialSetting, trial: Any, ledger: Ledger, end: _RunEnd,
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _train_folds(
+    setting: TrialSetting, context: SweepContext, client: MlflowClient, trial_started: float, timing: dict[str, float]
+) -> None:
+    """The configuration's folds side by side in this trial (``cv`` with a searcher or scheduler,
+    :mod:`gx_ray.train.folds`): a run, a tracker and a ledger a fold, each fold's ledger holding its share of what
+    the trial reserves; the trial reports the folds' mean. Folds whose runs had all FINISHED are not trained again."""
+    config, trial, folds = setting.config, tune.get_context(), context.space.folds_in_trial
+    tags = _run_tags(config, context, trial)
+    runs = [
+        child_run(client, context.parent_run_id, trial.get_trial_id(), f"{trial.get_trial_name()}_fold{fold}",
+                  {**tags, FOLD_TAG: str(fold)}, _params(fold_config(config, fold)))
+        for fold in range(folds)
+    ]  # fmt: skip
+    if all(run.status == "FINISHED" for run in runs):
+        tune.report(fold_mean([run.metrics for run in runs]))
+        return
+    device, latest = _device(setting), tune.get_checkpoint()
+    group, ends = FoldGroup(tune.report, tune.Checkpoint, folds), []
+    try:
+        recipes = []
+        for fold, run in enumerate(runs):
+            fold_setting = dataclasses.replace(setting, config=fold_config(config, fold))
+            tracker = _tracker(client, run, fold_setting, context)
+            ends.append(_RunEnd(client, run.run_id, tracker, trial_started, config.resources.use_gpu and fold == 0))
+            spent = {k: v for k, v in run.metrics.items() if k in COSTS}
+            ledger = Ledger(setting.gpu_share / folds, config.resources.cpus_per_worker / folds, spent,
+                            started=time.time() - (time.perf_counter() - trial_started))  # fmt: skip
+            # a PBT exploit's donor is read from the trial's checkpoint's path, not the fold's folder within it
+            on_restore = functools.partial(_record_fold_restore, tracker, fold_setting.config, trial, latest)
+            worker = WorkerContext(
+                rank=0, world_size=1, device=device, report=ledger.reporting(group.collector(fold), tracker),
+                latest_checkpoint=fold_checkpoint(latest, fold), checkpoint_class=tune.Checkpoint, tracker=tracker,
+                micro_batch=setting.plan.get("micro_batch"), timing=dict(timing),
+                before_final_report=group.deferred(ends[-1]), on_restore=on_restore,
+            )  # fmt: skip
+            recipes.append(TrainingRecipe(fold_setting.config, worker))
+            recipes[-1].setup()
+        group.train(recipes)
+    except Exception as err:
+        for end in ends:
+            end.failed(err)
+        raise
+
+
+def _record_fold_restore(tracker: TrialTracker, config: TrialConfig, trial: Any, latest: Any, restored: dict) -> None:
+    record_restore(tracker, config, trial, {**restored, "path": str(latest.path)})
 
 
 def record_restore(tracker: TrialTracker, config: TrialConfig, trial: Any, restored: dict[str, Any]) -> None:

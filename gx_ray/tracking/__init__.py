@@ -29,6 +29,8 @@ from gx_ray import storage
 
 SWEEP_TAG, TRIAL_TAG, KIND_TAG = "gx_ray.sweep_id", "gx_ray.trial_id", "gx_ray.kind"
 ABANDONED_TAG = "gx_ray.abandoned"
+FOLD_TAG = "gx_ray.fold"
+"""On each fold's run of a trial that cross-validates inside itself (:mod:`gx_ray.train.folds`): its fold."""
 PARENT_TAG = "mlflow.parentRunId"  # MLflow's own tag: the UI nests child runs under it
 MAX_PARAM_LENGTH = 6000  # MLflow 3 stores param values up to 6000 characters
 PREDICTION_SAMPLE = 50
@@ -145,11 +147,12 @@ class ChildRun:
 def child_run(
     client: MlflowClient, parent_run_id: str, trial_id: str, run_name: str, tags: dict[str, str], params: dict[str, Any]
 ) -> ChildRun:
-    """A trial's child run, nested under the sweep's parent; the same run again when a trial is retried or resumed
-    (RUNNING again, unless it had FINISHED)."""
+    """A trial's child run (one of its folds', where ``tags`` has :data:`FOLD_TAG`), nested under the sweep's parent;
+    the same run again when a trial is retried or resumed (RUNNING again, unless it had FINISHED)."""
     parent = client.get_run(parent_run_id)
     experiment_id = parent.info.experiment_id
-    if run := _find_run(client, experiment_id, {TRIAL_TAG: trial_id}):
+    fold = {FOLD_TAG: tags[FOLD_TAG]} if FOLD_TAG in tags else {}
+    if run := _find_run(client, experiment_id, {TRIAL_TAG: trial_id, **fold}):
         if run.info.status != "FINISHED":
             client.update_run(run.info.run_id, status="RUNNING")
         return ChildRun(run.info.run_id, run.info.status, dict(run.data.metrics))

@@ -217,26 +217,34 @@ class TrainingRecipe:
 
     def train(self) -> dict[str, float]:
         """Every epoch from the start (or the restored one); returns the last report's metrics."""
-        last = self.config.schedule.epochs - 1
         for epoch in range(self.start_epoch, self.config.schedule.epochs):
-            started = time.perf_counter()
-            at, train_loss = self.train_one_epoch(epoch)
-            if epoch < last:
-                self.train_stream.prefetch(epoch + 1)  # the next epoch's first batch is read while this one validates
-            self.metrics = self.validate(epoch, at, train_loss, started)
-            if epoch == last:
-                self.test(epoch, started)
-            else:
-                self.timing["train_seconds"] += time.perf_counter() - started
-            saved = epoch == last or (epoch + 1) % self.config.schedule.checkpoint_every == 0
-            config = self.config if saved else None
-            checkpoint.report(
-                self.ctx,
-                checkpoint.Report(metrics=self.metrics, parts=self.parts, epoch=epoch, best=self.best, config=config),
-            )
+            self.run_epoch(epoch)
             if self.ctx.stop_after_epochs and epoch + 1 - self.start_epoch >= self.ctx.stop_after_epochs:
                 break
         return self.metrics
+
+    def run_epoch(self, epoch: int) -> None:
+        """Train, validate (after the last epoch, test) and report ``epoch``, with a checkpoint where one is due."""
+        last = self.config.schedule.epochs - 1
+        started = time.perf_counter()
+        at, train_loss = self.train_one_epoch(epoch)
+        if epoch < last:
+            self.train_stream.prefetch(epoch + 1)  # the next epoch's first batch is read while this one validates
+        self.metrics = self.validate(epoch, at, train_loss, started)
+        if epoch == last:
+            self.test(epoch, started)
+        else:
+            self.timing["train_seconds"] += time.perf_counter() - started
+        config = self.config if self.checkpoint_due(epoch) else None
+        checkpoint.report(
+            self.ctx,
+            checkpoint.Report(metrics=self.metrics, parts=self.parts, epoch=epoch, best=self.best, config=config),
+        )
+
+    def checkpoint_due(self, epoch: int) -> bool:
+        """Whether ``epoch``'s report carries a checkpoint: every ``checkpoint_every`` epochs, and the last."""
+        schedule = self.config.schedule
+        return epoch == schedule.epochs - 1 or (epoch + 1) % schedule.checkpoint_every == 0
 
     def train_one_epoch(self, epoch: int) -> tuple[ResumePoint, float]:
         """The epoch's optimiser steps (a resumed attempt's done ones skipped); returns their sums and mean loss."""
