@@ -238,6 +238,8 @@ def out_of_fold(
     for key, group in test.groupby(keys, dropna=False):
         metric = headline_metric(key[0])
         rows = group[group["metric"] == metric].sort_values(["seed", "fold"])
+        if rows.duplicated(["seed", "fold"]).any():  # a search over other parameters: no one model per fold
+            continue
         arms[(*key, metric)] = [[scorer(r, key[0], metric) for r in seed["run_id"]] for _, seed in rows.groupby("seed")]
     cells = [dict(zip([*keys, "metric"], key, strict=True)) for key in arms]
     jobs = [BootstrapJob([arm], out_of_fold=True) for arm in arms.values()]
