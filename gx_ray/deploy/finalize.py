@@ -60,6 +60,7 @@ from gx_ray.tasks import build_task, task_of
 from gx_ray.tracking import TrialTracker, log_metrics, log_params
 from gx_ray.train.build import build_trial
 from gx_ray.train.config import TrialConfig
+from gx_ray.train.folds import FOLD_FOLDER
 from gx_ray.train.loop import CHECKPOINT_FILE, WorkerContext, run_loop
 
 TIE = 0.05
@@ -295,15 +296,19 @@ def trial_config(client: MlflowClient, run_id: str) -> TrialConfig:
         return config_from_flat(json.loads(Path(path).read_text(encoding="utf-8")))
 
 
-def tested_weights(state_root: str, sweep_id: str, trial: str) -> dict[str, torch.Tensor]:
+def tested_weights(state_root: str, sweep_id: str, trial: str, fold: int | None = None) -> dict[str, torch.Tensor]:
     """The weights trial ``trial`` (its counter, the run's ``gx_ray.trial`` tag) tested: its last checkpoint's model
-    (Tune keeps the latest checkpoint whatever its score)."""
+    (Tune keeps the latest checkpoint whatever its score); of a trial that trained its folds side by side
+    (:mod:`gx_ray.train.folds`), fold ``fold``'s."""
     folder = storage.join(state_root, sweep_id)
     trials = [name for name in storage.listdir(folder) if name.split("-", 1)[0] == trial]
     if len(trials) != 1:
         raise FileNotFoundError(f"trial {trial}'s checkpoints are not under {folder} (found {trials})")
     trial_folder = storage.join(folder, trials[0])
     checkpoints = sorted(n for n in storage.listdir(trial_folder) if n.startswith("checkpoint_"))
+    inner = FOLD_FOLDER.format(fold)  # a fold group's checkpoint holds a folder a fold
+    if fold is not None and checkpoints and inner in storage.listdir(storage.join(trial_folder, checkpoints[-1])):
+        checkpoints = [storage.join(name, inner) for name in checkpoints]
     for name in reversed(checkpoints):
         metrics = json.loads(storage.read_text(storage.join(trial_folder, name, "metrics.json")))
         if "test_primary" in metrics:  # the final epoch's: the model as tested
@@ -544,7 +549,7 @@ def final_model(client: MlflowClient, store: SweepStore, chosen: Chosen, select:
     state_root = document.get("storage") or str(store.folder / "ray")  # where the sweep's Tune state is
     seed = int(seed_trials["seed"].iloc[0])
     members = [
-        member_of(trial_config(client, t.run_id), tested_weights(state_root, store.sweep_id, t.trial),
+        member_of(trial_config(client, t.run_id), tested_weights(state_root, store.sweep_id, t.trial, int(t.fold)),
                   {"run_id": t.run_id, "trial": t.trial, "seed": seed, "fold": int(t.fold)})
         for t in seed_trials.itertuples()
     ]  # fmt: skip
