@@ -120,6 +120,8 @@ def test_the_report_finds_the_planted_difference_and_only_it(planted_sweep, tmp_
     assert (true_class[worst] < true_class.median()).all()  # the model's least confident patients, in every case
     logged = {a.path for a in MlflowClient(server.uri).list_artifacts(parent, "report")}
     assert {"report/summary.md", "report/summary.html", "report/significance.csv", "report/cells.csv"} <= logged
+    # a grid of schemas searched no parameter: no search winner to correct
+    assert "report/selection.csv" not in logged and "corrected for its selection" not in summary
     # the chance level stands beside each headline number
     assert "| chance | seeds |" in summary
     row = next(
@@ -128,6 +130,39 @@ def test_the_report_finds_the_planted_difference_and_only_it(planted_sweep, tmp_
         if line.startswith("| stage_classification | ") and "image_table |" in line
     )
     assert row.split("|")[-3].strip() == "50.0"
+
+
+def test_a_searchs_winner_is_reported_beside_its_corrected_estimate_or_why_there_is_none(planted_sweep, tmp_path):
+    """A search of ``optimiser.lr`` (two values x two seeds) logged to MLflow with validation predictions, informative
+    for one value only: ``selection.csv`` names that value with the naive and the corrected figures from the trials'
+    ``predictions/val.json``, the summary's row shows them, and a task without predictions says so in the cell."""
+    from gx_ray.analysis.report import Report, _selection_markdown, write_selection
+    from gx_ray.analysis.selection import NO_VALIDATION_PREDICTIONS
+
+    server, _ = planted_sweep
+    client = MlflowClient(server.uri)
+    parent = parent_run(client, "gx-ray", "searched-0001", {"space": "searched"})
+    for lr, schema in ((0.1, "image_only"), (0.001, "image_table")):  # the records' skill: image_table's informative
+        for seed in range(2):
+            model = {"model.vision": "resnet10_3d", "model.text": "bert_tiny", "model.fusion": "concat"}
+            params = {**model, "optimiser.lr": lr, "schema": "image_only", "seed": seed, "task": "stage_classification"}
+            tags = {"task": "stage_classification", "schema": "image_only", "seed": str(seed)}
+            run_id = child_run(client, parent, f"lr{lr}-{seed}", f"t-{lr}-{seed}", tags, params).run_id
+            log_metrics(client, run_id, {"best_val_primary": 60.0, "test_auc": 60.0}, step=0)
+            client.log_dict(run_id, _records(schema, seed), "predictions/val.json")
+            client.set_terminated(run_id, "FINISHED")
+    report = Report(tmp_path)
+    write_selection(report, load_runs(server.uri, "searched-0001"), server.uri, n_resamples=200)
+    row = pd.read_csv(tmp_path / "selection.csv").iloc[0]
+    assert (row["task"], row["configurations"], row["best"]) == ("stage_classification", 2, "optimiser.lr=0.001")
+    assert row["method"] == "select-then-score" and row["patients"] == 60 and row["indistinguishable"] == 1
+    assert row["naive"] > 90 and row["low"] <= row["corrected"] <= row["high"]
+    corrected = f"{row['corrected']:.1f} [{row['low']:.1f}, {row['high']:.1f}] (select-then-score, 60 patients)"
+    best = "optimiser.lr=0.001"
+    cells = f"| stage_classification | auc | 2 | {best} | {row['naive']:.1f} | {corrected} | 1: {best} |"
+    assert cells in _selection_markdown(report.selection)
+    silent = report.selection.assign(note=NO_VALIDATION_PREDICTIONS, corrected=np.nan)
+    assert "| none: the trials logged no validation predictions | — |" in _selection_markdown(silent)
 
 
 def test_the_demo_check_reads_chance_significance_and_time_from_the_report(planted_sweep, tmp_path):

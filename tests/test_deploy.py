@@ -6,6 +6,7 @@ and predicting on a cohort prepared apart with its external evaluation and its b
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -87,8 +88,8 @@ def test_a_lower_is_better_metric_chooses_the_smallest_and_nan_scores_never_win(
 
 
 def test_one_se_chooses_the_cheapest_configuration_within_one_standard_error_of_the_best():
+    from gx_ray.analysis.selection import NO_VALIDATION_PREDICTIONS as NO_PREDICTIONS
     from gx_ray.analysis.selection import SelectionEstimate
-    from gx_ray.deploy.finalize import NO_VALIDATION_PREDICTIONS as NO_PREDICTIONS
     from gx_ray.deploy.finalize import one_se_choice
 
     # "best" 80 +- 2 over 3 seeds (SE 1.15) at 100 s; "near" 79 at 10 s is within it, "far" 78 at 1 s is not
@@ -153,9 +154,17 @@ def _logged_validation(uri: str, skill: dict[str, float], folds: int | None) -> 
 def test_the_selection_corrected_estimate_pools_a_seeds_folds_and_scores_the_patients_every_configuration_predicted(
     tmp_path,
 ):
-    from gx_ray.deploy.finalize import NO_VALIDATION_PREDICTIONS, selection_estimate
+    from gx_ray.analysis.runs import test_records
+    from gx_ray.analysis.selection import NO_VALIDATION_PREDICTIONS
+    from gx_ray.analysis.selection import selection_estimate as estimated
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+    def selection_estimate(uri: str, table: pd.DataFrame, configs: pd.DataFrame, n_resamples: int):
+        """As finalize calls it: the trials' logged predictions/val.json, the configurations in choose()'s order."""
+        records_of = functools.partial(test_records, uri, split="val")
+        return estimated(records_of, table, list(configs["key"]), n_resamples)
+
     table = _logged_validation(uri, {"good": 0.25, "fair": 0.1, "short": 0.0}, folds=2)
     configs, _ = choose(table)
     order = [json.loads(k)["lr"] for k in configs["key"]]

@@ -24,22 +24,46 @@ from gx_ray.schema import STAGE_GROUPS
 Records = Sequence[dict[str, Any]]
 
 
+Counted = Callable[[np.ndarray], np.ndarray]
+"""``counted(counts)``: the metric of many resamples at once, each row of ``counts`` ``(resamples, cases)`` how often
+each case is drawn; the same numbers, to the last bit, as ``score`` on the cases so repeated."""
+
+
 @dataclass
 class CaseScorer:
     """``score(indices)``: the metric on the cases ``[case_ids[i] for i in indices]`` (repeats allowed);
-    ``one_answer``: the model gave every patient the same answer (:func:`one_answer`)."""
+    ``one_answer``: the model gave every patient the same answer (:func:`one_answer`); ``counted``: the metric of
+    many resamples at once (:data:`Counted`), where the metric has such a form (stage AUC and accuracy, VQA accuracy;
+    None: rescored resample by resample)."""
 
     case_ids: list[str]
     score: Callable[[np.ndarray], float]
     one_answer: bool = False
+    counted: Counted | None = None
+
+    def _positions(self, case_ids: Sequence[str], partial: bool = False) -> np.ndarray:
+        position = {case_id: i for i, case_id in enumerate(self.case_ids)}
+        return np.array([position.get(c, -1) if partial else position[c] for c in case_ids], dtype=np.int64)
 
     def aligned(self, case_ids: Sequence[str], partial: bool = False) -> Callable[[np.ndarray], float]:
         """The scorer over another ordering of (a subset of) this trial's cases: what pairs two trials. With
         ``partial``, ``case_ids`` may hold cases this trial did not score (a cross-validation fold's scorer over every
         fold's patients), which it is never asked about."""
-        position = {case_id: i for i, case_id in enumerate(self.case_ids)}
-        own = np.array([position.get(c, -1) if partial else position[c] for c in case_ids], dtype=np.int64)
+        own = self._positions(case_ids, partial)
         return lambda indices: self.score(own[np.asarray(indices, dtype=np.int64)])
+
+    def aligned_counted(self, case_ids: Sequence[str]) -> Counted | None:
+        """:attr:`counted` over another ordering of (a subset of) this trial's cases, or None without one."""
+        if self.counted is None:
+            return None
+        own, counted = self._positions(case_ids), self.counted
+
+        def aligned(counts: np.ndarray) -> np.ndarray:
+            mine = np.zeros((len(counts), len(self.case_ids)))
+            mine[:, own] = counts
+            return counted(mine)
+
+        return aligned
 
 
 def one_answer(records: Records) -> bool:
@@ -79,7 +103,50 @@ def _stage(records: Records, metric: str) -> CaseScorer | None:
     def score(indices: np.ndarray) -> float:
         return _nan_on_error(lambda: classification_metrics(probabilities[indices], labels[indices])[metric])
 
-    return CaseScorer([r["case_id"] for r in known], score)
+    return CaseScorer([r["case_id"] for r in known], score, counted=_stage_counted(probabilities, labels, metric))
+
+
+def _stage_counted(probabilities: np.ndarray, labels: np.ndarray, metric: str) -> Counted | None:
+    """:func:`~gx_ray.metrics.classification.classification_metrics`' macro ``auc`` or ``accuracy`` of many resamples
+    at once (:data:`Counted`), by the same operations on the same exact numbers: a class's rank sum over a resample is
+    a sum of half-integers, whatever the order it is added in; None for the other metrics."""
+    if metric not in ("auc", "accuracy"):
+        return None
+    one_hot = (labels[:, None] == np.arange(probabilities.shape[1])).astype(np.float64)
+    correct = (probabilities.argmax(axis=1) == labels).astype(np.float64)
+
+    def counted(counts: np.ndarray) -> np.ndarray:
+        counts = np.asarray(counts, dtype=np.float64)
+        total = counts.sum(axis=1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            if metric == "accuracy":
+                return np.where(total > 0, 100.0 * (counts @ correct / total), np.nan)
+            auc = np.column_stack([_counted_auc(probabilities[:, k], one_hot[:, k], counts, total)
+                                   for k in range(one_hot.shape[1])])  # fmt: skip
+            present = counts @ one_hot > 0
+            weights = present / present.sum(axis=1, keepdims=True)
+            auc_weights = weights * ~np.isnan(auc)
+            value = 100.0 * (np.nansum(auc * auc_weights, axis=1) / auc_weights.sum(axis=1))
+        return np.where((total > 0) & (auc_weights.sum(axis=1) > 0), value, np.nan)
+
+    return counted
+
+
+def _counted_auc(scores: np.ndarray, positive: np.ndarray, counts: np.ndarray, total: np.ndarray) -> np.ndarray:
+    """One class's one-vs-rest AUC (Mann-Whitney U, ties one half) on each row's resample: each tie group's average
+    rank from the counts drawn below it and in it, as ``scipy.stats.rankdata`` ranks the repeated cases."""
+    order = np.argsort(scores, kind="stable")
+    ordered, drawn = scores[order], counts[:, order]
+    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+    group = np.cumsum(np.r_[True, ordered[1:] != ordered[:-1]]) - 1
+    below = np.cumsum(drawn, axis=1)
+    before = np.where(starts > 0, below[:, starts - 1], 0.0)
+    within = below[:, np.r_[starts[1:] - 1, len(ordered) - 1]] - before
+    ranks = before + (within + 1) / 2
+    positives = drawn @ positive[order]
+    rank_sum = (drawn * positive[order] * ranks[:, group]).sum(axis=1)
+    pairs = positives * (total - positives)
+    return np.where(pairs > 0, (rank_sum - positives * (positives + 1) / 2) / pairs, np.nan)
 
 
 def _vqa(records: Records, metric: str) -> CaseScorer | None:
@@ -100,7 +167,12 @@ def _vqa(records: Records, metric: str) -> CaseScorer | None:
         total = asked[indices].sum()
         return 100.0 * correct[indices].sum() / total if total else float("nan")
 
-    return CaseScorer(case_ids, score)
+    def counted(counts: np.ndarray) -> np.ndarray:  # sums of whole numbers: exact in any order
+        total = counts @ asked
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(total > 0, 100.0 * (counts @ correct) / total, np.nan)
+
+    return CaseScorer(case_ids, score, counted=counted)
 
 
 MEAN_TEXT_METRICS = ("rouge_l", "meteor", "bertscore_f1")

@@ -27,6 +27,7 @@ from gx_ray.analysis import pareto, plots, reference, search_views, stats, table
 from gx_ray.analysis.appendix import appendix_markdown
 from gx_ray.analysis.cases import BootstrapJob, CaseScorer, bootstrap_jobs, case_scorer
 from gx_ray.analysis.runs import headline_metric, higher_is_better, load_runs, test_records
+from gx_ray.analysis.selection import task_winners
 from gx_ray.analysis.study import format_p
 
 REPORT_FOLDER = "report"
@@ -49,6 +50,9 @@ class Report:
     out_of_fold: pd.DataFrame | None = None
     """Cross-validated sweeps: each cell's headline metric on its out-of-fold predictions (``out_of_fold.csv``)."""
     out_of_fold_significance: pd.DataFrame | None = None
+    selection: pd.DataFrame | None = None
+    """Searches: each task's best configuration, its naive and selection-corrected validation scores
+    (``selection.csv``: :func:`~gx_ray.analysis.selection.task_winners`)."""
     seconds: float = 0.0
 
     def save(self, frame: pd.DataFrame | None, name: str) -> None:
@@ -83,6 +87,7 @@ def write_report(
     else:
         _write_cells(report, finished, runs, tracking_uri, n_resamples)
         _write_comparisons(report, finished, tracking_uri, baseline, n_resamples, margins)
+        write_selection(report, runs, tracking_uri, n_resamples)
         appendix = appendix_markdown(
             tracking_uri, sweep_id, runs, report.significance, _shards(tracking_uri, parent_run_id),
             _trial_scorers(tracking_uri),
@@ -136,6 +141,45 @@ def _write_comparisons(
     if kinds:
         report.distractors = stats.significance_table(kinds)
         report.save(report.distractors, "distractors")
+
+
+def write_selection(report: Report, runs: pd.DataFrame, tracking_uri: str, n_resamples: int = 1000) -> None:
+    """Searches: each task's winner with its selection-corrected estimate, from the trials' ``predictions/val.json``
+    (``selection.csv``); nothing for a sweep that searched no parameter."""
+    records_of = functools.partial(test_records, tracking_uri, split="val")
+    winners = task_winners(runs, records_of, n_resamples)
+    if not winners.empty:
+        report.selection = winners
+        report.save(winners, "selection")
+
+
+def _selection_markdown(table: pd.DataFrame | None) -> str:
+    """Each searched task's winner: the naive best validation score beside the selection-corrected estimate, or why
+    there is none, in words."""
+    if table is None or table.empty:
+        return ""
+    lines = [
+        "## The search's winner per task, corrected for its selection",
+        "The best validation score of many configurations is the largest of many noisy numbers: optimistic. "
+        "*Corrected*: the patients drawn with replacement, the best configuration chosen on the drawn ones and scored "
+        "on the others (BBC-CV over out-of-fold predictions under cross-validation, else select-then-score over the "
+        "validation patients), its mean and 95 % interval. *Indistinguishable*: configurations whose paired "
+        "difference to the best has an interval holding 0. The test split plays no part.",
+        "| task | metric | configurations | best configuration | naive best validation | corrected [95 % CI] | "
+        "indistinguishable from the best |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for _, row in table.iterrows():
+        if isinstance(row.get("note"), str) and row["note"]:
+            corrected, same = "none: " + row["note"].removeprefix("no selection-corrected estimate: "), "—"
+        else:
+            corrected = (f"{_fmt(row['corrected'])} [{_fmt(row['low'])}, {_fmt(row['high'])}] ({row['method']}, "
+                         f"{int(row['patients'])} patients)")  # fmt: skip
+            same = f"{int(row['indistinguishable'])}: {row['indistinguishable_configurations']}"
+        cells = [row["task"], row["metric"], str(int(row["configurations"])), row["best"], _fmt(row["naive"]),
+                 corrected, same]  # fmt: skip
+        lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
+    return "\n\n".join(lines[:2]) + "\n\n" + "\n".join(lines[2:])
 
 
 def _beside_markdown(report: Report, cohort: str) -> str:
@@ -549,6 +593,7 @@ def _summary(sweep_id: str, runs: pd.DataFrame, report: Report, cohort: str, bas
         "this design (its patients, seeds and family of comparisons) would detect with 80 % power.",
         _significance_markdown(report.significance, baseline),
         _out_of_fold_markdown(report, baseline),
+        _selection_markdown(report.selection),
         _distractors_markdown(report.distractors),
         _lesion_qa_overall_markdown(runs),
         "## Figures",

@@ -19,6 +19,7 @@ patient bootstrap (:func:`score_records`), as ``predict`` scores a new cohort. *
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import io
 import json
@@ -38,10 +39,16 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from gx_ray import storage
-from gx_ray.analysis.cases import CaseScorer, case_scorer
+from gx_ray.analysis.cases import case_scorer
 from gx_ray.analysis.report import SweepStore, cohort_of, open_sweep
 from gx_ray.analysis.runs import higher_is_better, load_runs, test_records
-from gx_ray.analysis.selection import SelectionEstimate, one_standard_error, scores_from_scorers, selection_corrected
+from gx_ray.analysis.selection import (
+    SelectionEstimate,
+    describe,
+    one_standard_error,
+    selection_estimate,
+    shared_settings,
+)
 from gx_ray.analysis.study import Resampling, two_level_bootstrap
 from gx_ray.data.prepare import QC_JSON
 from gx_ray.data.shards import MANIFEST_FILE, read_manifest
@@ -75,7 +82,6 @@ PARAM_SHOWN = 250
 """A chosen setting longer than this is cut in the run's params (whole in its ``choice.json``): params stay readable."""
 RUN_NOTE_LIMIT = 8000
 """A run tag's limit (the card as the finalize run's description, ``mlflow.note.content``)."""
-NO_VALIDATION_PREDICTIONS = "no selection-corrected estimate: the trials logged no validation predictions"
 
 
 @dataclass(frozen=True)
@@ -198,67 +204,6 @@ def choose(candidates: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     return configs.reset_index(drop=True), chosen
 
 
-def describe(key: str, base: dict[str, Any] | None = None) -> str:
-    """A configuration in a line: the settings that differ among the candidates (or all of a few)."""
-    settings = json.loads(key)
-    shown = {k: v for k, v in settings.items() if base is None or base.get(k) != v}
-    return ", ".join(f"{k}={v}" for k, v in sorted(shown.items())) or "the only configuration"
-
-
-def _varying(configs: pd.DataFrame) -> dict[str, Any]:
-    """The settings every candidate shares (what a description need not repeat)."""
-    parsed = [json.loads(k) for k in configs["key"]]
-    return {k: v for k, v in parsed[0].items() if all(p.get(k) == v for p in parsed)} if len(parsed) > 1 else {}
-
-
-def validation_scorers(uri: str, candidates: pd.DataFrame, keys: list[str]) -> tuple[list[list[CaseScorer]], str]:
-    """Per configuration (in ``keys``' order) a case scorer per seed over its ``predictions/val.json`` (a
-    cross-validated seed's fold runs pooled: every training patient once), or none and why."""
-    label, metric = candidates["label"].iloc[0], candidates["metric"].iloc[0]
-    configs = []
-    for key in keys:
-        seeds = []
-        for _, trials in candidates[candidates["key"] == key].groupby("seed", dropna=False):
-            records: list[dict[str, Any]] = []
-            for run_id in trials.sort_values("fold")["run_id"]:
-                logged = test_records(uri, run_id, split="val")
-                if logged is None:
-                    return [], NO_VALIDATION_PREDICTIONS
-                records += logged
-            try:
-                scorer = case_scorer(task_of(label), records, metric) if records else None
-            except ValueError as err:  # broken records (a diverged trial's NaN probabilities): no estimate, no crash
-                return [], f"no selection-corrected estimate: {err}"
-            if scorer is None:
-                return [], f"no selection-corrected estimate: {label}'s validation predictions give no {metric}"
-            seeds.append(scorer)
-        configs.append(seeds)
-    return configs, ""
-
-
-def selection_estimate(
-    uri: str, candidates: pd.DataFrame, configs: pd.DataFrame, n_resamples: int
-) -> tuple[SelectionEstimate | None, str]:
-    """The chosen configuration's validation score corrected for its selection among ``configs`` (BBC-CV over a
-    cross-validated sweep's out-of-fold predictions, else the select-then-score bootstrap over the validation
-    patients), on the patients every configuration predicted; or None and why."""
-    scorers, why = validation_scorers(uri, candidates, list(configs["key"]))
-    if not scorers:
-        return None, why
-    common = sorted(set.intersection(*(set(s.case_ids) for seeds in scorers for s in seeds)))
-    if len(common) < 2:
-        return None, f"no selection-corrected estimate: the configurations share {len(common)} validation patients"
-    aligned = [[CaseScorer(common, s.aligned(common)) for s in seeds] for seeds in scorers]
-    method = "bbc-cv" if candidates["fold"].notna().any() else "select-then-score"
-    try:
-        estimate = selection_corrected(scores_from_scorers(aligned), len(common), method=method,
-                                       higher_is_better=higher_is_better(candidates["metric"].iloc[0]),
-                                       n_resamples=n_resamples)  # fmt: skip
-    except ValueError as err:  # e.g. an AUC undefined on most resamples of few patients
-        return None, f"no selection-corrected estimate: {err}"
-    return estimate, ""
-
-
 def one_se_choice(
     configs: pd.DataFrame, metric: str, estimate: SelectionEstimate | None, note: str = ""
 ) -> tuple[int, dict[str, Any]]:
@@ -275,7 +220,7 @@ def one_se_choice(
         raise ValueError(f"--select one_se needs the best configuration's standard error: it ran one seed, and {why}")
     costs = configs["seconds"].fillna(math.inf).to_numpy(float)
     index = one_standard_error(scores, errors, costs, higher_is_better=higher)
-    shared = _varying(configs)
+    shared = shared_settings(configs["key"])
     se_from = (f"across its {repeats[best]} seeds" if repeats[best] >= 2
                else f"bootstrap over {estimate.patients} validation patients")  # fmt: skip
     return index, {
@@ -515,7 +460,8 @@ def chosen_configuration(client: MlflowClient, store: SweepStore, options: Final
     candidates = candidate_table(client, store.uri, store.sweep_id, options.task, options.schema)
     configs, _ = choose(candidates)
     metric = candidates["metric"].iloc[0]
-    estimate, note = selection_estimate(store.uri, candidates, configs, options.n_resamples)
+    records_of = functools.partial(test_records, store.uri, split="val")
+    estimate, note = selection_estimate(records_of, candidates, list(configs["key"]), options.n_resamples)
     index, one_se = one_se_choice(configs, metric, estimate, note) if options.select == "one_se" else (0, None)
     trials = candidates[candidates["key"] == configs["key"].iloc[index]]
     label = trials["label"].iloc[0]
@@ -607,7 +553,7 @@ def _test_metrics(client: MlflowClient, run_id: str, primary: str) -> list[str]:
 
 def _choice(configs: pd.DataFrame, index: int, label: str, metric: str, cross_validated: bool, refitting: bool,
             select: str) -> dict[str, Any]:  # fmt: skip
-    shared = _varying(configs)
+    shared = shared_settings(configs["key"])
     ranked = [
         {"description": describe(row.key, shared), "score": float(row.score), "sd": float(row.sd),
          "repeats": int(row.repeats), "folds": int(row.folds), "seconds": float(row.seconds), "tied": bool(row.tied)}
