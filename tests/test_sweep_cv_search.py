@@ -13,6 +13,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from gx_ray.data.stream import split_rows
+from gx_ray.deploy import finalize  # not its tested_weights by name: pytest would collect it
 from gx_ray.sweep.driver import SweepOptions, run_sweep
 from gx_ray.tracking import FOLD_TAG, KIND_TAG, SWEEP_TAG, TRIAL_TAG
 from gx_ray.tracking.server import LocalMlflowServer
@@ -80,6 +81,11 @@ def test_tpe_with_asha_and_pbt_search_the_folds_mean_with_a_run_per_fold(ray_clu
                     epoch = report["epoch"]
                     assert report["val_primary"] == pytest.approx(sum(h[epoch] for h in history) / FOLDS), name
                 if all(r.info.status == "FINISHED" for r in folds):  # every training patient predicted once
+                    # finalize's fold ensemble takes each fold's own tested weights from the trial's checkpoint
+                    tested = {weights_sha256(finalize.tested_weights(str(result.output / "ray"), result.sweep_id,
+                                                            r.data.tags["gx_ray.trial"], int(r.data.tags[FOLD_TAG])))
+                              for r in folds}  # fmt: skip
+                    assert len(tested) == FOLDS, name
                     predicted = []
                     for run in folds:
                         local = client.download_artifacts(run.info.run_id, "predictions/val.json", str(tmp_path))
