@@ -241,7 +241,8 @@ def test_each_searched_tasks_winner_beside_its_corrected_estimate_from_hand_made
     predictions (60 patients) are informative for one configuration only: the report's row names it, its naive score
     is its seeds' mean AUC on those predictions, both it and the corrected estimate lie within the interval, and the
     uninformative configurations are told apart from it. A trial without predictions: the logged best is named and
-    the note says why there is no estimate. A pure grid (nothing searched): no row."""
+    the note says why there is no estimate. A pure grid (nothing searched), or every validation score undefined: no
+    row."""
     from gx_ray.analysis.selection import NO_VALIDATION_PREDICTIONS, task_winners
     from gx_ray.metrics.classification import classification_metrics
     from tests.common import make_runs
@@ -273,3 +274,6 @@ def test_each_searched_tasks_winner_beside_its_corrected_estimate_from_hand_made
     schema, lr = logged.idxmax()
     assert winner["best"] == f"optimiser.lr={lr}, schema={schema}" and winner["naive"] == pytest.approx(logged.max())
     assert task_winners(make_runs(seeds=2, tasks=("stage_classification",)), records.get).empty
+    undefined = runs.assign(value=np.where(runs["split"] == "val", np.nan, runs["value"]))  # every AUC undefined
+    undefined.attrs = runs.attrs
+    assert task_winners(undefined, records.get).empty

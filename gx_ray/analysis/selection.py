@@ -344,6 +344,8 @@ def task_winners(runs: pd.DataFrame, records_of: RecordsOf, n_resamples: int = 1
         candidates = val.assign(label=task, key=[json.dumps(s, sort_keys=True, default=str) for s in settings])
         score = candidates.groupby(["key", "seed"])["value"].mean().groupby("key").mean().dropna()
         keys = list(score.sort_values(ascending=not higher_is_better(metric), kind="stable").index)
+        if not keys:  # every trial's validation score undefined (NaN): nothing was chosen
+            continue
         estimate, note = selection_estimate(records_of, candidates[candidates["key"].isin(keys)], keys, n_resamples)
         rows.append(_winner(task, metric, keys, float(score[keys[0]]), estimate, note))
     return pd.DataFrame(rows)
