@@ -153,6 +153,10 @@ def write_selection(report: Report, runs: pd.DataFrame, tracking_uri: str, n_res
         report.save(winners, "selection")
 
 
+SHOWN_NAMES = 5
+"""The summary names this many configurations indistinguishable from the best (``selection.csv`` all of them)."""
+
+
 def _selection_markdown(table: pd.DataFrame | None) -> str:
     """Each searched task's winner: the naive best validation score beside the selection-corrected estimate, or why
     there is none, in words."""
@@ -175,7 +179,9 @@ def _selection_markdown(table: pd.DataFrame | None) -> str:
         else:
             corrected = (f"{_fmt(row['corrected'])} [{_fmt(row['low'])}, {_fmt(row['high'])}] ({row['method']}, "
                          f"{int(row['patients'])} patients)")  # fmt: skip
-            same = f"{int(row['indistinguishable'])}: {row['indistinguishable_configurations']}"
+            names = row["indistinguishable_configurations"].split("; ")  # a wide search: five, the rest in the CSV
+            more = f"; and {len(names) - SHOWN_NAMES} more" if len(names) > SHOWN_NAMES else ""
+            same = f"{int(row['indistinguishable'])}: {'; '.join(names[:SHOWN_NAMES])}{more}"
         cells = [row["task"], row["metric"], str(int(row["configurations"])), row["best"], _fmt(row["naive"]),
                  corrected, same]  # fmt: skip
         lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
