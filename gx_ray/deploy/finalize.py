@@ -143,8 +143,10 @@ def selection_line(selection: dict[str, Any]) -> str:
     if "corrected" not in selection:
         return selection.get("note", "no selection-corrected estimate")
     same = selection["indistinguishable"]
+    # BBC-CV's naive score is of the pooled out-of-fold predictions: not the folds' mean the choice above reads
+    pooled = " (pooled out-of-fold)" if selection["method"] == "bbc-cv" else ""
     return (
-        f"selection: naive best validation {selection['naive']:.1f}, corrected {selection['corrected']:.1f} "
+        f"selection: naive best validation{pooled} {selection['naive']:.1f}, corrected {selection['corrected']:.1f} "
         f"[{selection['low']:.1f}, {selection['high']:.1f}] ({selection['method']}, {selection['configurations']} "
         f"configurations, {selection['patients']} patients); indistinguishable from the best: {len(same)} "
         f"({'; '.join(same[:5])}{' ...' if len(same) > 5 else ''})"
