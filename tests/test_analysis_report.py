@@ -163,6 +163,8 @@ def test_a_searchs_winner_is_reported_beside_its_corrected_estimate_or_why_there
     assert cells in _selection_markdown(report.selection)
     wide = report.selection.assign(indistinguishable=7, indistinguishable_configurations="; ".join("abcdefg"))
     assert "| 7: a; b; c; d; e; and 2 more |" in _selection_markdown(wide)  # a wide search's cell stays readable
+    pooled = report.selection.assign(method="bbc-cv")  # under cross-validation: the pooled out-of-fold predictions'
+    assert f"| {row['naive']:.1f} (pooled out-of-fold) | {row['corrected']:.1f} [" in _selection_markdown(pooled)
     silent = report.selection.assign(note=NO_VALIDATION_PREDICTIONS, corrected=np.nan)
     assert "| none: the trials logged no validation predictions | — |" in _selection_markdown(silent)
 
