@@ -80,6 +80,11 @@ def test_tpe_with_asha_and_pbt_search_the_folds_mean_with_a_run_per_fold(ray_clu
                 for report in trial_reports:  # what the searcher and scheduler saw: the folds' mean, every epoch
                     epoch = report["epoch"]
                     assert report["val_primary"] == pytest.approx(sum(h[epoch] for h in history) / FOLDS), name
+                # the trial's one CPU counted once: each fold's run holds its share, the trial their sum
+                spent = [r.data.metrics["cpu_seconds"] for r in folds]
+                assert trial_reports[-1]["cpu_seconds"] == pytest.approx(sum(spent)), name
+                if name == "tpe+asha":  # (a PBT trial restored from its donor goes on from its own earlier costs)
+                    assert sum(spent) < 1.5 * trial_reports[-1]["time_total_s"], name
                 if all(r.info.status == "FINISHED" for r in folds):  # every training patient predicted once
                     # finalize's fold ensemble takes each fold's own tested weights from the trial's checkpoint
                     tested = {weights_sha256(finalize.tested_weights(str(result.output / "ray"), result.sweep_id,
