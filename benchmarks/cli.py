@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     startup.add_argument("--launches", type=int, default=3, help="the first cold, the rest warm (default 3)")
     startup.add_argument("--demo-cases", type=int, default=200, help="size of the demo cohort (default 200)")
+    startup.add_argument("--gpu", action="store_true", help="the trial on one GPU (4 CPUs), as a GPU sweep's")
     startup.add_argument("--output", type=Path, default=Path("outputs/benchmark/startup"))
     cluster = commands.add_parser(
         "cluster", parents=[common], help="GPU busy fraction, start-up, DDP scaling, loop/raw, projection"
@@ -235,10 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "startup":
         from benchmarks.startup import StartupBenchmarkConfig, format_startup_result, run_startup_benchmark
 
-        config = StartupBenchmarkConfig(launches=args.launches, demo_cases=args.demo_cases)
+        config = StartupBenchmarkConfig(launches=args.launches, demo_cases=args.demo_cases, gpu=args.gpu)
         result = run_startup_benchmark(args.output, config)
         print(format_startup_result(result))
-        record("startup", {"cases": f"{args.demo_cases}cases"}, result)
+        record("startup", {"cases": f"{args.demo_cases}cases", **({"trial": "gputrial"} if args.gpu else {})}, result)
 
     if args.command == "sweep":
         from benchmarks.sweep import format_sweep_result, run_sweep_benchmark

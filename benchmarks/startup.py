@@ -68,6 +68,8 @@ class StartupBenchmarkConfig:
     """The first cold, the rest warm."""
     demo_cases: int = 200
     timeout_s: float = 600.0
+    gpu: bool = False
+    """The trial on one GPU (``resources.gpus_per_worker: 1``, 4 CPUs), as a GPU sweep's trials run."""
 
 
 def launch_parts(launched: float, timings: dict[str, float], metrics: dict[str, float]) -> dict[str, float]:
@@ -143,7 +145,8 @@ def run_startup_benchmark(out: Path, config: StartupBenchmarkConfig = StartupBen
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     space = out / "startup.yaml"
-    space.write_text(yaml.safe_dump(SPACE), encoding="utf-8")
+    resources = {"resources": {"workers": 1, "cpus_per_worker": 4, "gpus_per_worker": 1}} if config.gpu else {}
+    space.write_text(yaml.safe_dump({**SPACE, **resources}), encoding="utf-8")
     # run from ``out``: jobs/sweep.py's default demo folder, outputs/demo, is prepared there by the first launch
     launches = [_launch(out / f"launch-{i}", space, config, out) for i in range(config.launches)]
     warm = launches[1:]
