@@ -5,10 +5,11 @@ wire protocol and stands in here for S3 or MinIO (no real bucket is reachable fr
 
 Nodes, servers and drivers run in a network namespace of the test's own whose one interface is loopback
 (:mod:`tests.netns`): every node is 127.0.0.1 and nothing outside reaches them. Every node on one host's loopback
-reaches a loopback MLflow, so the sweep's own server and one on 127.0.0.1 are both accepted; a node at another
-address (one more address of the namespace's loopback, standing in for another machine) gets it refused.
+reaches a loopback MLflow, so the sweep's own server is accepted (as one on 127.0.0.1 given with ``--mlflow-uri`` is in
+tests/test_sweep_share.py); a node at another address (one more address of the namespace's loopback, standing in for
+another machine) gets it refused.
 
-The data are prepared onto the bucket by tasks on the worker nodes, the sweep reads them there and keeps Tune's and
+The data are prepared onto the bucket by tasks on a worker node, the sweep reads them there and keeps Tune's and
 Train's state there; a worker node killed mid-trial (its raylet) is survived: the trial resumes from its last
 checkpoint on a node that joined mid-sweep, nothing lost or logged twice."""
 
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -34,7 +36,7 @@ from mlflow.tracking import MlflowClient
 
 from gx_ray.sweep.driver import EXPERIMENT
 from gx_ray.tracking import KIND_TAG, TRIAL_TAG
-from gx_ray.tracking.server import LocalMlflowServer, free_port
+from gx_ray.tracking.server import PID_FILE, free_port
 from gx_ray.train.loop import CHECKPOINT_FILE
 from tests.common import small_stage_space
 from tests.netns import loopback_namespace
@@ -80,6 +82,12 @@ class RayNodes:
         self.nodes[name] = subprocess.Popen(
             command, cwd=folder, env=env, stdout=log, stderr=log, start_new_session=True
         )
+        # each look at the cluster is a driver of its own (~3 s of a CPU on 2 cores): none before the node runs
+        deadline = time.monotonic() + 60
+        while self.nodes[name].poll() is None and time.monotonic() < deadline:
+            if "Ray runtime started" in (folder / "ray.log").read_text(errors="replace"):
+                break
+            time.sleep(0.2)
         self.wait_for(lambda nodes: name in nodes, f"node {name} to join")
 
     def alive(self) -> dict[str, str]:
@@ -165,13 +173,6 @@ def s3(loopback, monkeypatch) -> Iterator[object]:
 
 
 @pytest.fixture
-def mlflow_uri(loopback, tmp_path) -> Iterator[str]:
-    """A tracking server on 127.0.0.1: every node of this host reaches it."""
-    with LocalMlflowServer(tmp_path / "mlflow") as server:
-        yield server.uri
-
-
-@pytest.fixture
 def nodes(s3, monkeypatch) -> Iterator[RayNodes]:
     # token authentication on, as every recipe runs it: nodes and drivers share one token (each node's HOME differs,
     # so not through ~/.ray/auth_token). Needed in any case: the session's own ray.init() has set RAY_AUTH_MODE=token
@@ -225,63 +226,44 @@ def _trials(client: MlflowClient) -> list:
     return [r for r in runs if r.data.tags.get(KIND_TAG) == "trial"]
 
 
+def _live_trials(driver: Path) -> list:
+    """The trial runs of the sweep run from ``driver``, through its own server while it runs ([] until it answers)."""
+    records = list(driver.glob(f"out/*/mlflow/{PID_FILE}"))
+    if not records:
+        return []
+    uri = f"http://127.0.0.1:{json.loads(records[0].read_text(encoding='utf-8'))['port']}"
+    try:
+        urllib.request.urlopen(f"{uri}/health", timeout=5).close()
+    except OSError:  # not up yet
+        return []
+    return _trials(MlflowClient(uri))
+
+
 def _assert_epochs_once(client: MlflowClient, run, epochs: int) -> None:
     for key in ("epoch", "val_primary", "train_loss"):
         steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
         assert steps == list(range(epochs)), f"{key} of {run.info.run_name}: steps {steps} (lost or logged twice)"
 
 
-def test_sweeps_on_several_nodes_keep_everything_in_the_object_store_and_survive_a_lost_node(
-    nodes, s3, mlflow_uri, tmp_path
-):
-    """One cluster (a head without CPUs, worker nodes), the cohort prepared onto the bucket by tasks on the workers:
-    a sweep reads it there and keeps its state there, with its own loopback MLflow; a second sweep (the team's
-    MLflow) loses its node mid-trial and resumes on a node that joined, nothing lost or logged twice; and a node at
-    another address makes a loopback MLflow refused before any work."""
+def test_a_sweep_on_several_nodes_keeps_everything_in_the_object_store_and_survives_a_lost_node(nodes, s3, tmp_path):
+    """One cluster (a head without CPUs, a worker node), the cohort prepared onto the bucket by tasks on the worker:
+    a sweep reads it there and keeps its state there, with its own loopback MLflow; it loses its node mid-trial and
+    resumes on a node that joined, nothing lost or logged twice; and a node at another address makes a loopback
+    MLflow refused before any work."""
     nodes.start("worker1", cpus=2)
-    nodes.start("worker2", cpus=2)
-    ids = nodes.alive()
-    _prepare(nodes, tmp_path)  # preprocessing tasks run on the workers: the head has no CPU
+    _prepare(nodes, tmp_path)  # preprocessing tasks run on the worker: the head has no CPU
     data = _objects(s3, "gx-data")
     assert "cohort/shards/manifest.json" in data and "cohort/qc_report.md" in data
     assert any(key.endswith(".parquet") for key in data)
     assert not any(key.startswith("cohort/raw") for key in data), "the raw demo cohort is not part of the data"
 
-    space, driver, log = _space(tmp_path, epochs=2, seeds=2), tmp_path / "driver", tmp_path / "sweep.log"
-    # no --mlflow-uri: the sweep's own server on the driver's loopback, which trials on every node of this host reach
-    process = _run(_sweep_command(nodes, space, None), driver, log)
-    assert process.wait(timeout=900) == 0, log.read_text(errors="replace")[-4000:]
-
-    sweep_id = next(iter(driver.glob("out/*/sweep.json"))).parent.name
-    with LocalMlflowServer(driver / "out" / sweep_id / "mlflow") as server:  # the sweep's own store, served again
-        client = MlflowClient(server.uri)
-        trials = _trials(client)
-        assert len(trials) == 2 and {r.info.status for r in trials} == {"FINISHED"}
-        workers = {ids["worker1"], ids["worker2"]}
-        for run in trials:
-            assert run.data.tags["gx_ray.node_id"] in workers, "a trial ran on the head node"
-            _assert_epochs_once(client, run, 2)
-    assert _objects(s3, "gx-data") == data, "the sweep wrote into --data (it is read-only to a sweep)"
-    state = _objects(s3, "gx-state")
-    assert any(k.startswith(f"sweeps/{sweep_id}/") and "experiment_state" in k for k in state), sorted(state)[:20]
-    checkpoints = [k for k in state if "/checkpoint_" in k and k.endswith(CHECKPOINT_FILE)]
-    assert len({k.split("/checkpoint_")[0] for k in checkpoints}) == 2, "each trial keeps its checkpoints in the bucket"
-    assert f"sweeps/{sweep_id}/driver/sweep.json" in state and f"sweeps/{sweep_id}/driver/report/summary.md" in state
-    assert not (driver / "out" / sweep_id / "ray").exists(), "Tune's state went to the driver's disk"
-    for name in ("worker1", "worker2"):  # nothing a trial writes lands in a worker's working directory
-        assert sorted(p.name for p in nodes.folder(name).iterdir()) == ["home", "ray.log", "tmp"]
-
-    # a worker node lost mid-trial: worker1 the only node with CPUs, its trial resumes on worker3, which joins
+    # no --mlflow-uri: the sweep's own server on the driver's loopback, which trials on every node of this host reach.
+    # worker1 is the only node with CPUs; lost mid-trial, its trial resumes on worker3, which joins
     epochs = 4
-    nodes.kill_raylet("worker2")
-    nodes.wait_for(lambda alive: "worker2" not in alive, "worker2 seen gone")
-    (tmp_path / "lost").mkdir()
-    space, log = _space(tmp_path / "lost", epochs=epochs, seeds=2), tmp_path / "lost.log"
-    driver = tmp_path / "lost" / "driver"
-    process = _run([*_sweep_command(nodes, space, mlflow_uri), "--max-concurrent", "1"], driver, log)
-    client = MlflowClient(mlflow_uri)
+    space, driver, log = _space(tmp_path, epochs=epochs, seeds=2), tmp_path / "driver", tmp_path / "sweep.log"
+    process = _run([*_sweep_command(nodes, space, None), "--max-concurrent", "1"], driver, log)
     deadline = time.monotonic() + 600
-    while not any(r.info.status == "RUNNING" and r.data.metrics.get("epoch", -1) >= 1 for r in _trials(client)):
+    while not any(r.info.status == "RUNNING" and r.data.metrics.get("epoch", -1) >= 1 for r in _live_trials(driver)):
         assert process.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-4000:]
         time.sleep(0.5)
     nodes.kill_raylet("worker1")  # lost mid-trial, after a checkpoint reached the bucket
@@ -289,15 +271,26 @@ def test_sweeps_on_several_nodes_keep_everything_in_the_object_store_and_survive
     ids = nodes.wait_for(lambda alive: "worker1" not in alive and "worker3" in alive, "worker1 seen lost")
     assert process.wait(timeout=900) == 0, log.read_text(errors="replace")[-4000:]
 
+    sweep_id = next(iter(driver.glob("out/*/sweep.json"))).parent.name
+    client = MlflowClient(f"sqlite:///{driver / 'out' / sweep_id / 'mlflow' / 'mlflow.db'}")  # the sweep's own store
     trials = _trials(client)
     assert len(trials) == 2, f"{len(trials)} trial runs for 2 cells: one was run twice or lost"
     assert {r.info.status for r in trials} == {"FINISHED"}
     assert len({r.data.tags[TRIAL_TAG] for r in trials}) == 2
-    for run in trials:
+    for run in trials:  # never the head, which has no CPU
         assert run.data.tags["gx_ray.node_id"] == ids["worker3"], "the joined node took over the sweep's trials"
         _assert_epochs_once(client, run, epochs)
     resumed = [r for r in trials if "resumed_from_epoch" in r.data.metrics]
     assert len(resumed) == 1 and resumed[0].data.metrics["resumed_from_epoch"] >= 1, "not resumed from a checkpoint"
+    assert _objects(s3, "gx-data") == data, "the sweep wrote into --data (it is read-only to a sweep)"
+    state = _objects(s3, "gx-state")
+    assert any(k.startswith(f"sweeps/{sweep_id}/") and "experiment_state" in k for k in state), sorted(state)[:20]
+    checkpoints = [k for k in state if "/checkpoint_" in k and k.endswith(CHECKPOINT_FILE)]
+    assert len({k.split("/checkpoint_")[0] for k in checkpoints}) == 2, "each trial keeps its checkpoints in the bucket"
+    assert f"sweeps/{sweep_id}/driver/sweep.json" in state and f"sweeps/{sweep_id}/driver/report/summary.md" in state
+    assert not (driver / "out" / sweep_id / "ray").exists(), "Tune's state went to the driver's disk"
+    for name in ("worker1", "worker3"):  # nothing a trial writes lands in a worker's working directory
+        assert sorted(p.name for p in nodes.folder(name).iterdir()) == ["home", "ray.log", "tmp"]
 
     # a node at another address: trials there could not reach the driver's loopback, refused before any work
     nodes.start("elsewhere", cpus=0, ip=ELSEWHERE)
