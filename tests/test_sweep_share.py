@@ -258,6 +258,10 @@ def test_two_weighted_sweeps_share_one_cluster_and_nothing_of_one_lands_in_the_o
         drivers = [first]
         try:
             deadline = time.monotonic() + 300
+            # each look at the registry is a driver of its own (~3 s of a CPU on 2 cores): none before a trial runs
+            while not _runs(client, "trial"):
+                assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()
+                time.sleep(0.5)
             while sum(s["usage"].get("CPU", 0) for s in _registry(cluster)["sweeps"].values()) < 3:  # alone: all 3
                 assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()
                 time.sleep(1)
