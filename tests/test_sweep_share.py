@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -363,9 +364,14 @@ def test_a_node_told_to_go_checkpoints_its_trial_which_finishes_on_another(clust
     assert lr_steps == list(range(len(lr_steps))) and len(lr_steps) >= epochs, f"optimiser steps {lr_steps}"
     results = [json.loads(line) for path in (driver / "state").glob("*/*/result.json") for line in path.open()]
     preempted = [r for r in results if r.get("preempted")]
-    assert len(preempted) == 1, "the trial did not checkpoint on its node's notice"
-    assert preempted[0]["timestamp"] >= int(told_at) and preempted[0].get("checkpoint_dir_name"), preempted[0]
+    said = set(re.findall(r"checkpointed at step \d+ of epoch (\d+), to go on elsewhere", log.read_text()))
+    if preempted:
+        assert len(preempted) == 1, "the trial checkpointed on more than one notice"
+        assert preempted[0]["timestamp"] >= int(told_at) and preempted[0].get("checkpoint_dir_name"), preempted[0]
+        restarted_in = preempted[0].get("epoch", -1) + 1
+    else:  # Tune's result.json can miss the result reported as the attempt ended (seen once at load 9): its error
+        assert len(said) == 1, "the trial did not checkpoint on its node's notice"
+        restarted_in = int(said.pop())
     # the attempt after it went on from that checkpoint: the epoch it was in, not the one before
-    restarted_in = preempted[0].get("epoch", -1) + 1
     assert run.data.metrics["resumed_from_epoch"] == restarted_in
     assert "gx_ray.error" not in run.data.tags
