@@ -154,9 +154,7 @@ def run_trial(params: dict[str, Any], context: SweepContext) -> None:
     end = _RunEnd(client, run.run_id, tracker, trial_started, config.resources.use_gpu)
     # its cost: what Ray reserves for it over its wall time, going on from its earlier attempts' (gx_ray.train.ledger)
     workers = config.resources.workers if under_torch_trainer(config) else 1
-    spent = {k: v for k, v in run.metrics.items() if k in COSTS}
-    ledger = Ledger(workers * setting.gpu_share, workers * config.resources.cpus_per_worker, spent,
-                    started=time.time() - (time.perf_counter() - trial_started))  # fmt: skip
+    ledger = _ledger(run, workers * setting.gpu_share, workers * config.resources.cpus_per_worker, trial_started)
     try:
         if not under_torch_trainer(config):
             started = {"trial_start_seconds": time.perf_counter() - trial_started, **stamps}
@@ -284,9 +282,7 @@ def _train_folds(
             fold_setting = dataclasses.replace(setting, config=fold_config(config, fold))
             tracker = _tracker(client, run, fold_setting, context)
             ends.append(_RunEnd(client, run.run_id, tracker, trial_started, config.resources.use_gpu and fold == 0))
-            spent = {k: v for k, v in run.metrics.items() if k in COSTS}
-            ledger = Ledger(setting.gpu_share / folds, config.resources.cpus_per_worker / folds, spent,
-                            started=time.time() - (time.perf_counter() - trial_started))  # fmt: skip
+            ledger = _ledger(run, setting.gpu_share / folds, config.resources.cpus_per_worker / folds, trial_started)
             # a PBT exploit's donor is read from the trial's checkpoint's path, not the fold's folder within it
             on_restore = functools.partial(_record_fold_restore, tracker, fold_setting.config, trial, latest)
             worker = WorkerContext(
@@ -302,6 +298,13 @@ def _train_folds(
         for end in ends:
             end.failed(err)
         raise
+
+
+def _ledger(run: ChildRun, gpus: float, cpus: float, trial_started: float) -> Ledger:
+    """The ledger of ``run`` holding ``gpus`` and ``cpus``: going on from what its earlier attempts logged, counting
+    this attempt from the trial's start (``trial_started``, ``time.perf_counter()``)."""
+    spent = {k: v for k, v in run.metrics.items() if k in COSTS}
+    return Ledger(gpus, cpus, spent, started=time.time() - (time.perf_counter() - trial_started))
 
 
 def _record_fold_restore(tracker: TrialTracker, config: TrialConfig, trial: Any, latest: Any, restored: dict) -> None:
