@@ -29,8 +29,10 @@ from gx_ray.models.lora import LoraSettings, apply_lora
 IGNORE = -100
 
 
-VLM_LORA = LoraSettings(dropout=0.05, target_modules=("q_proj", "v_proj"))
-"""LoRA on the language model's attention query and value projections (their names in Llama, Gemma, Qwen)."""
+VLM_LORA = LoraSettings(dropout=0.05)
+"""LoRA on the language model's attention query and value projections, named as its family names them
+(:data:`~gx_ray.models.lora.LORA_TARGETS`: ``q_proj``/``v_proj`` in LLaMA, Mistral, Qwen, Gemma, OPT; ``q``/``v`` in
+T5)."""
 VISION_MODULES = r".*(vision|visual).*"
 """Full module names of a vision tower (``vision_tower``, ``visual``): no adapters there unless ``lora_vision``."""
 PACKABLE = {"llava": ("llama", "qwen2")}
@@ -61,8 +63,9 @@ class VLMConfig:
     lora_rank: int = 8
     lora_alpha: int = 16
     lora_dropout: float = 0.05
-    lora_targets: tuple[str, ...] = VLM_LORA.target_modules
-    """Module names (suffixes) that get adapters; a comma-separated string is read as the same list."""
+    lora_targets: tuple[str, ...] = ()
+    """Module names (suffixes) that get adapters; a comma-separated string is read as the same list; empty or
+    ``auto``: the language model's family's (:func:`~gx_ray.models.lora.family_targets`)."""
     lora_vision: bool = False
     """Adapters in the vision tower too (by default it has none)."""
     train_vision: bool = False
@@ -76,9 +79,10 @@ class VLMConfig:
     padded."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.lora_targets, str):  # "q_proj,v_proj": how a search space samples a set (Optuna takes strs)
-            targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
-            object.__setattr__(self, "lora_targets", targets)
+        targets = self.lora_targets
+        if isinstance(targets, str):  # "q_proj,v_proj": how a search space samples a set (Optuna takes strs)
+            targets = targets.split(",")
+        object.__setattr__(self, "lora_targets", tuple(t.strip() for t in targets if t.strip() not in ("", "auto")))
         if self.lora:
             self.lora_settings()  # a rank below 1 or no targets fails here, naming the setting
         elif not (self.train_vision or self.train_language):
