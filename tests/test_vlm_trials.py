@@ -22,10 +22,10 @@ from gx_ray.metrics.cascade import question_prompt
 from gx_ray.modalities import resolve_schema
 from gx_ray.modalities.views import ViewsConfig
 from gx_ray.models.lora import LoraSettings
-from gx_ray.schema import BOX_LEVELS, PHASES
+from gx_ray.schema import PHASES
 from gx_ray.train.config import TrialConfig
 
-from .vlm_fixtures import FAMILIES
+from .vlm_fixtures import FAMILIES, vlm_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 VLM = {"model.family": "vlm", "vlm.name": "some/vlm"}
@@ -86,35 +86,11 @@ def test_a_vlm_trial_that_cannot_run_is_refused_naming_the_key(changes, named):
 # --- views and prompt text ---------------------------------------------------------------------------------------
 
 
-def _batch() -> dict:
-    """Two cases on a 12 x 32 x 32 grid: the first with a tumour box, an abnormal CEA and no delayed phase; the
-    second without a tumour box."""
-    rng = np.random.default_rng(0)
-    ct = torch.from_numpy(rng.normal(size=(2, len(PHASES), 12, 32, 32)).astype(np.float16))
-    boxes = np.zeros((2, len(PHASES), len(BOX_LEVELS), 6), np.int32)
-    present = np.zeros((2, len(PHASES), len(BOX_LEVELS)), bool)
-    boxes[:, :, BOX_LEVELS.index("tumour")] = [2, 8, 8, 5, 16, 16]
-    boxes[:, :, BOX_LEVELS.index("stomach")] = [4, 2, 2, 11, 30, 30]
-    present[0] = True
-    present[1, :, BOX_LEVELS.index("stomach")] = True
-    mean = np.full((2, len(PHASES)), 40.0, np.float32)
-    mean[0, PHASES.index("delayed")] = np.nan
-    return {
-        "case_id": ["a", "b"],
-        "ct": ct,
-        "ct_hu_mean": torch.from_numpy(mean),
-        "ct_hu_std": torch.full((2, len(PHASES)), 100.0),
-        "boxes": torch.from_numpy(boxes),
-        "box_present": torch.from_numpy(present.reshape(2, -1)),
-        "lab_abnormal": [["CEA 12.4 ng/mL, 2.5x above upper limit"], []],
-    }
-
-
 def test_a_batch_becomes_each_cases_views_and_prompt_text_as_the_recipe_and_schema_say():
     from gx_ray.tasks.vlm import case_views
 
     schema = resolve_schema("image_table_bbox")
-    images, context = case_views(_batch(), ViewsConfig(slices=5).recipe(schema), schema)
+    images, context = case_views(vlm_batch(), ViewsConfig(slices=5).recipe(schema), schema)
     assert [len(case) for case in images] == [len(PHASES) * 5] * 2  # every phase's five slices, phase after phase
     first, second = np.stack(images[0]), np.stack(images[1])
     red = (first[:, 0] == 1) & (first[:, 1] == 0) & (first[:, 2] == 0)
@@ -127,7 +103,7 @@ def test_a_batch_becomes_each_cases_views_and_prompt_text_as_the_recipe_and_sche
 
     box_in_prompt = ViewsConfig(boxes="prompt", mode="mip", slices=3, phase_layout="channels")
     three = resolve_schema({**schema.describe(), "phases": ["arterial", "venous", "delayed"]})
-    images, context = case_views(_batch(), box_in_prompt.recipe(three), three)
+    images, context = case_views(vlm_batch(), box_in_prompt.recipe(three), three)
     assert [len(case) for case in images] == [1, 1]  # one RGB image: the three phases' MIPs
     assert "slices 2-4, rows 8-15, columns 8-15" in context[0] and "slices" not in context[1]
 

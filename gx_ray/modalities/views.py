@@ -138,6 +138,13 @@ class ViewRecipe:
         if self.phase_layout == "channels" and not 1 <= len(self.phases) <= 3:
             raise ValueError(f"view recipe phase_layout='channels' holds 1 to 3 phases as RGB, not {list(self.phases)}")
 
+    @property
+    def images_per_case(self) -> int:
+        """How many images :func:`ct_images` makes of a case: a slab's ``slices`` (one for a MIP), times the phases
+        under the ``images`` layout."""
+        per_phase = 1 if self.mode == "mip" else self.slices
+        return per_phase * (len(self.phases) if self.phase_layout == "images" else 1)
+
 
 def ct_images(
     hu: dict[str, np.ndarray],

@@ -1,12 +1,14 @@
 """Vision-language models: any transformers image-text-to-text model (``AutoModelForImageTextToText`` with its
-``AutoProcessor``: LLaVA, PaliGemma, Qwen2-VL, Idefics/SmolVLM, …) from a hub name or a local folder, fine-tuned with
-LoRA through peft.
+``AutoProcessor``: LLaVA, PaliGemma, Qwen2-VL, Idefics/SmolVLM, BLIP-2 with a decoder-only or an encoder-decoder
+language model, …) from a hub name or a local folder, fine-tuned with LoRA through peft.
 
 The base model is frozen; LoRA adapters (:class:`~gx_ray.models.lora.LoraSettings`) train on the language model's
 projections (:data:`VLM_LORA`), the vision tower's too with ``lora_vision``; ``train_vision`` / ``train_language`` open
 either whole. A question goes in with its images through the model's own chat template (else the processor's plain
 prompt); the answer is taught by cross-entropy on its tokens only; with ``packing`` (LLaVA only: :func:`check_packing`)
-the taught batch is one unpadded row, samples told apart by position ids restarting at 0.
+the taught batch is one unpadded row, samples told apart by position ids restarting at 0. With ``stack_views`` a
+question's views are one multi-channel image (:func:`widen_patch_embedding`), the paper's adaptation of 2D VLMs to
+multi-phase CT.
 :meth:`VisionLanguageModel.generate` answers greedily, scored by :mod:`gx_ray.metrics.cascade`. Images are RGB
 ``(3, H, W)`` arrays in [0, 1] (:func:`gx_ray.modalities.views.ct_images`).
 """
@@ -50,6 +52,12 @@ PACKING_REFUSED = {
 PACKED_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 """Attention implementations that read packed samples from the position ids when no attention mask is given
 (masking_utils' packed-sequence mask; flash attention's varlen kernel)."""
+PLAIN_PROMPTS = {"blip-2": "Question: {} Answer:"}
+"""Prompt formats of model types whose processor has no chat template and puts the image tokens in itself (BLIP-2's
+Q-Former queries go before the text): BLIP-2's question-answering prompt."""
+ONE_IMAGE = {"blip-2"}
+"""Model types that read one image per prompt: a case's views must be one image (``views.phase_layout: channels``
+and one slice or a MIP)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,10 @@ class VLMConfig:
     """Padding-free training steps: the taught batch as one row, position ids restarting at 0 per sample and no
     attention mask (LLaVA only; other models are refused when the model loads). Generation and option scores stay
     padded."""
+    stack_views: bool = False
+    """A case's views (every phase's slices, ``views.*``) as the channels of ONE image, the vision tower's patch
+    embedding widened to read them (:func:`widen_patch_embedding`): the paper's adaptation of LLaVA-1.5 and BLIP-2 to
+    multi-phase CT. Off: each view is an image of its own."""
 
     def __post_init__(self) -> None:
         targets = self.lora_targets
@@ -125,9 +137,14 @@ class VisionLanguageModel(nn.Module):
         self.processor = AutoProcessor.from_pretrained(name_or_path)
         model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype)
         model.requires_grad_(False)
+        self.kind = model.config.model_type
+        # an encoder-decoder language model (BLIP-2's Flan-T5): the prompt is encoded, the answer decoded
+        self.seq2seq = bool(getattr(model.config.get_text_config(), "is_encoder_decoder", False))
         if packing:
             check_packing(model.config)
         self.packing = packing
+        self.stacked_views = 0
+        """Views stacked as one image's channels (:meth:`stack_views`); 0: each view its own image."""
         if gradient_checkpointing:
             # non-reentrant (PyTorch's recommended variant): it needs no block input that requires grad, which a
             # frozen base model does not give
@@ -140,6 +157,13 @@ class VisionLanguageModel(nn.Module):
                 parameter.requires_grad_(True)
         self.model = model
 
+    def stack_views(self, views: int) -> None:
+        """Reads each question's ``views`` images as one ``3 * views``-channel image from now on: the patch embedding
+        widened (:func:`widen_patch_embedding`) and trained, as a weight no checkpoint has."""
+        widened = widen_patch_embedding(self.model, views)
+        widened.requires_grad_(True)
+        self.stacked_views = views
+
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -147,6 +171,13 @@ class VisionLanguageModel(nn.Module):
     def prompts(self, questions: Sequence[str], images_per_question: int) -> list[str]:
         """Each question with its images, in the model's chat template (a generation prompt follows), or as the
         question alone for a processor without a template (it places the image tokens itself)."""
+        if self.kind in ONE_IMAGE and images_per_question != 1:
+            raise ValueError(
+                f"model type {self.kind!r} reads one image per question, not {images_per_question}: set "
+                "views.phase_layout: channels with views.slices: 1 or views.mode: mip"
+            )
+        if not getattr(self.processor, "chat_template", None) and self.kind in PLAIN_PROMPTS:
+            return [PLAIN_PROMPTS[self.kind].format(q) for q in questions]
         if not getattr(self.processor, "chat_template", None):  # PaliGemma: the image tokens, then the question
             token = getattr(self.processor, "image_token", None) or ""
             return [token * images_per_question + q for q in questions]
@@ -169,11 +200,25 @@ class VisionLanguageModel(nn.Module):
             warnings.filterwarnings("ignore", message=".*max_length.* is ignored")
             # device: a processor with a torch backend resizes and normalises on the GPU (on the CPU, with a thread
             # per core, it took 0.5-0.8 s a batch of eight on a 64-core host: most of a 2 B model's step)
+            # stacked views: the first view stands for the question's one image in the text (its image tokens)
+            shown = [case[:1] for case in pictures] if self.stacked_views else pictures
             encoded = self.processor(
-                images=pictures, text=list(texts), return_tensors="pt", padding=True, device=self.device
+                images=shown, text=list(texts), return_tensors="pt", padding=True, device=self.device
             )
+        if self.stacked_views:
+            encoded["pixel_values"] = self._stacked_pixels(pictures)
         # labels are ours to make (the answer's tokens only); a processor's own would teach the prompt too
         return {k: v.to(self.device) for k, v in encoded.items() if isinstance(v, torch.Tensor) and k != "labels"}
+
+    def _stacked_pixels(self, pictures: Sequence[Sequence[Any]]) -> torch.Tensor:
+        """``(n, 3 * views, h, w)``: each view resized and normalised by the model's own image processor, a
+        question's views concatenated along the channels."""
+        if any(len(case) != self.stacked_views for case in pictures):
+            raise ValueError(f"vlm.stack_views: the model reads {self.stacked_views} views a question, the batch "
+                             f"gives {sorted({len(case) for case in pictures})}")  # fmt: skip
+        flat = [picture for case in pictures for picture in case]
+        pixels = self.processor.image_processor(images=flat, return_tensors="pt")["pixel_values"]
+        return pixels.reshape(len(pictures), -1, *pixels.shape[-2:])
 
     def _prompt_inputs(
         self, images: Sequence[Sequence[np.ndarray]], questions: Sequence[str], padding_side: str
@@ -183,7 +228,8 @@ class VisionLanguageModel(nn.Module):
         tokenizer = self.processor.tokenizer
         side, tokenizer.padding_side = tokenizer.padding_side, padding_side
         try:
-            return self._inputs(images, self.prompts(questions, len(images[0]) if images else 0))
+            count = 1 if self.stacked_views else len(images[0]) if images else 0
+            return self._inputs(images, self.prompts(questions, count))
         finally:
             tokenizer.padding_side = side
 
@@ -215,6 +261,10 @@ class VisionLanguageModel(nn.Module):
         # itself, warning every step; with a cache it does not look for packed samples in the position ids, and every
         # packed sample would attend to those before it in the row
         inputs["use_cache"] = False
+        if self.seq2seq:  # the prompt is the encoder's; the labels are the decoder's, which the model shifts in itself
+            answers_ = [torch.tensor(a, dtype=ids.dtype) for a in answer_ids]
+            labels = torch.nn.utils.rnn.pad_sequence(answers_, batch_first=True, padding_value=IGNORE)
+            return {**inputs, "input_ids": ids, **{k: prompts[k] for k in per_token}}, labels.to(ids.device)
         if packed:
             return self._packed(inputs, ids, lengths, answer_ids, per_token)
         rows = {key: [] for key in ("input_ids", "labels", *per_token)}
@@ -270,8 +320,10 @@ class VisionLanguageModel(nn.Module):
         columns = []
         for k in range(len(options[0])):
             inputs, labels = self._with_answers(prompts, [choices[k] for choices in options])
-            logits = self.model(**inputs).logits[:, :-1].float()
-            targets = labels[:, 1:]
+            if self.seq2seq:  # the decoder's logits are the labels' own positions
+                logits, targets = self.model(**inputs, labels=labels).logits.float(), labels
+            else:
+                logits, targets = self.model(**inputs).logits[:, :-1].float(), labels[:, 1:]
             taught = targets != IGNORE
             log_probs = logits.log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
             columns.append((log_probs * taught).sum(1))
@@ -286,21 +338,32 @@ class VisionLanguageModel(nn.Module):
         inputs = self._prompt_inputs(images, questions, "left")
         inputs.pop("token_type_ids", None)
         output = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-        return self.processor.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+        # a decoder-only model's output starts with the prompt; an encoder-decoder's is the answer alone
+        new = output if self.seq2seq else output[:, inputs["input_ids"].shape[1] :]
+        return self.processor.batch_decode(new, skip_special_tokens=True)
 
     def trainable(self) -> dict[str, torch.Tensor]:
         return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
 
     @classmethod
-    def from_config(cls, config: VLMConfig, device: torch.device) -> VisionLanguageModel:
-        """The trial's model on ``device``: bf16 weights on a GPU, float32 on the CPU (CPUs lack fast bf16 matmuls)."""
+    def from_config(cls, config: VLMConfig, device: torch.device, views: int = 1) -> VisionLanguageModel:
+        """The trial's model on ``device``: bf16 weights on a GPU, float32 on the CPU (CPUs lack fast bf16 matmuls).
+        ``views``: the images a question comes with (the view recipe's), stacked under ``config.stack_views``."""
         if not config.name:
             raise ValueError("model.family vlm needs vlm.name: a hub name or a local folder")
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        return cls(
+        model = cls(
             config.name, config.lora_settings(), config.lora_vision, config.train_vision, config.train_language,
             dtype, config.gradient_checkpointing, config.packing,
-        ).to(device)  # fmt: skip
+        )  # fmt: skip
+        if config.stack_views:
+            model.stack_views(views)
+        elif model.kind in ONE_IMAGE and views != 1:
+            raise ValueError(
+                f"model type {model.kind!r} reads one image per question and the views give {views}: set "
+                "vlm.stack_views: true, or views.phase_layout: channels with views.slices: 1 or views.mode: mip"
+            )
+        return model.to(device)
 
 
 HUB_TIMEOUT_S = 10.0
@@ -395,6 +458,38 @@ def check_packing(config: Any) -> None:
             f"vlm.packing is not supported for model type {kind!r} with attention {attention!r}: "
             f"packed samples are read from the position ids by {', '.join(PACKED_ATTENTION)} only"
         )
+
+
+def widen_patch_embedding(model: nn.Module, views: int) -> nn.Conv2d:
+    """``model``'s vision tower made to read ``views`` RGB images stacked as one ``3 * views``-channel image: its
+    patch embedding (the vision tower's 2D convolution over RGB) replaced by one whose kernel is the pretrained kernel
+    divided by ``views`` on each image's three channels, so that ``views`` copies of one image embed exactly as that
+    image did. Returns the new convolution; raises ``ValueError`` for a vision tower without such a convolution
+    (Qwen2-VL's 3D patches)."""
+    import re
+
+    found = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Conv2d) and module.in_channels == 3 and re.fullmatch(VISION_MODULES, name)
+    ]
+    if not found:
+        raise ValueError("vlm.stack_views: the model's vision tower has no 2D patch embedding over RGB to widen")
+    name, old = found[0]
+    wide = nn.Conv2d(
+        3 * views, old.out_channels, old.kernel_size, old.stride, old.padding, bias=old.bias is not None,
+        device=old.weight.device, dtype=old.weight.dtype,
+    )  # fmt: skip
+    with torch.no_grad():
+        wide.weight.copy_(old.weight.repeat(1, views, 1, 1) / views)
+        if old.bias is not None:
+            wide.bias.copy_(old.bias)
+    parent, _, attribute = name.rpartition(".")
+    setattr(model.get_submodule(parent), attribute, wide)
+    vision = getattr(getattr(model, "config", None), "vision_config", None)
+    if vision is not None and hasattr(vision, "num_channels"):
+        vision.num_channels = 3 * views
+    return wide
 
 
 def _joined(prompt: torch.Tensor, answer: torch.Tensor, spans: tuple[int, int], padding: int) -> torch.Tensor:

@@ -53,8 +53,9 @@ def build_vlm_trial(config: TrialConfig, task: Task, device: torch.device) -> tu
     from gx_ray.tasks.vlm import VisionLanguageTask, VisionLanguageTaskModel
 
     asked = VisionLanguageTask(task, config.vlm.max_new_tokens)
-    vlm = VisionLanguageModel.from_config(config.vlm, device)
-    return asked, VisionLanguageTaskModel(asked, vlm, config.views.recipe(config.schema), config.schema)
+    recipe = config.views.recipe(config.schema)
+    vlm = VisionLanguageModel.from_config(config.vlm, device, recipe.images_per_case)
+    return asked, VisionLanguageTaskModel(asked, vlm, recipe, config.schema)
 
 
 def loss_function(task: Any, config: TrialConfig, device: torch.device) -> Callable[[torch.nn.Module, dict], Any]:
