@@ -85,6 +85,10 @@ class VLMConfig:
     """Padding-free training steps: the taught batch as one row, position ids restarting at 0 per sample and no
     attention mask (LLaVA only; other models are refused when the model loads). Generation and option scores stay
     padded."""
+    plugin: str = ""
+    """A model whose code is not in transformers: its class's ``module:Class`` reference or the name of an entry point
+    of the group :data:`VLM_ENTRY_POINT_GROUP`, checked against the VLM protocol (:func:`vlm_protocol_problems`) as the
+    config is read. Empty: transformers' classes (:class:`VisionLanguageModel`)."""
     stack_views: bool = False
     """A case's views (every phase's slices, ``views.*``) as the channels of ONE image, the vision tower's patch
     embedding widened to read them (:func:`widen_patch_embedding`): the paper's adaptation of LLaVA-1.5 and BLIP-2 to
@@ -103,6 +107,8 @@ class VLMConfig:
             raise ValueError(f"vlm.max_new_tokens = {self.max_new_tokens!r} is not valid: a whole number >= 1")
         if not isinstance(self.packing, bool):
             raise ValueError(f"vlm.packing = {self.packing!r} is not valid: true or false")
+        if self.plugin:
+            vlm_class(self.plugin)  # a reference that does not load, or a class that lacks the protocol, fails here
 
     def lora_settings(self) -> LoraSettings | None:
         if not self.lora:
@@ -163,6 +169,10 @@ class VisionLanguageModel(nn.Module):
         widened = widen_patch_embedding(self.model, views)
         widened.requires_grad_(True)
         self.stacked_views = views
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.processor.tokenizer
 
     @property
     def device(self) -> torch.device:
@@ -364,6 +374,63 @@ class VisionLanguageModel(nn.Module):
                 "vlm.stack_views: true, or views.phase_layout: channels with views.slices: 1 or views.mode: mip"
             )
         return model.to(device)
+
+
+VLM_ENTRY_POINT_GROUP = "gx_ray.models.vlm"
+"""The entry-point group a distribution registers its vision-language models in (``vlm.plugin``: the entry point's
+name)."""
+VLM_METHODS = ("loss", "generate", "option_scores", "trainable")
+"""What a VLM plug-in implements as :class:`VisionLanguageModel` does (the trial's module calls these)."""
+
+
+class VLMPluginError(ValueError):
+    """A ``vlm.plugin`` that gives no VLM: it names the reference and everything that is missing."""
+
+
+def vlm_class(plugin: str = "") -> type:
+    """The class a trial's VLM is built by: :class:`VisionLanguageModel` for ``""``; else the ``module:Class`` that
+    ``plugin`` names, or the entry point of :data:`VLM_ENTRY_POINT_GROUP` it names, checked against the protocol
+    (:func:`vlm_protocol_problems`). Raises :class:`VLMPluginError` naming the key and what is missing."""
+    from gx_ray.plugins import entry_points_named, load_class
+
+    if not plugin:
+        return VisionLanguageModel
+    where = f"vlm.plugin {plugin!r}"
+    if ":" not in plugin:
+        found = entry_points_named(VLM_ENTRY_POINT_GROUP, plugin)
+        if len({ep.value for ep in found}) != 1:
+            why = "registered more than once" if found else "neither 'module:Class' nor the name of an entry point"
+            raise VLMPluginError(f"{where} is {why} of group {VLM_ENTRY_POINT_GROUP!r}")
+        where, plugin = f"{where} (entry point {found[0].value})", found[0].value
+    return load_class(plugin, where, vlm_protocol_problems, "gx_ray VLM", VLMPluginError)
+
+
+def vlm_protocol_problems(cls: Any) -> list[str]:
+    """What ``cls`` lacks to be a trial's VLM (empty: nothing): a ``torch.nn.Module`` (its state holds what trains)
+    with a classmethod ``from_config(config, device, views)`` (the :class:`VLMConfig`, the device, a question's
+    images), a ``tokenizer`` property (report generation cuts its targets with it), and :data:`VLM_METHODS` as
+    :class:`VisionLanguageModel` has them: ``loss(images, questions, answers)`` a scalar, ``generate(images,
+    questions, max_new_tokens)`` the answers' texts, ``option_scores(images, questions, options)`` an ``(n, K)``
+    tensor of log-likelihoods, ``trainable()`` the parameters that train by name."""
+    import inspect
+
+    if not isinstance(cls, type):
+        return [f"it is {type(cls).__name__} {cls!r}, not a class"]
+    if not issubclass(cls, nn.Module):
+        return [f"{cls.__qualname__} is not a subclass of torch.nn.Module"]
+    problems = []
+    if not isinstance(inspect.getattr_static(cls, "from_config", None), classmethod):
+        problems.append("missing classmethod from_config(config, device, views)")
+    else:
+        try:
+            inspect.signature(cls.from_config).bind(None, None, None)
+        except TypeError:
+            problems.append("from_config does not take (config, device, views)")
+    if not hasattr(cls, "tokenizer"):
+        problems.append("missing property tokenizer (report generation cuts its targets with it)")
+    if missing := [m for m in VLM_METHODS if not callable(getattr(cls, m, None))]:
+        problems.append(f"missing methods {', '.join(missing)}")
+    return problems
 
 
 HUB_TIMEOUT_S = 10.0

@@ -464,15 +464,15 @@ def _validate_trials(space: SearchSpace, weights: bool = True) -> None:
 
 
 def _vlm_names(space: SearchSpace, probe: dict[str, Any]) -> set[str]:
-    """``vlm.name`` of every trial whose model is a VLM, over the grid and every choice Optuna may sample for the
-    model's family and name."""
-    sampled = [[(key, c) for c in space.sample[key]["choices"]] for key in ("model.family", "vlm.name")
+    """``vlm.name`` of every trial whose model is a transformers VLM (a ``vlm.plugin`` loads its own weights), over
+    the grid and every choice Optuna may sample for the model's family, name and plug-in."""
+    sampled = [[(key, c) for c in space.sample[key]["choices"]] for key in ("model.family", "vlm.name", "vlm.plugin")
                if space.sample.get(key, {}).get("type") == "categorical"]  # fmt: skip
     names = set()
     for cell in space.cells():
         for choice in itertools.product(*sampled):
             flat = space.resolve({**probe, **cell, **dict(choice)})
-            if flat.get("model.family") == "vlm" and flat.get("vlm.name"):
+            if flat.get("model.family") == "vlm" and flat.get("vlm.name") and not flat.get("vlm.plugin"):
                 names.add(str(flat["vlm.name"]))
     return names
 

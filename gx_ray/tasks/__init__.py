@@ -19,6 +19,7 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from gx_ray.modalities import input_name_problems
+from gx_ray.plugins import entry_points_named, load_class
 from gx_ray.schema import TASKS
 from gx_ray.tasks.base import Task, TaskMetric, TaskModel, gather_state, member_records
 
@@ -79,27 +80,12 @@ def task_class(name: str) -> type[Task]:
 
 
 def _entry_points(name: str) -> list[EntryPoint]:
-    # a distribution on sys.path twice lists its entry points twice: the same value is one entry point
-    return list({ep.value: ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name}.values())
+    return entry_points_named(ENTRY_POINT_GROUP, name)
 
 
 def _load(reference: str, where: str) -> type[Task]:
     """The class ``module:Qual.Name`` points to, checked against the protocol; one error naming what is missing."""
-    module_name, _, attribute = reference.strip().partition(":")
-    if not module_name or not attribute:
-        raise TaskPluginError(f"{where} is not 'module:Class'")
-    try:
-        found: Any = importlib.import_module(module_name)
-    except Exception as err:  # a plug-in module may fail any way: what matters is which reference and why
-        raise TaskPluginError(f"{where}: module {module_name!r} does not import ({type(err).__name__}: {err})") from err
-    for part in attribute.split("."):
-        if not hasattr(found, part):
-            raise TaskPluginError(f"{where}: module {module_name!r} has no {attribute!r}")
-        found = getattr(found, part)
-    problems = protocol_problems(found)
-    if problems:
-        raise TaskPluginError(f"{where} does not implement the gx_ray Task protocol: {'; '.join(problems)}")
-    return found
+    return load_class(reference, where, protocol_problems, "gx_ray Task", TaskPluginError)
 
 
 def protocol_problems(cls: Any) -> list[str]:

@@ -35,7 +35,6 @@ from gx_ray.modalities import ModalitySchema
 from gx_ray.modalities.boxes import tumour_boxes
 from gx_ray.modalities.table import abnormal_text
 from gx_ray.modalities.views import ViewRecipe, ct_images
-from gx_ray.models.vlm import VisionLanguageModel
 from gx_ray.schema import PHASES, STAGE_GROUPS, VQA_CATEGORIES
 from gx_ray.tasks.base import Batch, Outputs, Task, TaskMetric, concat
 
@@ -132,13 +131,15 @@ class VisionLanguageTaskModel(nn.Module):
     """A VLM and the trial's task: ``forward(batch)`` gives ``loss`` (training) or the generated answers (evaluation:
     ``generated``, ``references``, and for stage classification ``option_scores``)."""
 
-    def __init__(self, task: VisionLanguageTask, vlm: VisionLanguageModel, recipe: ViewRecipe, schema: ModalitySchema):
+    def __init__(self, task: VisionLanguageTask, vlm: nn.Module, recipe: ViewRecipe, schema: ModalitySchema):
+        """``vlm``: a :class:`~gx_ray.models.vlm.VisionLanguageModel` or a plug-in of the same protocol
+        (:func:`~gx_ray.models.vlm.vlm_protocol_problems`)."""
         super().__init__()
         self.task, self.vlm, self.recipe, self.schema = task, vlm, recipe, schema
-        task.bind_tokenizer(vlm.processor.tokenizer)
+        task.bind_tokenizer(vlm.tokenizer)
 
     def trained_keys(self, prefix: str = "") -> set[str]:
-        return {f"{prefix}vlm.model.{name}" for name in self.vlm.trainable()}
+        return {f"{prefix}vlm.{name}" for name, parameter in self.vlm.named_parameters() if parameter.requires_grad}
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         """What trains (the adapters, a tower opened by ``vlm.train_*``) only: a copy of the frozen weights in every

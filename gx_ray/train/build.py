@@ -49,12 +49,12 @@ def build_trial(
 def build_vlm_trial(config: TrialConfig, task: Task, device: torch.device) -> tuple[Any, torch.nn.Module]:
     """``model.family: vlm``: the task asked of a vision-language model in words (:mod:`gx_ray.tasks.vlm`); the loop
     trains, evaluates, logs and checkpoints it as any task model."""
-    from gx_ray.models.vlm import VisionLanguageModel  # transformers and peft load only for a VLM trial
+    from gx_ray.models.vlm import vlm_class  # transformers and peft load only for a VLM trial
     from gx_ray.tasks.vlm import VisionLanguageTask, VisionLanguageTaskModel
 
     asked = VisionLanguageTask(task, config.vlm.max_new_tokens)
     recipe = config.views.recipe(config.schema)
-    vlm = VisionLanguageModel.from_config(config.vlm, device, recipe.images_per_case)
+    vlm = vlm_class(config.vlm.plugin).from_config(config.vlm, device, recipe.images_per_case)
     return asked, VisionLanguageTaskModel(asked, vlm, recipe, config.schema)
 
 
