@@ -283,3 +283,31 @@ def vlm_batch() -> dict:
         "ct_report": ["Gastric wall thickening in the antrum.", "No distant metastasis."],
         "stage_label": torch.tensor([2, 0]),
     }  # fmt: skip
+
+
+def tiny_flamingo(folder: Path, checkpoint: str = "") -> Path:
+    """A Flamingo-style model's folder (``gx_ray.models.flamingo``): a one-layer CLIP vision model, a two-layer
+    LLaMA with :func:`trained_tokenizer`, and ``flamingo.json`` (a gated block before each layer, four latents)."""
+    import json
+
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    vision = CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=SIZE, patch_size=8)  # fmt: skip
+    CLIPVisionModel(vision).save_pretrained(folder / "vision")
+    CLIPImageProcessor(size={"shortest_edge": SIZE}, crop_size={"height": SIZE, "width": SIZE}).save_pretrained(
+        folder / "vision"
+    )
+    tokenizer = trained_tokenizer()
+    language = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, initializer_range=INIT,
+    )  # fmt: skip
+    LlamaForCausalLM(language).save_pretrained(folder / "language")
+    tokenizer.save_pretrained(folder / "language")
+    settings = {"vision": "vision", "language": "language", "every": 1, "latents": 4, "depth": 1, "heads": 2,
+                "head_dim": 8, "checkpoint": checkpoint}  # fmt: skip
+    (folder / "flamingo.json").write_text(json.dumps(settings), encoding="utf-8")
+    return folder

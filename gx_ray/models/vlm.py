@@ -101,7 +101,7 @@ class VLMConfig:
         object.__setattr__(self, "lora_targets", tuple(t.strip() for t in targets if t.strip() not in ("", "auto")))
         if self.lora:
             self.lora_settings()  # a rank below 1 or no targets fails here, naming the setting
-        elif not (self.train_vision or self.train_language):
+        elif not (self.train_vision or self.train_language or self.plugin):  # a plug-in trains parts of its own
             raise ValueError("vlm.lora is false and vlm.train_vision and vlm.train_language are off: nothing trains")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"vlm.max_new_tokens = {self.max_new_tokens!r} is not valid: a whole number >= 1")
@@ -205,7 +205,7 @@ class VisionLanguageModel(nn.Module):
         ]
 
     def _inputs(self, images: Sequence[Sequence[np.ndarray]], texts: Sequence[str]) -> dict[str, torch.Tensor]:
-        pictures = [[_to_pil(image) for image in case] for case in images]
+        pictures = [[to_pil(image) for image in case] for case in images]
         with warnings.catch_warnings():  # some processors pass a max_length the tokenizer then ignores, every call
             warnings.filterwarnings("ignore", message=".*max_length.* is ignored")
             # device: a processor with a torch backend resizes and normalises on the GPU (on the CPU, with a thread
@@ -314,7 +314,9 @@ class VisionLanguageModel(nn.Module):
         packed = {key: value.to(ids.device) for key, value in flat.items()}
         return {**inputs, **packed}, labels
 
-    def loss(self, images: Sequence[Sequence[np.ndarray]], questions: Sequence[str], answers: Sequence[str]):
+    def loss(
+        self, images: Sequence[Sequence[np.ndarray]], questions: Sequence[str], answers: Sequence[str]
+    ) -> torch.Tensor:
         """Cross-entropy of the answers' tokens given the images and questions (prompt and images masked)."""
         inputs, labels = self._taught(images, questions, answers)
         return self.model(**inputs, labels=labels).loss
@@ -567,7 +569,8 @@ def _joined(prompt: torch.Tensor, answer: torch.Tensor, spans: tuple[int, int], 
     )
 
 
-def _to_pil(image: np.ndarray) -> Any:
+def to_pil(image: np.ndarray) -> Any:
+    """A view (``(C, H, W)`` or ``(H, W, C)``, floats in [0, 1] or bytes) as the PIL image processors take."""
     from PIL import Image
 
     array = np.asarray(image)
