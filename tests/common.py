@@ -7,6 +7,7 @@ Heavy packages (MLflow, Ray Tune, MONAI) are imported inside the functions that 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,6 +34,17 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parents[1]
 """The repository's root: ``jobs/``, ``search_spaces/``, ``docs/`` are below it."""
+
+
+def command_module(script: Path) -> ModuleType:
+    """A command's script (``jobs/*.py``, ``analysis/*.py``) loaded as a module, whose ``main(argv)`` a test runs in
+    its own process: a fresh interpreter's imports (and, for a command that uses Ray, a cluster of its own) cost
+    ~15-25 s of CPU on 2 cores."""
+    spec = importlib.util.spec_from_file_location(f"gx_command_{script.stem}", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 # --- the demo cohort ------------------------------------------------------------------------------------------
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import json
 import math
 import os
@@ -30,7 +29,7 @@ from gx_ray.deploy.finalize import choose, refit_config, score_records
 from gx_ray.schema import STAGE_GROUPS
 from gx_ray.tasks import build_task
 from gx_ray.train.config import TrialConfig
-from tests.common import ROOT, small_stage_space
+from tests.common import ROOT, command_module, small_stage_space
 
 # --- the choice -------------------------------------------------------------------------------------------------
 
@@ -405,9 +404,7 @@ def test_a_finalized_sweep_is_registered_loaded_served_and_predicts_on_new_patie
     out = tmp_path / "hospital_b_predicted"  # the model fetched from the sweep's own store, served for the command
     # the command in this process (a fresh process loaded the model above, served): a fresh interpreter's imports and
     # a Ray cluster of its own for the preparation cost ~25 s of CPU on 2 cores
-    spec = importlib.util.spec_from_file_location("gx_predict_command", ROOT / "jobs" / "predict.py")
-    command = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(command)
+    command = command_module(ROOT / "jobs" / "predict.py")
     capsys.readouterr()  # what the sweep and finalize printed
     code = command.main(["--model", result.model_uri, "--sweep", str(sweep.output), "--data", str(raw), "--out",
                          str(out)])  # fmt: skip
