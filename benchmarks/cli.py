@@ -15,8 +15,8 @@ python jobs/benchmark.py attention                            # one GPU: what at
                                                                # text shape costs, cuDNN attention on vs off
 python jobs/benchmark.py cluster [--gpus N] [--budget 540]    # the ablation on every GPU of a node: busy fraction,
                                                                # start-up, DDP scaling, loop/raw, 8-GPU projection
-python jobs/benchmark.py search [--space lr_sweep] [--preset smoke]  # grid, ASHA + TPE and PBT: device-hours to
-                                                               # come within 1 % of the grid's best validation
+python jobs/benchmark.py search [--space lr_sweep] [--preset smoke]  # grid, random, ASHA + TPE, BOHB, PBT, with
+    [--folds 5] [--truth-cases 1000]                           # and without CV, against a held-out truth set
 """
 
 from __future__ import annotations
@@ -105,12 +105,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--ddp-sizes", default="1,2,4", help="GPUs per DDP trial for weak scaling (default 1,2,4; 1 skips DDP)"
     )
     search = commands.add_parser(
-        "search", parents=[common], help="grid, ASHA + TPE, PBT: device-hours to within 1 %% of the grid's best"
+        "search",
+        parents=[common],
+        help="searches against a held-out truth set: true score of each one's choice, "
+        "its corrected estimate, device-hours to within 1 %% of the best true score",
     )
-    search.add_argument("--space", default="lr_sweep", help="a space with a sample section and a pbt preset")
-    search.add_argument("--preset", action="append", default=[], help="applied to all three (smoke, gpu)")
+    search.add_argument("--space", default="lr_sweep", help="a space with a sample section and pbt, bohb presets")
+    search.add_argument("--preset", action="append", default=[], help="applied to every sweep (smoke, gpu)")
     search.add_argument("--lrs", type=int, default=5, help="the grid's learning rates, log-spaced (default 5)")
-    search.add_argument("--methods", default=",".join(("grid", "asha_tpe", "pbt")), help="default: all three")
+    search.add_argument("--methods", default="grid,random,asha_tpe,bohb,pbt", help="default: all five")
+    search.add_argument("--folds", type=int, default=5, help="the cross-validated objective's folds (0: none)")
+    search.add_argument("--epochs", type=int, help="every trial's epochs (default: the space's and presets')")
+    search.add_argument("--samples", type=int, help="every search's trials but the grid's (default: the space's)")
+    search.add_argument("--truth-cases", type=int, default=1000, help="truth-set patients (default 1000)")
+    search.add_argument("--demo-cases", type=int, default=200, help="the searched demo cohort's cases (default 200)")
+    search.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples (default 1000)")
     search.add_argument("--output", type=Path, default=Path("outputs/benchmark/search"))
     attention = commands.add_parser(
         "attention", parents=[common], help="one-off cost of new text shapes per SDPA backend choice"
@@ -268,10 +277,17 @@ def main(argv: list[str] | None = None) -> int:
             presets=tuple(args.preset),
             methods=tuple(args.methods.split(",")),
             cost="gpu_seconds" if "gpu" in args.preset else "cpu_seconds",
+            demo_cases=args.demo_cases,
+            folds=args.folds,
+            epochs=args.epochs,
+            samples=args.samples,
+            truth_cases=args.truth_cases,
+            n_resamples=args.resamples,
         )
         result = run_search_benchmark(args.output, config)
         print(format_search_result(result))
-        record("search", {"space": args.space, "presets": "+".join(args.preset) or None}, figures(result))
+        conditions = {"space": args.space, "presets": "+".join(args.preset) or None, "truth": f"t{args.truth_cases}"}
+        record("search", conditions, figures(result))
 
     if args.command == "ingest":
         config = IngestBenchmarkConfig(

@@ -276,34 +276,6 @@ def test_the_slice_is_sized_so_that_every_task_is_measured_however_few_the_gpus(
             assert more["steps_per_epoch"] >= sized["steps_per_epoch"]
 
 
-def test_a_searchs_hours_to_the_target_are_every_trials_latest_cost_at_the_first_report_that_reaches_it():
-    from benchmarks.search import epochs_to, hours_to, timeline
-
-    rng = np.random.default_rng(1)
-    for _ in range(300):
-        reports = []
-        for trial in range(int(rng.integers(1, 6))):  # a trial's cost grows with its epochs, reported in time order
-            epochs = int(rng.integers(1, 6))
-            times, costs = np.sort(rng.uniform(0, 1000, epochs)), np.cumsum(rng.uniform(10, 100, epochs))
-            reports += [
-                {"trial": str(trial), "at": float(t), "val": float(rng.uniform(40, 90)), "cost": float(c)}
-                for t, c in zip(times, costs, strict=True)
-            ]
-        target = float(rng.uniform(40, 95))
-        order = sorted(reports, key=lambda r: r["at"])
-        expected, epochs = math.nan, math.nan
-        for i in range(len(order)):  # brute force: what everything reported up to the i-th report says
-            seen = order[: i + 1]
-            if max(r["val"] for r in seen) >= target:
-                latest = {r["trial"]: r["cost"] for r in seen}  # in time order: each trial's last
-                expected, epochs = sum(latest.values()) / 3600, float(len(seen))
-                break
-        got = hours_to(timeline(reports), target)
-        assert (math.isnan(got) and math.isnan(expected)) or got == pytest.approx(expected)
-        got = epochs_to(timeline(reports), target)
-        assert (math.isnan(got) and math.isnan(epochs)) or got == epochs
-
-
 def test_the_sweep_benchmark_sets_a_budgets_forecast_beside_what_each_trial_spent(tmp_path):
     """Abandoned runs (a killed driver's) are not the sweep's trials; per trial, only those that trained every epoch
     are compared (an early-stopped one spent less than it was costed for), in the budget's own metric."""

@@ -60,12 +60,23 @@ def case_id_of(index: int) -> str:
     return f"GXD{index:05d}"
 
 
+def case_streams(config: DemoConfig, index: int) -> dict[str, np.random.Generator]:
+    """Case ``index``'s random streams, one per part: the same draws whatever the cohort's size."""
+    return {name: np.random.default_rng([config.seed, index, k]) for k, name in enumerate(_STREAMS)}
+
+
+def case_findings(config: DemoConfig, index: int) -> Findings:
+    """Case ``index``'s patient (its stage and findings) without rendering it: who the patient is, cheaply."""
+    rng = case_streams(config, index)
+    return sample_findings(rng["findings"], case_id_of(index), sample_staging(rng["staging"]), config.signal)
+
+
 def generate_case(config: DemoConfig, index: int) -> CaseContent:
     """Case ``index`` of the cohort, in memory."""
-    rng = {name: np.random.default_rng([config.seed, index, k]) for k, name in enumerate(_STREAMS)}
+    rng = case_streams(config, index)
     case_id = case_id_of(index)
-    staging = sample_staging(rng["staging"])
-    findings = sample_findings(rng["findings"], case_id, staging, config.signal)
+    findings = case_findings(config, index)
+    staging = findings.staging
     if config.template_ct is not None:
         ct = load_volume(config.template_ct, case_id, "template")
         labels = load_volume(config.template_labels, case_id, "template labels")
