@@ -235,7 +235,8 @@ def evaluate_sweep(sweep: Any, truth: str, config: SearchBenchmarkConfig) -> dic
                      for run in runs) / 3600,
         "wall_seconds": sweep.timings.get("tune_seconds", math.nan), "higher_is_better": higher,
         "chosen": chosen.choice["description"], "truth": true["value"], "truth_low": _number(true["low"]),
-        "truth_high": _number(true["high"]), "best_truth": max(by_config.values(), key=lambda v: v if higher else -v),
+        "truth_high": _number(true["high"]), "best_truth": max((v for v in by_config.values() if math.isfinite(v)),
+                                                   key=lambda v: v if higher else -v, default=math.nan),
         "naive": _number(selection.get("naive", chosen.choice["score"])),
         **{k: _number(selection.get(k)) for k in ("corrected", "low", "high")},
         "estimate": selection.get("method", selection.get("note", "")),
@@ -312,7 +313,9 @@ def targets(methods: dict[str, dict[str, Any]], within: float) -> dict[str, Any]
     if not methods:
         return {}
     higher = next(iter(methods.values()))["higher_is_better"]
-    best = (max if higher else min)(f["best_truth"] for f in methods.values())
+    best = (max if higher else min)(
+        (f["best_truth"] for f in methods.values() if math.isfinite(f["best_truth"])), default=math.nan
+    )  # a metric undefined on the truth set: no target
     target = best - within * abs(best) if higher else best + within * abs(best)
     met = []
     for name, figures in methods.items():
