@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--baseline", default="image_only", help="the schema every other is compared with")
     parser.add_argument("--seeds", type=numbers, default=(3, 5, 10), help="seeds per arm to try (default 3,5,10)")
     parser.add_argument("--patients", type=numbers, default=(64, 128, 255), help="test patients to try")
-    parser.add_argument("--comparisons", type=int, help="the Holm family's size (default: the pilot's comparisons)")
+    parser.add_argument("--comparisons", type=int, help="the Holm family's size (default: the pilot's comparisons; "
+                        "each its own family's where the pilot's space declared analysis.primary)")  # fmt: skip
     parser.add_argument("--studies", type=int, default=2000, help="simulated studies per design")
     parser.add_argument("--mlflow-uri", help="the MLflow server of a sweep named by its id")
     parser.add_argument("--output", type=Path, help="where plan/ goes for a sweep named by its id")

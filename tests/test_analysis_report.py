@@ -537,3 +537,44 @@ def test_a_smallest_detectable_difference_without_a_number_is_said_in_words():
     sizes = _sample_size(runs, table)
     assert "| lesion_detection | image_table | 64 | 3 | undefined: no variation |" in sizes
     assert "degenerate: one answer for all" in sizes and "| 7.40 |" in sizes
+
+
+def test_a_declared_familys_replicates_mde_holm_floor_and_words_are_its_own():
+    """Where the space declared a primary family, each comparison is bootstrapped with its own family's replicates
+    and smallest detectable difference, its Holm p's floor is its family's, and the text above the table (and the
+    appendix's sample size) says which family a row is in; undeclared, no such words."""
+    from scipy.stats import norm
+
+    from gx_ray.analysis.appendix import _sample_size
+    from gx_ray.analysis.cases import BootstrapJob, CaseScorer
+    from gx_ray.analysis.report import _family_bootstraps, _significance_markdown
+
+    cases, rng = [f"p{i}" for i in range(12)], np.random.default_rng(0)
+
+    def arm(shift: float) -> list[CaseScorer]:
+        values = [rng.normal(shift, 1, 12) for _ in range(2)]
+        return [CaseScorer(cases, lambda idx, v=v: float(v[idx].mean())) for v in values]
+
+    small, large = _family_bootstraps([BootstrapJob([arm(1.0), arm(0.0)], family=m) for m in (1, 30)], 1000)
+    assert small["n_resamples"] == 1000 and large["n_resamples"] == 2399  # family_resamples: 4 x 30 / 0.05 - 1
+    for m, result in ((1, small), (30, large)):
+        z = norm.ppf(1 - 0.05 / (2 * m)) + norm.ppf(0.8)
+        assert result["mde"] == pytest.approx(z * np.hypot(result["se_patients"], result["se_seeds"]))
+    row = {"task": "vqa", "metric": "accuracy", "diff": 5.0, "ci_low": 2.0, "ci_high": 8.0, "p_value": 2 / 1001}
+    row |= {"significant": True, "n_resamples": 1000, "mde": 3.0, "method": "bootstrap", "n_cases": 64, "n_seeds": 5}
+    primary = [row | {"task": t, "schema_a": "image_table", "family": "primary", "p_holm": 4 / 1001} for t in "ab"]
+    others = [row | {"schema_a": s, "family": "exploratory", "p_holm": 6 / 1001} for s in ("s1", "s2", "s3")]
+    text = _significance_markdown(pd.DataFrame(primary + others), "image_only")
+    assert text.count("| ≤ 0.0040 (floor of 1,000 replicates) |") == 2  # 2 x 2/1001, not 5 x: "≤ 0.0100"
+    assert text.count("| ≤ 0.0060 (floor of 1,000 replicates) |") == 3
+    words = text.split("\n|")[0]
+    assert "declared in the space" in words and "`analysis.primary`" in words
+    assert "image_table against image_only" in words
+    assert "(2 rows)" in words and "every other row (3)" in words
+    undeclared = pd.DataFrame([r | {"family": "all"} for r in primary + others])
+    assert _significance_markdown(undeclared, "image_only") == _significance_markdown(
+        undeclared.drop(columns="family"), "image_only"
+    )
+    assert "declared" not in _significance_markdown(undeclared, "image_only")
+    runs = pd.DataFrame({"split": ["test"] * 5, "run_id": list("abcde"), "seed": range(5)})
+    assert "| a | image_table (primary) | 64 | 5 | 3.00 |" in _sample_size(runs, pd.DataFrame(primary + others))

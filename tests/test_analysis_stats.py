@@ -291,6 +291,32 @@ def test_significance_table_vqa_beyond_alpha_after_holm():
     assert not t["significant"].any() and t["better"].eq("").all()
 
 
+def test_a_declared_primary_family_is_holm_corrected_alone_and_the_rest_as_an_exploratory_family():
+    """15 comparisons (3 schemas x 5 tasks): image_table's 0.008 is significant in its declared family of 5 (x 5 =
+    0.04) but not in one family of 15 (behind 0.004: max(0.06, 0.112)); the exploratory family of the other 10 is
+    corrected alone (0.004 x 10 = 0.04, not 0.06). Undeclared, the rows are one family as before."""
+    schemas, tasks = ["image_table", "image_bbox", "image_table_bbox"], ["t0", "t1", "t2", "t3", "t4"]
+    p = {"image_table": [0.008, 0.2, 0.3, 0.4, 0.5], "image_bbox": [0.004, 0.6, 0.7, 0.8, 0.9]}
+    p["image_table_bbox"] = [0.25, 0.35, 0.45, 0.55, 0.65]
+    rows = [_comparison(t, "accuracy", s, 1.0, p[s][i]) for s in schemas for i, t in enumerate(tasks)]
+    labels, sizes = stats.families([r["schema_a"] for r in rows], ["image_table"])
+    assert sizes == [5] * 5 + [10] * 10 and labels == ["primary"] * 5 + ["exploratory"] * 10
+    declared = significance_table([r | {"family": f} for r, f in zip(rows, labels, strict=True)])
+    one = significance_table(rows)
+    key = ["task", "schema_a"]
+    declared, one = declared.sort_values(key, ignore_index=True), one.sort_values(key, ignore_index=True)
+    primary, exploratory = declared["family"] == "primary", declared["family"] == "exploratory"
+    np.testing.assert_allclose(declared.loc[primary, "p_holm"], holm(declared.loc[primary, "p_value"]))
+    np.testing.assert_allclose(declared.loc[exploratory, "p_holm"], holm(declared.loc[exploratory, "p_value"]))
+    significant = set((declared["schema_a"] + "/" + declared["task"])[declared["significant"]])
+    assert significant == {"image_table/t0", "image_bbox/t0"} and not one["significant"].any()
+    np.testing.assert_allclose(one["p_holm"], holm(one["p_value"]))
+    labels, sizes = stats.families([r["schema_a"] for r in rows], None)  # undeclared: one family, as before
+    assert set(labels) == {"all"} and sizes == [15] * 15
+    undeclared = significance_table([r | {"family": f} for r, f in zip(rows, labels, strict=True)])
+    pd.testing.assert_frame_equal(undeclared.drop(columns="family"), significance_table(rows))
+
+
 # seed_comparisons
 
 

@@ -105,3 +105,21 @@ def test_a_bad_value_in_a_space_fails_before_ray_naming_file_and_key(tmp_path):
     with pytest.raises(SpaceError) as info:
         load_space(str(path))
     assert str(path) in str(info.value) and "optimiser.lr = -5e-05 is not valid" in str(info.value)
+
+
+def test_a_declared_primary_family_names_schemas_the_space_trains(tmp_path):
+    """``analysis.primary`` lists schemas the space (its presets overlaid) trains: a preset may declare it, as
+    ``null_input`` sets ``analysis.margin``; an unknown schema is refused naming the key and the valid schemas."""
+    two = {"grid": {"schema": ["image_only", "image_table"], "seed": [0]}}
+    presets = {"two": two, "declared": {**two, "analysis": {"primary": ["image_table"]}}}
+    space = load_space(str(ablation_space_with(tmp_path, presets=presets)), ("declared",), weights=False)
+    assert space.analysis["primary"] == ["image_table"]
+    path = ablation_space_with(tmp_path, analysis={"primary": ["image_bbox"]}, presets=presets)
+    assert load_space(str(path), weights=False).analysis["primary"] == ["image_bbox"]
+    with pytest.raises(SpaceError) as info:  # the preset's grid no longer trains image_bbox
+        load_space(str(path), ("two",), weights=False)
+    assert "analysis.primary" in str(info.value) and "unknown schema 'image_bbox'; valid: image_only, image_table" in (
+        str(info.value)
+    )
+    with pytest.raises(SpaceError, match=r"analysis\.primary: 'image_table': a list of schema names"):
+        load_space(str(ablation_space_with(tmp_path, analysis={"primary": "image_table"})), weights=False)

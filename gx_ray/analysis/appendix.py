@@ -133,8 +133,9 @@ def _sample_size(runs: pd.DataFrame, significance: pd.DataFrame | None) -> str:
         for _, row in significance.iterrows():
             note = row.get("mde_note")
             if pd.notna(row.get("mde")) or isinstance(note, str):
+                family = f" ({row['family']})" if row.get("family", "all") != "all" else ""  # a declared family
                 lines.append(
-                    f"| {row['task']} | {row['schema_a']} | {int(row['n_cases'])} | {int(row['n_seeds'])} | "
+                    f"| {row['task']} | {row['schema_a']}{family} | {int(row['n_cases'])} | {int(row['n_seeds'])} | "
                     f"{note if isinstance(note, str) else format(row['mde'], '.2f')} |"
                 )
     return "\n\n".join(lines[:2]) + ("\n\n" + "\n".join(lines[2:]) if len(lines) > 2 else "")

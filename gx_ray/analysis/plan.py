@@ -21,7 +21,7 @@ import numpy as np
 
 from gx_ray.analysis import plots, power, stats
 from gx_ray.analysis.cases import CaseScorer, case_scorer
-from gx_ray.analysis.runs import load_runs, test_records
+from gx_ray.analysis.runs import load_runs, space_analysis, sweep_parent, test_records
 from gx_ray.analysis.tables import plural
 
 PLAN_FOLDER = "plan"
@@ -103,7 +103,8 @@ def plan_study(
 ) -> StudyPlan:
     """Plan every comparison of the pilot sweep ``sweep_id`` (each task's ``metric``, default its headline) for a
     difference of ``effect`` in the metric's units, with ``settings``' designs, over a family of ``comparisons``
-    (default: the pilot's own); writes ``output/plan/``."""
+    (default: the pilot's own, or each comparison's Holm family where the pilot's space declared ``analysis.primary``:
+    :func:`stats.families`); writes ``output/plan/``."""
     runs = load_runs(tracking_uri, sweep_id)
     finished = runs[runs["status"] == "FINISHED"]
     if metric is not None:
@@ -111,19 +112,21 @@ def plan_study(
     pairs = list(stats.paired_arms(finished, baseline, headline_only=metric is None))
     if not pairs:
         raise ValueError(f"sweep {sweep_id}: no schema can be compared with {baseline} on shared seeds")
-    family = comparisons or len(pairs)
-    settings = replace(settings or power.PowerSettings(), comparisons=family)
+    parent = sweep_parent(tracking_uri, sweep_id)
+    primary = None if comparisons else space_analysis(tracking_uri, parent and parent.info.run_id, "primary")
+    labels, sizes = stats.families([cell["schema_a"] for cell, _, _ in pairs], primary)
     folder = Path(output) / PLAN_FOLDER
     folder.mkdir(parents=True, exist_ok=True)
     planned = []
-    for cell, arm, base in pairs:
+    for (cell, arm, base), size in zip(pairs, sizes, strict=True):
         scorers = [[_scorer(tracking_uri, r, cell["task"], cell["metric"]) for r in f["run_id"]] for f in (arm, base)]
         if any(s is None or (isinstance(s, list) and None in s) for side in scorers for s in side):
             continue  # a trial without predictions: no patients to resample
         folds = len(scorers[0][0]) if isinstance(scorers[0][0], list) else 0
         differences = pilot_differences(*scorers)
-        # one pilot seed: the spread over seeds is unknown, and planned as none
-        options = replace(settings, seed_sd=0.0) if len(differences) < 2 else settings
+        options = replace(settings or power.PowerSettings(), comparisons=comparisons or size)
+        if len(differences) < 2:  # one pilot seed: the spread over seeds is unknown, and planned as none
+            options = replace(options, seed_sd=0.0)
         plan = power.plan_power(differences, effect, options)
         curve = power.power_curve(differences, effect, options)
         figures = plots.power_curve_plot(curve, folder / f"power_{cell['task']}.{cell['schema_a']}")
@@ -132,6 +135,11 @@ def plan_study(
             observed=float(differences.mean()), plan=plan, curve=curve, figure=figures[0].name))  # fmt: skip
     plan_json = json.dumps([p.to_dict() for p in planned], indent=1, default=float)
     (folder / "plan.json").write_text(plan_json + "\n", encoding="utf-8")
+    family = f"a family of {comparisons or len(pairs)} comparisons"
+    if primary:
+        family = (f"its family, as the pilot's space declared them (`analysis.primary`): "
+                  f"{plural(labels.count('primary'), 'primary comparison')} ({', '.join(primary)}), "
+                  f"{labels.count('exploratory')} exploratory")  # fmt: skip
     (folder / "summary.md").write_text(_summary(sweep_id, planned, family, effect), encoding="utf-8")
     return StudyPlan(planned, folder)
 
@@ -147,12 +155,12 @@ def _scorer_of(records: list[dict] | None, task: str, metric: str) -> CaseScorer
     return case_scorer(task, records, metric) if records else None
 
 
-def _summary(sweep_id: str, planned: list[PlannedComparison], family: int, effect: float) -> str:
+def _summary(sweep_id: str, planned: list[PlannedComparison], family: str, effect: float) -> str:
     lines = [
         f"# Study plan from pilot sweep {sweep_id}",
         "",
         f"How many seeds and test patients each comparison needs to detect a difference of **{effect:g}** (the "
-        f"metric's units) with 80 % power, after Holm over a family of {family} comparisons. Method: "
+        f"metric's units) with 80 % power, after Holm over {family}. Method: "
         f"{planned[0].plan.method if planned else '—'}; per-patient differences are jackknife pseudo-values of the "
         "pilot's test predictions"
         + (

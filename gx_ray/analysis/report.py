@@ -26,7 +26,14 @@ from mlflow.tracking import MlflowClient
 from gx_ray.analysis import pareto, plots, reference, search_views, stats, tables
 from gx_ray.analysis.appendix import appendix_markdown
 from gx_ray.analysis.cases import BootstrapJob, CaseScorer, bootstrap_jobs, case_scorer
-from gx_ray.analysis.runs import headline_metric, higher_is_better, load_runs, test_records
+from gx_ray.analysis.runs import (
+    headline_metric,
+    higher_is_better,
+    load_runs,
+    space_analysis,
+    sweep_parent,
+    test_records,
+)
 from gx_ray.analysis.selection import task_winners
 from gx_ray.analysis.study import format_p
 
@@ -81,12 +88,13 @@ def write_report(
     finished = runs[runs["status"] == "FINISHED"]
     report = Report(folder)
     margins = space_margins(tracking_uri, parent_run_id)
+    primary = space_analysis(tracking_uri, parent_run_id, "primary")
     if finished.empty:
         summary = f"# Sweep {sweep_id}\n\nNo finished trials yet: nothing to report.\n"
         report.files += _write_summary(folder, summary)
     else:
         _write_cells(report, finished, runs, tracking_uri, n_resamples)
-        _write_comparisons(report, finished, tracking_uri, baseline, n_resamples, margins)
+        _write_comparisons(report, finished, tracking_uri, baseline, n_resamples, margins, primary)
         write_selection(report, runs, tracking_uri, n_resamples)
         appendix = appendix_markdown(
             tracking_uri, sweep_id, runs, report.significance, _shards(tracking_uri, parent_run_id),
@@ -125,13 +133,14 @@ def _write_cells(report: Report, finished: pd.DataFrame, runs: pd.DataFrame, tra
 
 
 def _write_comparisons(
-    report: Report, finished: pd.DataFrame, tracking_uri: str, baseline: str, n_resamples: int, margins
+    report: Report, finished: pd.DataFrame, tracking_uri: str, baseline: str, n_resamples: int, margins, primary
 ) -> None:
-    """Each schema against the baseline, on the test split and out of fold, and lesion QA's distractor kinds."""
-    comparisons = schema_comparisons(finished, tracking_uri, baseline, n_resamples, margins)
+    """Each schema against the baseline, on the test split and out of fold (in the space's declared Holm families),
+    and lesion QA's distractor kinds."""
+    comparisons = schema_comparisons(finished, tracking_uri, baseline, n_resamples, margins, primary)
     report.significance = stats.significance_table(comparisons) if comparisons else None
     report.save(report.significance, "significance")
-    oof_cells, oof_comparisons = out_of_fold(finished, tracking_uri, baseline, n_resamples, margins)
+    oof_cells, oof_comparisons = out_of_fold(finished, tracking_uri, baseline, n_resamples, margins, primary)
     if not oof_cells.empty:
         report.out_of_fold = oof_cells
         report.out_of_fold_significance = stats.significance_table(oof_comparisons) if oof_comparisons else None
@@ -219,30 +228,44 @@ def schema_comparisons(
     baseline: str = BASELINE,
     n_resamples: int = 1000,
     margins: dict[str, float] | float | None = None,
+    primary: list[str] | None = None,
 ) -> list[dict]:
     """Every schema against ``baseline`` on each task's headline metric (:func:`stats.paired_arms`), paired on seeds
     and test patients: a two-level bootstrap over patients and seeds (:mod:`gx_ray.analysis.study`), with its TOST
     verdict where the space gives the task a margin (``analysis.margin``) and the smallest difference the design
-    could detect. The bootstrap needs every trial's test predictions, else it falls back to Wilcoxon over seeds."""
+    could detect. The bootstrap needs every trial's test predictions, else it falls back to Wilcoxon over seeds.
+    Each row's ``family``: its Holm family (:func:`stats.families` of the space's ``analysis.primary``)."""
 
     scorer = _trial_scorers(tracking_uri)
     pairs = list(stats.paired_arms(runs, baseline, headline_only=True))
+    labels, sizes = stats.families([cell["schema_a"] for cell, _, _ in pairs], primary)
     jobs = [
         BootstrapJob(
             [_units(scorer, frame["run_id"], cell["task"], cell["metric"]) for frame in (arm, base)],
             margin=_margin(margins, cell["task"]),
             higher_is_better=higher_is_better(cell["metric"]),
-            family=len(pairs),
+            family=size,
         )
-        for cell, arm, base in pairs
+        for (cell, arm, base), size in zip(pairs, sizes, strict=True)
     ]
     comparisons = []
-    n_resamples = stats.family_resamples(len(pairs), n_resamples)  # one Holm family: its size sets the p floor
-    for (cell, arm, base), result in zip(pairs, bootstrap_jobs(jobs, n_resamples), strict=True):
+    for (cell, arm, base), label, result in zip(pairs, labels, _family_bootstraps(jobs, n_resamples), strict=True):
         if result is None:
             result = stats.wilcoxon_over_seeds(arm["value"].to_numpy(), base["value"].to_numpy())
-        comparisons.append({**cell, **result})
+        comparisons.append({**cell, "family": label, **result})
     return comparisons
+
+
+def _family_bootstraps(jobs: list[BootstrapJob], n_resamples: int) -> list[dict | None]:
+    """:func:`bootstrap_jobs` of each Holm family with the replicates its size needs (its p floor:
+    :func:`stats.family_resamples`), in the jobs' order."""
+    results: list[dict | None] = [None] * len(jobs)
+    for size in dict.fromkeys(job.family for job in jobs):
+        index = [i for i, job in enumerate(jobs) if job.family == size]
+        found = bootstrap_jobs([jobs[i] for i in index], stats.family_resamples(size, n_resamples))
+        for i, result in zip(index, found, strict=True):
+            results[i] = result
+    return results
 
 
 def cell_intervals(cells: pd.DataFrame, runs: pd.DataFrame, tracking_uri: str, n_resamples: int = 1000) -> pd.DataFrame:
@@ -270,11 +293,17 @@ def cell_intervals(cells: pd.DataFrame, runs: pd.DataFrame, tracking_uri: str, n
 
 
 def out_of_fold(
-    runs: pd.DataFrame, tracking_uri: str, baseline: str = BASELINE, n_resamples: int = 1000, margins=None
+    runs: pd.DataFrame,
+    tracking_uri: str,
+    baseline: str = BASELINE,
+    n_resamples: int = 1000,
+    margins: dict[str, float] | float | None = None,
+    primary: list[str] | None = None,
 ) -> tuple[pd.DataFrame, list[dict]]:
     """Cross-validated sweeps: each cell's headline metric on its out-of-fold predictions (each patient predicted once
     a seed, by the fold model that did not train on it) with the two-level bootstrap's interval, and each schema
-    against ``baseline`` on them. Empty for sweeps without cross-validation."""
+    against ``baseline`` on them, in the Holm families of ``primary`` (as :func:`schema_comparisons`). Empty for
+    sweeps without cross-validation."""
     test = runs[(runs["split"] == "test") & runs["fold"].notna()] if "fold" in runs else runs.iloc[0:0]
     if test.empty:
         return pd.DataFrame(), []
@@ -295,15 +324,17 @@ def out_of_fold(
     cells = [dict(zip([*keys, "metric"], key, strict=True)) for key in arms]
     jobs = [BootstrapJob([arm], out_of_fold=True) for arm in arms.values()]
     pairs = [(k, (*k[:3], baseline, k[4])) for k in arms if k[3] != baseline and (*k[:3], baseline, k[4]) in arms]
-    jobs += [
-        BootstrapJob([arms[a], arms[b]], _margin(margins, a[0]), higher_is_better(a[4]), len(pairs), out_of_fold=True)
-        for a, b in pairs
+    labels, sizes = stats.families([a[3] for a, _ in pairs], primary)
+    paired = [
+        BootstrapJob([arms[a], arms[b]], _margin(margins, a[0]), higher_is_better(a[4]), size, out_of_fold=True)
+        for (a, b), size in zip(pairs, sizes, strict=True)
     ]
     results = bootstrap_jobs(jobs, stats.family_resamples(len(pairs), n_resamples))
-    table = pd.DataFrame([{**c, **(r or {})} for c, r in zip(cells, results[: len(cells)], strict=True)])
+    table = pd.DataFrame([{**c, **(r or {})} for c, r in zip(cells, results, strict=True)])
     comparisons = [
-        {"task": a[0], "model": a[1], "fusion": a[2], "metric": a[4], "schema_a": a[3], "schema_b": b[3], **r}
-        for (a, b), r in zip(pairs, results[len(cells) :], strict=True)
+        {"task": a[0], "model": a[1], "fusion": a[2], "metric": a[4], "schema_a": a[3], "schema_b": b[3]}
+        | {"family": label, **r}
+        for (a, b), label, r in zip(pairs, labels, _family_bootstraps(paired, n_resamples), strict=True)
         if r is not None
     ]
     return table, comparisons
@@ -333,13 +364,8 @@ def _shards(tracking_uri: str, parent_run_id: str | None) -> str | None:
 
 
 def space_margins(tracking_uri: str, parent_run_id: str | None) -> dict[str, float] | float | None:
-    """The space's equivalence margin(s), as the sweep's parent run keeps them (``analysis.margin``)."""
-    import json
-
-    if not parent_run_id:
-        return None
-    value = MlflowClient(tracking_uri).get_run(parent_run_id).data.params.get("analysis.margin")
-    return json.loads(value) if value else None
+    """The space's equivalence margin(s) (``analysis.margin``)."""
+    return space_analysis(tracking_uri, parent_run_id, "margin")
 
 
 def distractor_comparisons(runs: pd.DataFrame, tracking_uri: str, n_resamples: int = 1000) -> list[dict]:
@@ -442,15 +468,28 @@ def _significance_markdown(table: pd.DataFrame | None, baseline: str) -> str:
         "equivalence | MDE |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    family = len(table)
-    for _, row in table.iterrows():
+    family = table["family"] if "family" in table else pd.Series("all", index=table.index)
+    for (_, row), size in zip(table.iterrows(), family.map(family.value_counts()), strict=True):
         lines.append(
-            f"| {row['task']} | {row['metric']} | {row['schema_a']} | {_verdict(row, family)} | "
+            f"| {row['task']} | {row['metric']} | {row['schema_a']} | {_verdict(row, size)} | "
             f"{row.get('equivalence') if isinstance(row.get('equivalence'), str) else '—'} | "
             f"{_mde(row)} |"
         )
     methods = "; ".join(table["method"].drop_duplicates())  # said once: a column of it made the page too wide
-    return "\n".join(lines) + f"\n\nMethod: {methods}." + caution
+    return _families_markdown(table, family, baseline) + "\n".join(lines) + f"\n\nMethod: {methods}." + caution
+
+
+def _families_markdown(table: pd.DataFrame, family: pd.Series, baseline: str) -> str:
+    """Where the space declared a primary family: which rows are in it, and that each family is Holm-corrected alone."""
+    if (family == "all").all():
+        return ""
+    primary = ", ".join(dict.fromkeys(table.loc[family == "primary", "schema_a"])) or "none compared"
+    return (
+        f"**Two Holm families**, declared in the space before the results (`analysis.primary`), each Holm-corrected "
+        f"alone (not across every comparison): the *primary* (confirmatory) family, {primary} against {baseline} "
+        f"({tables.plural(int((family == 'primary').sum()), 'row')}), and the *exploratory* family, every other row "
+        f"({(family == 'exploratory').sum()}).\n\n"
+    )
 
 
 def _mde(row: pd.Series) -> str:
@@ -676,7 +715,6 @@ def open_sweep(sweep: str, mlflow_uri: str | None = None, output: Path | None = 
     import json
 
     from gx_ray.data.shards import read_manifest
-    from gx_ray.tracking import SWEEP_TAG
     from gx_ray.tracking.server import LocalMlflowServer
 
     folder = Path(sweep)
@@ -690,18 +728,16 @@ def open_sweep(sweep: str, mlflow_uri: str | None = None, output: Path | None = 
     if not uri:
         raise ValueError(f"{sweep!r} is not an output folder; give the MLflow server with --mlflow-uri")
     try:
-        client = MlflowClient(uri)
         sweep_id = document["sweep_id"] if document else sweep
-        experiments = [e.experiment_id for e in client.search_experiments()]
-        parents = client.search_runs(experiments, f"tags.`{SWEEP_TAG}` = '{sweep_id}' and tags.`gx_ray.kind` = 'sweep'")
-        if not parents:
+        parent = sweep_parent(uri, sweep_id)
+        if parent is None:
             raise ValueError(f"no sweep {sweep_id!r} on the MLflow server {uri}")
         try:
-            cohort = cohort_of(read_manifest(parents[0].data.params["data"], verify=False))
+            cohort = cohort_of(read_manifest(parent.data.params["data"], verify=False))
         except (KeyError, OSError, ValueError):
             cohort = ""
         destination = folder if document else Path(output or Path("outputs/sweeps") / sweep_id)
-        yield SweepStore(uri=uri, sweep_id=sweep_id, parent=parents[0], cohort=cohort, folder=destination)
+        yield SweepStore(uri=uri, sweep_id=sweep_id, parent=parent, cohort=cohort, folder=destination)
     finally:
         if server:
             server.stop()

@@ -142,6 +142,23 @@ def child_runs(client: MlflowClient, sweep_id: str) -> list[Run]:
             return sorted(runs, key=lambda r: r.info.start_time or 0)
 
 
+def sweep_parent(tracking_uri: str, sweep_id: str) -> Run | None:
+    """The sweep's parent run (its params: the space's fixed values, grid axes and ``analysis``); None where none."""
+    client = MlflowClient(tracking_uri)
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    parents = client.search_runs(experiments, f"tags.`{SWEEP_TAG}` = '{sweep_id}' and tags.`gx_ray.kind` = 'sweep'")
+    return parents[0] if parents else None
+
+
+def space_analysis(tracking_uri: str, parent_run_id: str | None, key: str) -> Any:
+    """The space's ``analysis.<key>`` (:data:`gx_ray.sweep.spaces.ANALYSIS_KEYS`), as the sweep's parent run keeps it;
+    None where it has none."""
+    if not parent_run_id:
+        return None
+    value = MlflowClient(tracking_uri).get_run(parent_run_id).data.params.get(f"analysis.{key}")
+    return json.loads(value) if value else None
+
+
 def load_runs(tracking_uri: str, sweep_id: str) -> pd.DataFrame:
     """The sweep's trial runs as the tidy table of this module's docstring (empty, with the columns, if none): ``test``
     rows for every ``test_*`` metric logged, ``val`` rows for the headline metric at the best epoch."""

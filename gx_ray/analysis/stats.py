@@ -2,7 +2,7 @@
 
 :func:`cell_statistics`: mean, SD and a t interval over seeds per cell of the runs table. Schemas are compared on the
 trial pairs :func:`paired_arms` finds, by :func:`paired_bootstrap` over test patients (needs per-case predictions) or
-else :func:`wilcoxon_over_seeds`; :func:`significance_table` Holm-corrects the family and says which schema is better.
+else :func:`wilcoxon_over_seeds`; :func:`significance_table` Holm-corrects each family and says which schema is better.
 """
 
 from __future__ import annotations
@@ -82,14 +82,23 @@ def holm(p_values: Sequence[float]) -> np.ndarray:
     return out
 
 
+def families(schemas: Sequence[str], primary: Sequence[str] | None) -> tuple[list[str], list[int]]:
+    """Each comparison's Holm family, by its schema, and that family's size: ``primary`` (the confirmatory family the
+    space declared in ``analysis.primary``) or ``exploratory`` (every other); ``all`` where nothing was declared."""
+    labels = ["all" if not primary else "primary" if s in primary else "exploratory" for s in schemas]
+    return labels, [labels.count(label) for label in labels]
+
+
 def significance_table(comparisons: list[dict], alpha: float = 0.05) -> pd.DataFrame:
-    """The comparisons (task, metric, schema_a, schema_b and a test's keys) as a table, Holm-corrected across ALL of
-    them as one family, sorted by task then p-value. Adds ``p_holm``, ``significant`` (``p_holm < alpha``) and
-    ``better``: the schema better by :func:`~gx_ray.analysis.runs.higher_is_better`, or ``""`` when not significant."""
+    """The comparisons (task, metric, schema_a, schema_b and a test's keys) as a table, Holm-corrected within each
+    ``family`` (:func:`families`), or across ALL of them as one family without that key, sorted by task then p-value.
+    Adds ``p_holm``, ``significant`` (``p_holm < alpha``) and ``better``: the schema better by
+    :func:`~gx_ray.analysis.runs.higher_is_better`, or ``""`` when not significant."""
     table = pd.DataFrame(comparisons)
     if table.empty:
         return pd.DataFrame(columns=[*COMPARISON_KEYS, "diff", "p_value", "p_holm", "significant", "better"])
-    table["p_holm"] = holm(table["p_value"].to_numpy())
+    family = table["family"] if "family" in table else np.zeros(len(table))
+    table["p_holm"] = table["p_value"].groupby(family).transform(holm)
     table["significant"] = table["p_holm"] < alpha
     a_wins = (table["diff"] > 0) == table["metric"].map(higher_is_better)
     table["better"] = np.where(table["significant"], np.where(a_wins, table["schema_a"], table["schema_b"]), "")

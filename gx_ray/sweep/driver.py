@@ -395,8 +395,8 @@ def _parent_run(run: SweepRun, context: SweepContext, client: MlflowClient) -> s
         **{f"fixed.{k}": v for k, v in space.fixed.items()},
         **{f"grid.{k}": v for k, v in space.grid.items()},
     }
-    if "margin" in space.analysis:  # the report's equivalence tests read the margin(s) here
-        params["analysis.margin"] = json.dumps(space.analysis["margin"])
+    for key, value in space.analysis.items():  # the report reads the margin(s) and the declared family here
+        params[f"analysis.{key}"] = json.dumps(value)
     if space.multi_objective:  # the report's Pareto front reads the objectives and their directions here
         params["objectives"] = json.dumps(objectives(space.metric, task=space.fixed.get("task")))
     parent = parent_run(client, EXPERIMENT, context.sweep_id, params, context.provenance)

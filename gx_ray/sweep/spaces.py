@@ -64,9 +64,11 @@ CV_KEYS = ("folds", "stratify", "seed", "file")
 gx-ray's or nnU-Net's ``splits_final.json``). With ``searcher: grid`` and no scheduler it adds the grid axis
 ``data.fold`` (each fold a trial); with any other searcher or a scheduler each trial trains its configuration on
 every fold side by side and reports the folds' mean (:mod:`gx_ray.train.folds`), which the search optimises."""
-ANALYSIS_KEYS = ("margin",)
+ANALYSIS_KEYS = ("margin", "primary")
 """``analysis``: how the report reads the sweep; ``margin``: the equivalence margin in the primary metric's units,
-one number or one per task, against which "removing input X does not hurt" is tested."""
+one number or one per task, against which "removing input X does not hurt" is tested; ``primary``: the schemas whose
+comparisons with the baseline are the confirmatory Holm family, declared before the results (the others are the
+exploratory family, Holm-corrected alone)."""
 SEARCHERS = ("grid", "random", "optuna", "bohb")
 SCHEDULERS = ("none", "asha", "pbt", "bohb")
 SCHEDULER_OPTIONS = {"pbt": {"interval": 2, "quantile": 0.25, "resample_probability": 0.25},
@@ -108,7 +110,7 @@ class SearchSpace:
     cv: dict[str, Any] = field(default_factory=dict)
     """The ``cv`` section (empty: no cross-validation): folds, stratify, seed or file."""
     analysis: dict[str, Any] = field(default_factory=dict)
-    """The ``analysis`` section: the equivalence margin(s)."""
+    """The ``analysis`` section: the equivalence margin(s) and the declared primary schemas."""
     scheduler_options: dict[str, Any] = field(default_factory=dict)
     """The ``pbt`` or ``bohb`` section of the space's scheduler, its defaults filled in (empty for the others)."""
 
@@ -254,6 +256,7 @@ def _parse(path: Path, doc: dict[str, Any], presets: tuple[str, ...]) -> SearchS
         raise SpaceError(path, "cv", "a search over cross-validated configurations trains each trial's folds "
                          "side by side in one process: resources.workers must be 1")  # fmt: skip
     analysis = _analysis(path, doc.get("analysis") or {}, [*TASKS, *_plugin_names(fixed, grid, sample)])
+    _primary(path, analysis.get("primary"), _values("schema", fixed, grid, sample))
     return SearchSpace(
         name=path.stem,
         path=path,
@@ -348,6 +351,17 @@ def _analysis(path: Path, analysis: Any, tasks: list[str]) -> dict[str, Any]:
     return analysis
 
 
+def _primary(path: Path, primary: Any, schemas: list[Any]) -> None:
+    """``analysis.primary``: a list of the schemas the space trains (by name; a mapping's ``name``, else custom)."""
+    if primary is None:
+        return
+    names = list(dict.fromkeys(s.get("name", "custom") if isinstance(s, dict) else str(s) for s in schemas))
+    if not isinstance(primary, list) or not primary or not all(isinstance(s, str) for s in primary):
+        raise SpaceError(path, "analysis.primary", f"{primary!r}: a list of schema names; valid: {', '.join(names)}")
+    if unknown := [s for s in primary if s not in names]:
+        raise SpaceError(path, "analysis.primary", f"unknown schema {unknown[0]!r}; valid: {', '.join(names)}")
+
+
 def _scheduler_options(path: Path, doc: dict[str, Any], searcher: str, scheduler: str, sample: dict) -> dict:
     """The ``pbt``/``bohb`` section of the space's scheduler, checked and completed; the pairs Tune can run."""
     if (searcher == "bohb") != (scheduler == "bohb"):
@@ -395,13 +409,18 @@ def _number(value: Any) -> bool:
 def _plugin_names(fixed: dict, grid: dict, sample: dict) -> list[str]:
     """The names of the plug-in tasks a space runs (a reference that does not resolve is reported by the trial
     configs' check, naming the cell)."""
-    values = [fixed.get("task"), *(grid.get("task") or []), *((sample.get("task") or {}).get("choices") or [])]
     names = []
-    for value in values:
+    for value in _values("task", fixed, grid, sample):
         if isinstance(value, str) and value not in TASKS:
             with contextlib.suppress(ValueError):
                 names.append(task_class(value).name)
     return names
+
+
+def _values(key: str, fixed: dict, grid: dict, sample: dict) -> list[Any]:
+    """Every value the space gives ``key``: its fixed value, its grid axis and its sampled choices."""
+    values = [fixed[key]] if key in fixed else []
+    return [*values, *(grid.get(key) or []), *((sample.get(key) or {}).get("choices") or [])]
 
 
 def _cv(path: Path, cv: Any, fixed: dict, grid: dict, sample: dict) -> dict[str, Any]:
