@@ -3,6 +3,7 @@
 
 python jobs/plan.py --pilot outputs/sweeps/<sweep id> --effect 2                  # each task's headline metric
 python jobs/plan.py --pilot outputs/sweeps/<sweep id> --effect 2 --metric auc     # one metric
+python jobs/plan.py --pilot outputs/sweeps/<sweep id> --effect pilot              # each difference the pilot saw
 python jobs/plan.py --pilot <sweep id> --mlflow-uri http://mlflow.internal:5000 --effect 2 --seeds 3,5,10,20
 """
 
@@ -22,12 +23,18 @@ def numbers(text: str) -> tuple[int, ...]:
     return tuple(int(n) for n in text.split(","))
 
 
+def effect_size(text: str) -> float | None:
+    return None if text == "pilot" else float(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--pilot", required=True, help="the pilot sweep: its output folder, or its id with --mlflow-uri"
     )
-    parser.add_argument("--effect", required=True, type=float, help="the difference to detect, in the metric's units")
+    parser.add_argument("--effect", required=True, type=effect_size,
+                        help="the difference to detect, in the metric's units; 'pilot': each comparison's own pilot "
+                        "difference")  # fmt: skip
     parser.add_argument("--metric", help="the metric compared (default: each task's headline metric)")
     parser.add_argument("--baseline", default="image_only", help="the schema every other is compared with")
     parser.add_argument("--seeds", type=numbers, default=(3, 5, 10), help="seeds per arm to try (default 3,5,10)")

@@ -498,6 +498,10 @@ def test_a_study_is_planned_from_the_pilots_predictions(planted_sweep, tmp_path,
     tiny = json.loads((tmp_path / "plan" / "plan.json").read_text(encoding="utf-8"))
     assert all(p["smallest"] is None for p in tiny)
     assert "none of the designs tried" in (tmp_path / "plan" / "summary.md").read_text(encoding="utf-8")
+    assert main([*argv, "--effect", "pilot"]) == 0  # each comparison at the difference its own pilot saw
+    seen = json.loads((tmp_path / "plan" / "plan.json").read_text(encoding="utf-8"))
+    assert all(p["effect"] == p["observed"] for p in seen) and len({p["effect"] for p in seen}) == 2
+    assert "the difference its pilot observed" in (tmp_path / "plan" / "summary.md").read_text(encoding="utf-8")
 
 
 def test_the_significance_table_fits_a_preview_with_its_method_said_once_under_it():

@@ -94,7 +94,7 @@ class StudyPlan:
 def plan_study(
     tracking_uri: str,
     sweep_id: str,
-    effect: float,
+    effect: float | None,
     output: Path,
     settings: power.PowerSettings | None = None,
     metric: str | None = None,
@@ -102,9 +102,9 @@ def plan_study(
     comparisons: int | None = None,
 ) -> StudyPlan:
     """Plan every comparison of the pilot sweep ``sweep_id`` (each task's ``metric``, default its headline) for a
-    difference of ``effect`` in the metric's units, with ``settings``' designs, over a family of ``comparisons``
-    (default: the pilot's own, or each comparison's Holm family where the pilot's space declared ``analysis.primary``:
-    :func:`stats.families`); writes ``output/plan/``."""
+    difference of ``effect`` in the metric's units (None: each comparison's own pilot difference), with ``settings``'
+    designs, over a family of ``comparisons`` (default: the pilot's own, or each comparison's Holm family where the
+    pilot's space declared ``analysis.primary``: :func:`stats.families`); writes ``output/plan/``."""
     runs = load_runs(tracking_uri, sweep_id)
     finished = runs[runs["status"] == "FINISHED"]
     if metric is not None:
@@ -127,11 +127,12 @@ def plan_study(
         options = replace(settings or power.PowerSettings(), comparisons=comparisons or size)
         if len(differences) < 2:  # one pilot seed: the spread over seeds is unknown, and planned as none
             options = replace(options, seed_sd=0.0)
-        plan = power.plan_power(differences, effect, options)
-        curve = power.power_curve(differences, effect, options)
+        wanted = float(differences.mean()) if effect is None else effect
+        plan = power.plan_power(differences, wanted, options)
+        curve = power.power_curve(differences, wanted, options)
         figures = plots.power_curve_plot(curve, folder / f"power_{cell['task']}.{cell['schema_a']}")
         planned.append(PlannedComparison(
-            **cell, effect=effect, pilot_seeds=len(differences), pilot_patients=differences.shape[1], pilot_folds=folds,
+            **cell, effect=wanted, pilot_seeds=len(differences), pilot_patients=differences.shape[1], pilot_folds=folds,
             observed=float(differences.mean()), plan=plan, curve=curve, figure=figures[0].name))  # fmt: skip
     plan_json = json.dumps([p.to_dict() for p in planned], indent=1, default=float)
     (folder / "plan.json").write_text(plan_json + "\n", encoding="utf-8")
@@ -155,11 +156,12 @@ def _scorer_of(records: list[dict] | None, task: str, metric: str) -> CaseScorer
     return case_scorer(task, records, metric) if records else None
 
 
-def _summary(sweep_id: str, planned: list[PlannedComparison], family: str, effect: float) -> str:
+def _summary(sweep_id: str, planned: list[PlannedComparison], family: str, effect: float | None) -> str:
+    size = "the difference its pilot observed" if effect is None else f"a difference of **{effect:g}**"
     lines = [
         f"# Study plan from pilot sweep {sweep_id}",
         "",
-        f"How many seeds and test patients each comparison needs to detect a difference of **{effect:g}** (the "
+        f"How many seeds and test patients each comparison needs to detect {size} (the "
         f"metric's units) with 80 % power, after Holm over {family}. Method: "
         f"{planned[0].plan.method if planned else '—'}; per-patient differences are jackknife pseudo-values of the "
         "pilot's test predictions"
