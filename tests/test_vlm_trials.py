@@ -60,8 +60,7 @@ def test_vlm_keys_reach_the_trial_config_and_its_params_and_encoder_trials_keep_
 @pytest.mark.parametrize(
     "changes, named",
     [
-        ({"task": "retrieval"}, "task 'retrieval'"),
-        ({"task": "lesion_detection"}, "task 'lesion_detection'"),
+        ({"task": "lesion_qa"}, "task 'lesion_qa' is not built for it"),
         ({"vlm.name": ""}, "vlm.name"),
         ({"schema.table": "numeric"}, "schema.table"),
         ({"schema": "image_bbox", "schema.boxes": "channels"}, "schema.boxes"),
@@ -74,7 +73,7 @@ def test_vlm_keys_reach_the_trial_config_and_its_params_and_encoder_trials_keep_
         ({"vlm.packing": "yes"}, "vlm.packing = 'yes' is not valid: true or false"),
         ({"vlm.packing": 1}, "vlm.packing = 1 is not valid"),
     ],
-    ids=["retrieval", "detection", "no-name", "numeric-table", "box-channels", "endoscopy", "lesion-centre-no-box",
+    ids=["lesion-qa", "no-name", "numeric-table", "box-channels", "endoscopy", "lesion-centre-no-box",
          "box-prompt-no-box", "family", "rank", "nothing-trains", "packing-str", "packing-int"],
 )  # fmt: skip
 def test_a_vlm_trial_that_cannot_run_is_refused_naming_the_key(changes, named):

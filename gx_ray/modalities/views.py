@@ -17,6 +17,8 @@ applies one, and lesion QA's views are its one-phase case (:func:`lesion_view`).
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -181,13 +183,36 @@ def ct_images(
         )
     prompt = ""
     if recipe.boxes == "prompt":
-        z0, y0, x0, z1, y1, x1 = (int(v) for v in tumour_box)
-        d, h, w = hu[recipe.phases[0]].shape
-        prompt = (
-            f"The lesion's box on the {d} x {h} x {w} (slices x rows x columns) grid: slices {z0}-{z1 - 1}, "
-            f"rows {y0}-{y1 - 1}, columns {x0}-{x1 - 1}."
-        )
+        prompt = f"The lesion's box on the {grid_text(hu[recipe.phases[0]].shape)} grid: {box_text(tumour_box)}."
     return images.astype(np.float32), prompt
+
+
+def grid_text(shape: Sequence[int]) -> str:
+    """A CT grid's size as the prompts give it: ``12 x 32 x 32 (slices x rows x columns)``."""
+    d, h, w = (int(v) for v in shape[-3:])
+    return f"{d} x {h} x {w} (slices x rows x columns)"
+
+
+def box_text(box: np.ndarray | Sequence[int]) -> str:
+    """An end-exclusive ``(z0, y0, x0, z1, y1, x1)`` box in words, its ends inclusive: ``slices 2-4, rows 8-15,
+    columns 8-15`` (the prompt's form under ``boxes: prompt``, and the answer a VLM writes for lesion detection)."""
+    z0, y0, x0, z1, y1, x1 = (int(v) for v in box)
+    return f"slices {z0}-{z1 - 1}, rows {y0}-{y1 - 1}, columns {x0}-{x1 - 1}"
+
+
+BOX_TEXT = re.compile(r"slices\s*(\d+)\s*-\s*(\d+)\W*rows\s*(\d+)\s*-\s*(\d+)\W*columns\s*(\d+)\s*-\s*(\d+)")
+
+
+def parse_box_text(text: str) -> np.ndarray | None:
+    """The end-exclusive box that :func:`box_text` wrote in ``text`` (the first one, anywhere in it), or None where
+    there is none or its ranges are inverted."""
+    found = BOX_TEXT.search(text.lower())
+    if not found:
+        return None
+    z0, z1, y0, y1, x0, x1 = (int(v) for v in found.groups())
+    if z1 < z0 or y1 < y0 or x1 < x0:
+        return None
+    return np.array([z0, y0, x0, z1 + 1, y1 + 1, x1 + 1], dtype=np.float64)
 
 
 def _draw_rgb(images: np.ndarray, box: np.ndarray | list[int], z_indices: np.ndarray) -> np.ndarray:

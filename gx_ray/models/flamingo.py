@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from gx_ray.models.lora import apply_lora
-from gx_ray.models.vlm import IGNORE, VLMConfig
+from gx_ray.models.vlm import IGNORE, TEXT_TOKENS, VLMConfig
 
 SECOND_NAME = re.compile(r"lang_encoder\.model\.layers\.\d+\.gated_cross_attn_layer\.")
 """OpenFlamingo's second name for each gated block (its wrapper of the decoder layer holds the block too)."""
@@ -265,6 +265,19 @@ class FlamingoVLM(nn.Module):
     def loss(self, images: Views, questions: Sequence[str], answers: Sequence[str]) -> torch.Tensor:
         ids, mask, labels = self._rows(len(images[0]), questions, answers)
         return self._run(self._latents(images), ids, mask, labels).loss
+
+    def pooled(self, images: Views, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Retrieval's two sides (:meth:`gx_ray.models.vlm.VisionLanguageModel.pooled`): each case's resampled
+        latents averaged over its views and latents (the resampler trains), each text's last hidden states in the
+        language model (no image: the gated blocks pass it through) averaged over its first ``TEXT_TOKENS``."""
+        image = self._latents(images).float().mean((1, 2))
+        encoded = self.tokenizer(list(texts), return_tensors="pt", padding=True, truncation=True,
+                                 max_length=TEXT_TOKENS).to(self.perceiver.latents.device)  # fmt: skip
+        mask = encoded["attention_mask"]
+        output = self.language(input_ids=encoded["input_ids"], attention_mask=mask, output_hidden_states=True,
+                               use_cache=False)  # fmt: skip
+        hidden = output.hidden_states[-1].float()
+        return image, (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
 
     @torch.no_grad()
     def option_scores(self, images: Views, questions: Sequence[str], options: Sequence[Sequence[str]]) -> torch.Tensor:

@@ -29,6 +29,8 @@ from torch import nn
 from gx_ray.models.lora import LoraSettings, apply_lora
 
 IGNORE = -100
+TEXT_TOKENS = 256
+"""The tokens of a text that retrieval's text side reads (:meth:`VisionLanguageModel.pooled`): most reports whole."""
 
 
 VLM_LORA = LoraSettings(dropout=0.05)
@@ -354,6 +356,30 @@ class VisionLanguageModel(nn.Module):
         new = output if self.seq2seq else output[:, inputs["input_ids"].shape[1] :]
         return self.processor.batch_decode(new, skip_special_tokens=True)
 
+    def pooled(self, images: Sequence[Sequence[np.ndarray]], texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Retrieval's two sides, ``(n, d_image)`` and ``(n, d_text)``, each alone (no prompt, no template): each
+        case's images as the language model receives them (``get_image_features``: LLaVA's projected patches,
+        BLIP-2's language projection of its Q-Former queries) averaged over tokens and views, and each text's last
+        hidden states in the language model (a T5's encoder), averaged over its first :data:`TEXT_TOKENS` tokens."""
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        pictures = [[to_pil(image) for image in case] for case in images]
+        if self.stacked_views:
+            pixels = self._stacked_pixels(pictures)
+        else:
+            flat = [picture for case in pictures for picture in case]
+            pixels = self.processor.image_processor(images=flat, return_tensors="pt")["pixel_values"]
+        features = base.get_image_features(pixel_values=pixels.to(self.device, base.dtype)).pooler_output
+        image = torch.stack([f.float().mean(0) for f in features])  # a list (LLaVA) or (n, queries, d) (BLIP-2)
+        image = image.reshape(len(pictures), -1, image.shape[-1]).mean(1)
+        tokenizer = self.processor.tokenizer
+        encoded = tokenizer(list(texts), return_tensors="pt", padding=True, truncation=True,
+                            max_length=min(TEXT_TOKENS, tokenizer.model_max_length)).to(self.device)  # fmt: skip
+        language = base.get_encoder() if self.seq2seq else base.get_decoder()
+        mask = encoded["attention_mask"]
+        hidden = language(input_ids=encoded["input_ids"], attention_mask=mask, output_hidden_states=True,
+                          use_cache=False).hidden_states[-1].float()  # fmt: skip
+        return image, (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
+
     def trainable(self) -> dict[str, torch.Tensor]:
         return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
 
@@ -383,6 +409,9 @@ VLM_ENTRY_POINT_GROUP = "gx_ray.models.vlm"
 name)."""
 VLM_METHODS = ("loss", "generate", "option_scores", "trainable")
 """What a VLM plug-in implements as :class:`VisionLanguageModel` does (the trial's module calls these)."""
+RETRIEVAL_METHOD = "pooled"
+"""What a VLM plug-in implements besides, as :class:`VisionLanguageModel` does, to be asked retrieval:
+``pooled(images, texts)`` the pooled image and text states (:func:`retrieval_problem`)."""
 
 
 class VLMPluginError(ValueError):
@@ -433,6 +462,17 @@ def vlm_protocol_problems(cls: Any) -> list[str]:
     if missing := [m for m in VLM_METHODS if not callable(getattr(cls, m, None))]:
         problems.append(f"missing methods {', '.join(missing)}")
     return problems
+
+
+def retrieval_problem(plugin: str = "") -> str | None:
+    """Why the VLM that ``plugin`` names (:func:`vlm_class`) cannot be asked retrieval, or None: it lacks
+    :data:`RETRIEVAL_METHOD`, which gives the retrieval head its two sides."""
+    if callable(getattr(vlm_class(plugin), RETRIEVAL_METHOD, None)):
+        return None
+    return (
+        f"vlm.plugin {plugin!r} has no method {RETRIEVAL_METHOD}(images, texts) -> (image states (n, d), text states "
+        "(n, d')), which task retrieval's head reads: implement it, or ask another task"
+    )
 
 
 HUB_TIMEOUT_S = 10.0

@@ -30,12 +30,14 @@ MAX_LOGIT_SCALE = math.log(100.0)
 
 
 class RetrievalHead(nn.Module):
-    """Projections of both sides into one embedding space and the learnable temperature (as log 1/T)."""
+    """Projections of both sides into one embedding space and the learnable temperature (as log 1/T). ``text_dim``:
+    the text side's width where it differs from the image side's ``dim`` (a VLM's vision features and language
+    model)."""
 
-    def __init__(self, dim: int, embedding_dim: int = 128, temperature: float = 0.07):
+    def __init__(self, dim: int, embedding_dim: int = 128, temperature: float = 0.07, text_dim: int | None = None):
         super().__init__()
         self.image = nn.Linear(dim, embedding_dim)
-        self.text = nn.Linear(dim, embedding_dim)
+        self.text = nn.Linear(text_dim or dim, embedding_dim)
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1.0 / temperature)))
 
     def forward(self, image: torch.Tensor, text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

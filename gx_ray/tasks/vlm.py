@@ -1,5 +1,6 @@
-"""Tasks through a vision-language model (``model.family: vlm``): VQA, report generation and stage classification
-asked in words and answered by generation, so the training loop, its MLflow logging and checkpoints run unchanged.
+"""Tasks through a vision-language model (``model.family: vlm``): VQA, report generation, stage classification and
+lesion detection asked in words and answered by generation, retrieval through a head on the model's pooled states, so
+the training loop, its MLflow logging and checkpoints run unchanged.
 
 :class:`VisionLanguageTaskModel` is the module the loop trains: it makes each case's CT views
 (:func:`~gx_ray.modalities.views.ct_images`), puts each question in MedEvalKit's prompt inside the model's chat
@@ -12,7 +13,15 @@ and scores the answers with what exists already:
 - **report_generation**: the CT report's first ``max_report_tokens``, scored by report generation's own metric;
 - **stage_classification**: a multiple-choice question over the four stage groups: the written letter is scored by
   the cascade, and each letter's log-likelihood (:meth:`~gx_ray.models.vlm.VisionLanguageModel.option_scores`)
-  gives class probabilities, hence the ``auc`` (the primary metric, as for the encoder) and ``option_accuracy``.
+  gives class probabilities, hence the ``auc`` (the primary metric, as for the encoder) and ``option_accuracy``;
+- **lesion_detection**: the tumour box asked for and written as text (:func:`~gx_ray.modalities.views.box_text`: the
+  very words ``views.boxes: prompt`` gives a box in), taught by the answer's cross-entropy; the written box, parsed
+  back (:func:`~gx_ray.modalities.views.parse_box_text`) and scored by its likelihood, is the case's one detection,
+  scored by lesion detection's own metric (AP at 3D IoU, :func:`gx_ray.metrics.detection_metrics`); a box the model
+  did not write in that form is no detection;
+- **retrieval** (the paper's "Retrieval Extension"): the model's pooled image and report states
+  (:meth:`~gx_ray.models.vlm.VisionLanguageModel.pooled`) projected into one space by retrieval's own head, loss and
+  metric (:class:`~gx_ray.tasks.retrieval.RetrievalHead`: symmetric InfoNCE; recall@k both ways).
 
 The lab table (``schema.table: text``) and the box's coordinates (``views.boxes: prompt``) go before the question.
 """
@@ -34,13 +43,20 @@ from gx_ray.metrics.cascade import REPORT_PROMPT, Scored, cascade_metrics, quest
 from gx_ray.modalities import ModalitySchema
 from gx_ray.modalities.boxes import tumour_boxes
 from gx_ray.modalities.table import abnormal_text
-from gx_ray.modalities.views import ViewRecipe, ct_images
+from gx_ray.modalities.views import ViewRecipe, box_text, ct_images, grid_text, parse_box_text
 from gx_ray.schema import PHASES, STAGE_GROUPS, VQA_CATEGORIES
 from gx_ray.tasks.base import Batch, Outputs, Task, TaskMetric, concat
+from gx_ray.tasks.retrieval import RetrievalHead
 
 STAGE_QUESTION = "What is the overall AJCC stage group of this gastric cancer?"
 STAGE_OPTIONS: tuple[str, ...] = tuple(f"stage {group}" for group in STAGE_GROUPS)
 STAGE_LETTERS: tuple[str, ...] = tuple(string.ascii_uppercase[: len(STAGE_GROUPS)])
+DETECTION_QUESTION = (
+    "Where is the lesion on this {} grid? Answer with its box as: slices first-last, rows first-last, columns "
+    "first-last."
+)
+OWN_METRIC = ("report_generation", "retrieval", "lesion_detection")
+"""Tasks whose own metric scores what the VLM gives (the encoder path's)."""
 AIR_HU = -1000.0
 """An absent phase's voxels: below every window, so its image is black (the model still gets one image per phase)."""
 
@@ -99,6 +115,10 @@ class VisionLanguageTask:
         if self.name == "report_generation":
             reports = self.task.target_texts(batch[self.column])
             return [Item(case, REPORT_PROMPT, report) for case, report in enumerate(reports) if report]
+        if self.name == "lesion_detection":
+            boxes, present = tumour_boxes(batch["boxes"], batch["box_present"])
+            prompt = DETECTION_QUESTION.format(grid_text(batch["ct"].shape))
+            return [Item(case, prompt, box_text(boxes[case])) for case in np.flatnonzero(present).tolist()]
         labels = batch["stage_label"].tolist()
         prompt = question_prompt("mcq", STAGE_QUESTION, STAGE_OPTIONS)
         return [Item(case, prompt, STAGE_LETTERS[k], label=k) for case, k in enumerate(labels) if k >= 0]
@@ -106,14 +126,16 @@ class VisionLanguageTask:
     # --- what the loop calls ---
 
     def loss(self, outputs: Outputs, batch: Batch) -> torch.Tensor:
-        return outputs["loss"]
+        return self.task.loss(outputs, batch) if self.name == "retrieval" else outputs["loss"]
 
     def metric(self) -> TaskMetric:
-        if self.name == "report_generation":
-            return self.task.metric()  # report generation's own: generated vs references
+        if self.name in OWN_METRIC:
+            return self.task.metric()  # the task's own: generated vs references, the ranking, the boxes
         return AnswerMetric(stage=self.name == "stage_classification")
 
     def predict(self, outputs: Outputs, batch: Batch) -> list[dict[str, Any]]:
+        if self.name in ("retrieval", "lesion_detection"):
+            return self.task.predict(outputs, batch)
         records = []
         for k, item in enumerate(outputs["items"]):
             record = {"case_id": batch["case_id"][item.case], "prediction": outputs["generated"][k]}
@@ -137,13 +159,19 @@ class VisionLanguageTaskModel(nn.Module):
         super().__init__()
         self.task, self.vlm, self.recipe, self.schema = task, vlm, recipe, schema
         task.bind_tokenizer(vlm.tokenizer)
+        if task.name == "retrieval":  # the head's widths: the model's pooled states of a blank case and a word
+            blank = [[np.zeros((3, 32, 32), np.float32)] * recipe.images_per_case]
+            with torch.no_grad():
+                image, text = vlm.pooled(blank, ["report"])
+            self.head = RetrievalHead(image.shape[-1], task.task.embedding_dim, task.task.temperature, text.shape[-1])
 
     def trained_keys(self, prefix: str = "") -> set[str]:
-        return {f"{prefix}vlm.{name}" for name, parameter in self.vlm.named_parameters() if parameter.requires_grad}
+        return {f"{prefix}{name}" for name, parameter in self.named_parameters() if parameter.requires_grad}
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
-        """What trains (the adapters, a tower opened by ``vlm.train_*``) only: a copy of the frozen weights in every
-        checkpoint and best-epoch copy would cost the model's size each time, gigabytes for the hub models."""
+        """What trains (the adapters, a tower opened by ``vlm.train_*``, retrieval's head) only: a copy of the frozen
+        weights in every checkpoint and best-epoch copy would cost the model's size each time, gigabytes for the hub
+        models."""
         full = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
         trained = self.trained_keys(prefix)
         for key in [k for k in full if k not in trained]:
@@ -159,24 +187,74 @@ class VisionLanguageTaskModel(nn.Module):
         return result
 
     def forward(self, batch: Batch) -> Outputs:
+        if self.task.name == "retrieval":
+            return self._retrieve(batch)
         items = self.task.items(batch, self.training)
         if not items:  # nothing asked of this batch: a zero that still reaches the graph (DDP, backward)
             zero = sum(p.sum() for p in self.vlm.trainable().values()) * 0.0
-            return {"loss": zero, "items": [], "generated": [], "references": []}
+            outputs = {"loss": zero, "items": [], "generated": [], "references": []}
+            if self.task.name == "lesion_detection":
+                outputs["detections"] = [no_box()] * len(batch["case_id"])
+            return outputs
         images, context = case_views(batch, self.recipe, self.schema)
         pictures = [images[item.case] for item in items]
         prompts = [" ".join(p for p in (context[item.case], item.prompt) if p) for item in items]
         answers = [item.answer for item in items]
         if self.training:
             return {"loss": self.vlm.loss(pictures, prompts, answers), "items": items}
+        tokens = self.task.answer_tokens
+        if self.task.name == "lesion_detection":  # room for any box on the grid, whatever vlm.max_new_tokens says
+            tokens = max(tokens, box_tokens(self.vlm.tokenizer, batch["ct"].shape[-3:]))
         outputs: Outputs = {
             "items": items,
-            "generated": self.vlm.generate(pictures, prompts, self.task.answer_tokens),
+            "generated": self.vlm.generate(pictures, prompts, tokens),
             "references": answers,
         }
         if self.task.name == "stage_classification":
             outputs["option_scores"] = self.vlm.option_scores(pictures, prompts, [STAGE_LETTERS] * len(items)).cpu()
+        if self.task.name == "lesion_detection":  # each written box scored by its likelihood, as the model wrote it
+            written = [[text] for text in outputs["generated"]]
+            likelihood = self.vlm.option_scores(pictures, prompts, written)[:, 0].double().exp().tolist()
+            outputs["detections"] = detections(items, outputs["generated"], likelihood, len(batch["case_id"]))
         return outputs
+
+    def _retrieve(self, batch: Batch) -> Outputs:
+        """Retrieval's outputs from the VLM's pooled states of each case's views and its report (cases without one
+        left out), through retrieval's head: what its loss, metric and predictions read."""
+        reports = batch[self.task.column]
+        keep = [i for i, report in enumerate(reports) if report]
+        if keep:
+            images, _ = case_views(batch, self.recipe, self.schema)
+            image, text = self.vlm.pooled([images[i] for i in keep], [reports[i] for i in keep])
+        else:
+            image, text = (torch.zeros(0, layer.in_features) for layer in (self.head.image, self.head.text))
+        device = self.head.logit_scale.device
+        image, text, scale = self.head(image.to(device).float(), text.to(device).float())
+        return {"image": image, "text": text, "scale": scale, "case_ids": [batch["case_id"][i] for i in keep]}
+
+
+def box_tokens(tokenizer: Any, grid: Sequence[int]) -> int:
+    """The tokens the longest box on a ``(D, H, W)`` grid takes in words (every coordinate at its widest), and two
+    more: what a written box may need."""
+    d, h, w = (int(v) for v in grid)
+    return len(tokenizer(box_text([d - 1, h - 1, w - 1, d, h, w]), add_special_tokens=False)["input_ids"]) + 2
+
+
+def no_box() -> dict[str, np.ndarray]:
+    """A case's detections where nothing was found (or asked)."""
+    return {"boxes": np.zeros((0, 6)), "scores": np.zeros(0)}
+
+
+def detections(items: Sequence[Item], written: Sequence[str], scores: Sequence[float], cases: int) -> list[dict]:
+    """Lesion detection's per-case detections (as :class:`~gx_ray.tasks.lesion_detection.DetectionMetric` reads
+    them) from the boxes the model wrote: each asked case's box parsed from its answer with its score, none where the
+    answer holds no box; every case not asked has none."""
+    found = [no_box() for _ in range(cases)]
+    for item, text, score in zip(items, written, scores, strict=True):
+        box = parse_box_text(text)
+        if box is not None:
+            found[item.case] = {"boxes": box[None], "scores": np.array([score])}
+    return found
 
 
 def case_views(batch: Batch, recipe: ViewRecipe, schema: ModalitySchema) -> tuple[list[list[np.ndarray]], list[str]]:

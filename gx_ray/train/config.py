@@ -16,8 +16,8 @@ from gx_ray.data.stream import DataConfig
 from gx_ray.modalities import ModalitySchema, check_leakage, resolve_schema
 from gx_ray.modalities.views import ViewsConfig
 from gx_ray.models.registry import ModelConfig
-from gx_ray.models.vlm import VLMConfig
-from gx_ray.schema import AUTO
+from gx_ray.models.vlm import VLMConfig, VLMPluginError, retrieval_problem
+from gx_ray.schema import AUTO, PAPER_TASKS
 from gx_ray.tasks import Task, task_class
 
 
@@ -103,11 +103,13 @@ class TrialConfig:
         """A VLM trial asks what a VLM can answer, from inputs it can be given: refused here, naming the key."""
         if self.task not in VLM_TASKS:
             raise ValueError(
-                f"model.family vlm answers {', '.join(VLM_TASKS)} by generation; task {self.task!r} is not built for "
-                "it (use model.family: encoder)"
+                f"model.family vlm answers {', '.join(VLM_TASKS)}; task {self.task!r} is not built for it (use "
+                "model.family: encoder)"
             )
         if not self.vlm.name:
             raise ValueError("model.family vlm needs vlm.name: a hub name or a local folder")
+        if self.task == "retrieval" and (why := retrieval_problem(self.vlm.plugin)):
+            raise VLMPluginError(why)
         unsupported = [
             (key, value)
             for key, value, given in (
@@ -230,8 +232,10 @@ class TrialConfig:
         return flat
 
 
-VLM_TASKS: tuple[str, ...] = ("vqa", "report_generation", "stage_classification")
-"""The tasks a vision-language model answers by generation (``model.family: vlm``)."""
+VLM_TASKS: tuple[str, ...] = PAPER_TASKS
+"""The tasks a vision-language model is asked (``model.family: vlm``), the paper's five: in words and answered by
+generation (lesion detection's box too), but retrieval, through a head on the model's pooled states
+(:mod:`gx_ray.tasks.vlm`)."""
 
 VALUE_RULES = {
     "lr": "a positive finite number",
