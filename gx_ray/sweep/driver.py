@@ -86,7 +86,7 @@ class SweepOptions:
     presets: tuple[str, ...] = ()
     resume: bool = False
     max_concurrent: int | None = None
-    demo_cases: int = 391
+    demo_cases: int = 200
     demo_dir: Path = Path("outputs/demo")
     gpu_hours: float | None = None
     """A budget of GPU-hours (reserved GPU share × wall time, over the trials): forecast before the trials, a hard stop
@@ -165,11 +165,10 @@ def _shard_path(options: SweepOptions) -> str:
     return data if storage.is_file(storage.join(data, MANIFEST_FILE)) else storage.join(data, SHARD_DIR)
 
 
-DEMO_FRACTIONS = (0.2865, 0.0614, 0.6521)
-"""The demo cohort's train/val/test shares: 112 training, 24 validation and 255 test patients of 391 cases (the
-test split of Gastric-X's paper size, where its 15 % would give 59): the paired tests between schemas gain power
-from test patients at the cost of evaluation only, not training. The size was planned with ``jobs/plan.py``
-(docs/explanation/demo-cohort.md)."""
+DEMO_FRACTIONS = (0.56, 0.12, 0.32)
+"""The demo cohort's train/val/test shares: the 160-case cohort's 112 training and 24 validation patients at 200
+cases, and 64 test patients where the paper's 15 % gives 24: the paired tests between schemas gain power from test
+patients at the cost of evaluation only, not training."""
 
 
 def _prepare_demo(options: SweepOptions) -> None:
