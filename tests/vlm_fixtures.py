@@ -311,3 +311,12 @@ def tiny_flamingo(folder: Path, checkpoint: str = "") -> Path:
                 "head_dim": 8, "checkpoint": checkpoint}  # fmt: skip
     (folder / "flamingo.json").write_text(json.dumps(settings), encoding="utf-8")
     return folder
+
+
+def scored(model: torch.nn.Module, task) -> dict:
+    """``task``'s metric of ``model`` in evaluation mode on :func:`vlm_batch`."""
+    metric = task.metric()
+    with torch.no_grad():
+        outputs = model.eval()(vlm_batch())
+    metric.update(outputs, vlm_batch())
+    return metric.compute()
