@@ -28,6 +28,8 @@ import psutil
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from gx_ray.modalities.inputs import ModelInputs
@@ -94,6 +96,10 @@ class ModelBenchmarkResult:
     """swin3d, eager: gx-ray's network against MONAI's with the same weights (:func:`swin_differences`)."""
     kernels: dict[str, str] = field(default_factory=dict)
     """On a GPU: the registry side's costliest kernels in one training step (:func:`kernel_profile`)."""
+    bytes_per_sample: dict[str, float] = field(default_factory=dict)
+    """Memory traffic of one sample's training per side, estimated by :class:`BytesMoved` on an eager step."""
+    copy_bandwidth: float | None = None
+    """Bytes/s of a large device-to-device copy (read + write) on this GPU, in the same run: the bandwidth ceiling."""
 
     @property
     def ratio(self) -> float:
@@ -107,12 +113,26 @@ class ModelBenchmarkResult:
     def share_of_peak(self, side: str) -> float | None:
         return self.tflops(side) * 1e12 / self.matmul_peak_flops if self.matmul_peak_flops else None
 
+    def bandwidth(self, side: str) -> float | None:
+        """The side's estimated memory traffic in bytes/s: its bytes a sample times its samples/s."""
+        moved = self.bytes_per_sample.get(side)
+        return None if moved is None else moved * getattr(self, side).samples_per_s
+
+    def share_of_bandwidth(self, side: str) -> float | None:
+        achieved = self.bandwidth(side)
+        return achieved / self.copy_bandwidth if achieved is not None and self.copy_bandwidth else None
+
     def figures(self) -> dict[str, Any]:
         """Everything measured, with the derived rates, as the results file keeps it."""
         derived = {
             f"{side}.{name}": value
             for side in ("registry", "raw")
-            for name, value in (("tflops", self.tflops(side)), ("share_of_matmul_peak", self.share_of_peak(side)))
+            for name, value in (
+                ("tflops", self.tflops(side)),
+                ("share_of_matmul_peak", self.share_of_peak(side)),
+                ("bandwidth_bytes_per_s", self.bandwidth(side)),
+                ("share_of_copy_bandwidth", self.share_of_bandwidth(side)),
+            )
         }
         return {**asdict(self), "ratio": self.ratio, **derived}
 
@@ -170,23 +190,24 @@ def run_model_benchmark(config: ModelBenchmarkConfig, device: str | torch.device
     def train(build: Callable[[], Callable[[], torch.Tensor]]) -> Timing:
         return _time_training(build, lambda logits: F.cross_entropy(logits, labels), amp(), config, device)
 
-    def flops(build: Callable[[bool], Callable[..., torch.Tensor]]) -> float:
-        """One eager step's FLOPs over the batch (compiled kernels hide their operations from the counter)."""
+    def counted(build: Callable[[bool], Callable[..., torch.Tensor]]) -> tuple[float, float]:
+        """One eager step's FLOPs and bytes moved over the batch (compiled kernels hide their operations from the
+        counters)."""
         step = build(False)
         for module in backbone["encoder"].modules() if build is registry_step else ():
             if isinstance(module, WindowAttention):  # compiled FlexAttention runs under no dispatch mode: count SDPA's
                 module.backend = "sdpa"
-        with FlopCounterMode(display=False) as counter:
+        with FlopCounterMode(display=False) as counter, BytesMoved() as moved:
             step(lambda logits: F.cross_entropy(logits, labels), amp())
         del step
-        return counter.get_total_flops() / config.batch
+        return counter.get_total_flops() / config.batch, moved.bytes / config.batch
 
     cudnn_benchmark = torch.backends.cudnn.benchmark
     torch.backends.cudnn.benchmark = True  # the same for both sides; it is what a GPU trial would run with
     try:
         registry = train(registry_step)
         raw = train(raw_step)
-        counted = {"registry": flops(registry_step), "raw": flops(raw_step)}
+        sides = {"registry": counted(registry_step), "raw": counted(raw_step)}
     finally:
         torch.backends.cudnn.benchmark = cudnn_benchmark
     differences, kernels = {}, {}
@@ -195,8 +216,10 @@ def run_model_benchmark(config: ModelBenchmarkConfig, device: str | torch.device
     if device.type == "cuda":
         kernels = kernel_profile(registry_step(), lambda logits: F.cross_entropy(logits, labels), amp(), device)
     peak = matmul_peak(device) if device.type == "cuda" else None
+    copy = copy_bandwidth(device) if device.type == "cuda" else None
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
-    return ModelBenchmarkResult(config, name, registry, raw, counted, peak, differences, kernels)
+    flops, moved = ({side: figures[i] for side, figures in sides.items()} for i in (0, 1))
+    return ModelBenchmarkResult(config, name, registry, raw, flops, peak, differences, kernels, moved, copy)
 
 
 def swin_differences(arguments: dict[str, Any], x: torch.Tensor, amp: Any, seed: int = 0) -> dict[str, float]:
@@ -294,6 +317,40 @@ def matmul_peak(device: torch.device, size: int = 8192, repeats: int = 10) -> fl
         a @ b
     synchronize(device)
     return 2 * size**3 * repeats / (time.perf_counter() - start)
+
+
+def copy_bandwidth(device: torch.device, gib: int = 2, repeats: int = 10) -> float:
+    """Bytes/s a ``gib`` GiB device-to-device copy moves (each byte read once and written once): the card's
+    practical memory bandwidth, in this run."""
+    source = torch.empty(gib * 2**30, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    for _ in range(3):
+        target.copy_(source)
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        target.copy_(source)
+    synchronize(device)
+    return 2 * source.numel() * repeats / (time.perf_counter() - start)
+
+
+class BytesMoved(TorchDispatchMode):
+    """Memory traffic of the operations run under it, estimated as eager PyTorch moves it: each operation that
+    computes (views only re-describe storage) reads every tensor it is given and writes every tensor it returns,
+    once. Kernels that keep data in cache, or fused ones, move less; an operation that reads an input twice moves
+    more. A stated estimate, not a hardware count: the same rule for both sides of the benchmark."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            self.bytes += sum(
+                t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)
+            )
+        return out
 
 
 def _pooled(features: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
@@ -402,6 +459,17 @@ def format_model_result(result: ModelBenchmarkResult) -> str:
     rows.append(f"ratio registry/raw: {result.ratio:.3f}")
     if result.matmul_peak_flops:
         rows.append(f"bf16 8192³ matmul on this card, same run: {result.matmul_peak_flops / 1e12:.0f} TFLOP/s")
+    for label in ("registry", "raw") if result.bytes_per_sample else ():
+        achieved, share = result.bandwidth(label), result.share_of_bandwidth(label)
+        rows.append(
+            f"memory traffic, {label}: {result.bytes_per_sample[label] / 1e9:.1f} GB a sample (estimated: each "
+            f"operation reads its inputs and writes its outputs once), {achieved / 1e9:.0f} GB/s"
+            + (
+                ""
+                if share is None
+                else f", {100 * share:.0f} % of a device copy's {result.copy_bandwidth / 1e9:.0f} GB/s"
+            )  # noqa: E501
+        )
     if result.differences:
         d = result.differences
         rows.append(
