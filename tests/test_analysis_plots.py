@@ -88,11 +88,29 @@ def test_interval_one_panel_per_task_one_dot_per_schema_with_ci(cells):
         for ax, task in zip(fig.axes, TASKS, strict=True):
             assert ax.get_title().startswith(task) and len(ax.containers) == len(SCHEMAS)
             assert [t.get_text() for t in ax.get_yticklabels()][-1] == "Image + Table + BBox"
-            dots = [c.lines[0] for c in ax.containers]
+            dots = [line for line in ax.lines if line.get_marker() == "o"]  # the means, beside the intervals' bars
             assert [d.get_color() for d in dots] == [SCHEMA_COLOURS[s] for s in SCHEMAS]
         vqa = cells.query("task == 'vqa' and metric == 'accuracy'").set_index("schema")
         bars = fig.axes[0].containers[3].lines[2][0].get_segments()[0]  # image_table_bbox's CI segment
         np.testing.assert_allclose(bars[:, 0], vqa.loc["image_table_bbox", ["ci_low", "ci_high"]].to_numpy(float))
+        means = [line.get_xdata()[0] for line in fig.axes[0].lines if line.get_marker() == "o"]
+        assert means[3] == vqa.loc["image_table_bbox", "mean"]
+    finally:
+        plt.close(fig)
+
+
+def test_a_mean_outside_its_percentile_interval_is_drawn_where_it_is(cells):
+    """A percentile bootstrap's interval need not hold the mean (a skewed score near its bound): the dot stays at the
+    mean and the bar at the interval, where an error bar measured from the mean could not be drawn at all."""
+    outside = cells.copy()
+    row = (outside["task"] == "vqa") & (outside["metric"] == "accuracy") & (outside["schema"] == "image_only")
+    outside.loc[row, ["ci_low", "ci_high"]] = outside.loc[row, "mean"].to_numpy()[0] + np.array([1.0, 2.0])
+    fig = interval_figure(outside)
+    try:
+        bars = fig.axes[0].containers[0].lines[2][0].get_segments()[0]
+        np.testing.assert_allclose(bars[:, 0], outside.loc[row, ["ci_low", "ci_high"]].to_numpy(float)[0])
+        means = [line.get_xdata()[0] for line in fig.axes[0].lines if line.get_marker() == "o"]
+        assert means[0] == outside.loc[row, "mean"].to_numpy()[0]
     finally:
         plt.close(fig)
 

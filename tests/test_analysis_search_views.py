@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 import xml.etree.ElementTree as ET
 
 import matplotlib
@@ -108,6 +109,18 @@ def test_importance_is_empty_with_one_varying_parameter_or_too_few_trials(caplog
         assert search_views.importance(one_param, TASK, "auc") == {}
         assert search_views.importance(three_trials, TASK, "auc") == {}
     assert "1 varying searched parameters" in caplog.text and "and 3 trials" in caplog.text
+
+
+def test_importance_is_empty_where_tied_scores_make_every_trial_a_best_one(caplog: pytest.LogCaptureFixture) -> None:
+    """Every trial scoring the same (a smoke sweep's VQA at 0): PED-ANOVA's best quantile is every trial, so it warns
+    and calls every parameter equally important. No figure of equal shares, no warning: the reason, logged."""
+    tied = _searched()
+    tied.loc[tied["split"] == "val", "value"] = 0.0
+    with caplog.at_level(logging.INFO, logger=search_views.__name__), warnings.catch_warnings():
+        warnings.simplefilter("error")  # Optuna's warning would fail here
+        assert search_views.importance(tied, TASK, "auc") == {}
+    assert "tied scores" in caplog.text
+    assert search_views.importance(_planted("model.fusion"), TASK, "auc")  # varying scores still have shares
 
 
 def test_write_search_views_writes_valid_png_and_svg_per_searched_task(tmp_path) -> None:

@@ -9,7 +9,7 @@ import re
 import pandas as pd
 import pytest
 
-from gx_ray.analysis.reference import beside_paper, beside_paper_markdown, load_reference
+from gx_ray.analysis.reference import beside_paper, beside_paper_markdown, load_reference, paper_model_of
 from gx_ray.analysis.runs import higher_is_better
 from gx_ray.analysis.stats import cell_statistics
 from gx_ray.analysis.tables import (
@@ -229,6 +229,26 @@ def test_beside_paper_labels_the_cohort_and_places_the_papers_numbers():
     assert text.startswith("**Our cohort: built-in demo cohort (synthetic) — not comparable")
     assert "| Image + Table + BBox | AUC ↑ |" in text and "| 90.8 |" in text
     assert text.index("### retrieval") < text.index("### stage_classification")  # the paper's task order
+
+
+def test_a_paper_model_run_here_stands_beside_the_papers_own_number_for_it():
+    """The paper's VLMs under their hub names, folders or tiny stand-ins (``paper_models``'s): each cell gets the number
+    the paper printed for that same model first; an encoder or another VLM gets none."""
+    assert paper_model_of("vlm:llava-hf/llava-1.5-7b-hf") == paper_model_of("vlm:tiny:llava-1.5") == "LLaVA-1.5-7B"
+    assert paper_model_of("vlm:models/llava-med-v1.5-mistral-7b-hf") == "LLaVA-Med v1.5"  # not LLaVA-1.5
+    assert paper_model_of("vlm:Salesforce/blip2-opt-2.7b") == "BLIP-2"
+    assert paper_model_of("vlm:tiny:med-flamingo") == "Med-Flamingo"
+    assert paper_model_of("vlm:Qwen/Qwen2-VL-2B-Instruct") is None and paper_model_of("swin3d+minilm") is None
+    cells = constructed({"image_only": 50.0, "image_table_bbox": 60.0}, task="vqa", metric="accuracy")
+    cells = pd.concat([cells.assign(model="vlm:tiny:llava-1.5"), cells.assign(model="vlm:tiny:blip2-opt"), cells])
+    frame = beside_paper(cells, load_reference(), cohort="demo").set_index(["model", "schema"])
+    reference = load_reference().query("task == 'vqa' and metric == 'accuracy'").set_index(["model", "schema"])
+    for ours, paper in (("vlm:tiny:llava-1.5", "LLaVA-1.5-7B"), ("vlm:tiny:blip2-opt", "BLIP-2")):
+        for schema in ("image_only", "image_table_bbox"):
+            assert frame.at[(ours, schema), "paper, same model"] == reference.at[(paper, schema), "value"]
+    assert frame.loc[cells["model"].iloc[-1], "paper, same model"].isna().all()  # the encoder's rows
+    text = beside_paper_markdown(frame.reset_index())
+    assert "| Our model | Ours | 95 % CI | paper, same model | paper: LLaVA-1.5-7B |" in text
 
 
 def test_each_format_names_the_mark_it_prints_for_the_second_best():

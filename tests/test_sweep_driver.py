@@ -250,6 +250,30 @@ def test_the_summary_leaves_out_trials_a_time_budget_never_started():
     assert "chance" in header and row.split()[-4:] == ["50.0", "80.0", "→", "64.0"]
 
 
+def test_the_summary_shows_each_model_or_fusion_a_grid_compares_apart_and_pools_only_seeds_and_samples():
+    """A grid over fusions (or models) printed one row per task and schema pooled the fusions as if they were seeds
+    (paper_models: four VLMs' VQA as one "0.1 ± 0.1 (4)"). Each grid setting is its own row; a sampled learning rate
+    is still pooled, its best trial naming it."""
+    from gx_ray.sweep.summary import format_summary, summarise
+
+    done = {"task": "vqa", "schema": "image_only", "error": None, "completed": True, "test_chance": 37.0}
+    rows = [
+        {**done, "trial": f"t{k}", "val_primary": 40.0 + k, "test_primary": test,
+         "chosen": {"model.fusion": fusion, "optimiser.lr": lr}}
+        for k, (fusion, lr, test) in enumerate(
+            [("concat", 1e-3, 40.0), ("film", 1e-3, 50.0), ("concat", 1e-4, 42.0), ("film", 1e-4, 54.0)]
+        )
+    ]  # fmt: skip
+    concat, film = summarise(rows, ["model.fusion"])
+    assert (concat["setting"], concat["test_mean"], concat["trials"]) == ("model.fusion=concat", 41.0, 2)
+    best_lr = film["best_params"]["optimiser.lr"]
+    assert (film["setting"], film["test_mean"], best_lr) == ("model.fusion=film", 52.0, 1e-4)
+    printed = format_summary([concat, film], 4, 0, 4).splitlines()
+    assert "setting" in printed[-3] and "model.fusion=film" in printed[-1] and "52.0 ± 2.8 (2)" in printed[-1]
+    (pooled,) = summarise(rows)  # no axis named: as before, one row (and no setting column)
+    assert pooled["test_mean"] == 46.5 and "setting" not in format_summary([pooled], 4, 0, 4)
+
+
 def test_the_progress_bar_counts_a_trial_the_time_budget_ended_as_stopped_not_finished(capsys):
     from types import SimpleNamespace
 

@@ -132,3 +132,29 @@ def test_a_plugin_without_pooled_states_is_refused_retrieval_naming_the_method()
     with pytest.raises(VLMPluginError, match=r"has no method pooled\(images, texts\).*task retrieval"):
         TrialConfig.from_flat({**prefix, "task": "retrieval"})
     TrialConfig.from_flat({**prefix, "task": "lesion_detection"})
+
+
+def test_the_reports_rescoring_of_written_answers_is_the_trials_own_metric():
+    """A VLM's answers are judged by the cascade ("Yes." is "yes"; "The answer is T3" is T3): each VQA prediction
+    record carries that verdict, so the report's per-patient scorer (which its intervals and tests resample) gives the
+    accuracy the trial logged, on 200 random batches, where matching the written text exactly gave 0 for 0.2."""
+    from gx_ray.analysis.cases import case_scorer
+
+    rng = np.random.default_rng(0)
+    task = VisionLanguageTask(build_task("vqa"))
+    answers = {"yes": ["yes", "Yes.", "no", "It is yes"], "no": ["no", "No", "yes"], "T3": ["T3", "t3.", "T2", "x"]}
+    for _ in range(200):
+        cases = [f"GXD{c:05d}" for c in range(int(rng.integers(1, 6)))]
+        items, generated = [], []
+        for case in range(len(cases)):
+            for _ in range(int(rng.integers(1, 4))):
+                target = str(rng.choice(list(answers)))
+                category = "staging" if target == "T3" else "yes_no"
+                items.append(Item(case, "?", target, f"Is it {target}?", category))
+                generated.append(str(rng.choice(answers[target])))
+        outputs, batch = {"items": items, "generated": generated}, {"case_id": cases}
+        metric = task.metric()
+        metric.update(outputs, batch)
+        logged = metric.compute()["accuracy"]
+        scorer = case_scorer("vqa", task.predict(outputs, batch), "accuracy")
+        assert scorer.score(np.arange(len(scorer.case_ids))) == pytest.approx(logged)

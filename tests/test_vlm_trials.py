@@ -405,3 +405,81 @@ def test_a_vlm_trials_memory_plan_tells_models_and_views_apart():
     for change in ({"vlm.name": "other/vlm"}, {"vlm.lora_rank": 32}, {"views.slices": 9}, {"views.mode": "mip"}):
         assert key({**base, **change}) != key(base), change
     assert key({**base, "seed": 1}) == key(base)
+
+
+# --- the paper's models (search_spaces/paper_models.yaml) -----------------------------------------------------------
+
+PAPER_ADAPTATION = {  # vlm.name → (vlm.stack_views, vlm.plugin): the paper's CT adaptation of each
+    "llava-hf/llava-1.5-7b-hf": (True, ""),
+    "Salesforce/blip2-opt-2.7b": (True, ""),
+    "models/llava-med-v1.5-mistral-7b-hf": (False, ""),
+    "models/med-flamingo": (False, "gx_ray.models.flamingo:FlamingoVLM"),
+}
+
+
+def test_the_paper_models_space_gives_each_model_the_papers_recipe_and_adaptation_on_every_task_and_schema():
+    """Every cell of ``paper_models``: the paper's recipe (AdamW 5e-5, weight decay 0.01, 10 % warm-up, batch 32), each
+    model's CT adaptation (LLaVA-1.5 and BLIP-2 stacked into one image, Med-Flamingo's interleaved slices through its
+    plug-in), lesion detection without the tumour box it predicts; each model's preset runs that model alone, and the
+    smoke preset runs the same four architectures as tiny models (``gx_ray.models.tiny_vlms``)."""
+    from gx_ray.models.tiny_vlms import TINY_VLMS
+    from gx_ray.sweep.spaces import available_presets, load_space
+
+    space = load_space("paper_models", weights=False)
+    assert len(space.cells()) == 5 * 4 * 4
+    for cell in space.cells():
+        config = TrialConfig.from_flat(space.resolve(cell))
+        stack, plugin = PAPER_ADAPTATION[cell["vlm.name"]]
+        assert (config.vlm.stack_views, config.vlm.plugin) == (stack, plugin), cell
+        o = config.optimiser
+        assert (o.lr, o.weight_decay, config.schedule.warmup_fraction, config.data.effective_batch) == (
+            5e-5, 0.01, 0.1, 32
+        )  # fmt: skip
+        assert config.task != "lesion_detection" or "tumour" not in config.schema.box_levels
+    presets = [p for p in available_presets("paper_models") if p not in ("gpu", "smoke")]
+    assert sorted({cell["vlm.name"] for p in presets for cell in load_space("paper_models", (p,), False).cells()}) == (
+        sorted(PAPER_ADAPTATION)
+    )
+    smoke = load_space("paper_models", ("smoke",), weights=False)
+    assert {c["vlm.name"] for c in smoke.cells()} == {f"tiny:{m}" for m in TINY_VLMS if m != "blip2-flan-t5"}
+    assert {c["task"] for c in smoke.cells()} == {c["task"] for c in space.cells()}
+
+
+@pytest.mark.slow
+def test_the_paper_models_smoke_sweep_runs_each_model_and_sets_the_papers_number_for_it_beside(
+    ray_cluster, demo_prepared, tmp_path
+):
+    """``python jobs/sweep.py --space paper_models --preset smoke`` cut to VQA, retrieval and lesion detection: the four
+    tiny models, built before Ray's trials ask for them, each finish every task (retrieval through its head on the
+    pooled states, detection as a written box, a Flamingo-style plug-in among them); the report's VQA rows put each
+    model's cell beside the paper's number for that same model (the report written whole: its interval plot once
+    failed on a mean outside its percentile interval)."""
+    import pandas as pd
+
+    from gx_ray.analysis.reference import load_reference
+    from gx_ray.sweep.driver import SweepOptions, run_sweep
+    from gx_ray.tracking.server import LocalMlflowServer
+
+    document = yaml.safe_load((ROOT / "search_spaces" / "paper_models.yaml").read_text(encoding="utf-8"))
+    document["presets"]["smoke"]["grid"]["task"] = ["vqa", "retrieval", "lesion_detection"]
+    space = tmp_path / "paper_models.yaml"
+    space.write_text(yaml.safe_dump(document), encoding="utf-8")
+    with LocalMlflowServer(tmp_path / "mlflow") as server:
+        options = SweepOptions(
+            space=str(space), output=tmp_path / "out", data=demo_prepared.shard_dir, mlflow_uri=server.uri,
+            presets=("smoke",),
+        )  # fmt: skip
+        result = run_sweep(options)
+        assert (result.finished, result.failed) == (12, 0)
+        runs = load_runs(server.uri, result.sweep_id)
+    names = document["presets"]["smoke"]["grid"]["vlm.name"]
+    tested = runs[runs["split"] == "test"]
+    assert {(t, m) for t, m in zip(tested["task"], tested["model"], strict=True)} == {
+        (task, f"vlm:{name}") for task in ("vqa", "retrieval", "lesion_detection") for name in names
+    }
+    beside = pd.read_csv(next(result.report.parent.rglob("beside_paper.csv")))
+    vqa = beside[(beside["task"] == "vqa") & (beside["metric"] == "accuracy")].set_index("model")
+    paper = load_reference().query("task == 'vqa' and metric == 'accuracy' and schema == 'image_table_bbox'")
+    printed = dict(zip(paper["model"], paper["value"], strict=True))
+    for name, model in zip(names, ("LLaVA-1.5-7B", "BLIP-2", "LLaVA-Med v1.5", "Med-Flamingo"), strict=True):
+        assert vqa.at[f"vlm:{name}", "paper, same model"] == printed[model], name

@@ -161,7 +161,8 @@ def _vqa(records: Records, metric: str) -> CaseScorer | None:
     asked = np.zeros(len(case_ids))
     for record in chosen:
         asked[position[record["case_id"]]] += 1
-        correct[position[record["case_id"]]] += record["prediction"] == record["target"]
+        # a written answer carries the cascade's verdict (a VLM's: "Yes." can be right); a chosen one is its text
+        correct[position[record["case_id"]]] += record.get("correct", record["prediction"] == record["target"])
 
     def score(indices: np.ndarray) -> float:
         total = asked[indices].sum()

@@ -155,8 +155,10 @@ def interval_figure(cells: pd.DataFrame, metric_per_task: dict[str, str] | None 
         schemas = schema_order(frame.index)
         for y, schema in enumerate(schemas):
             mean, low, high = (float(frame.at[schema, c]) for c in ("mean", "ci_low", "ci_high"))
-            err = np.nan_to_num([[mean - low], [high - mean]], nan=0.0)
-            ax.errorbar(mean, y, xerr=err, fmt="o", color=schema_colour(schema), capsize=3)
+            colour = schema_colour(schema)
+            if np.isfinite(low) and np.isfinite(high):  # the interval as it is: a percentile one need not hold the mean
+                ax.errorbar((low + high) / 2, y, xerr=(high - low) / 2, fmt="none", ecolor=colour, capsize=3)
+            ax.plot(mean, y, "o", color=colour)
         ax.set_yticks(range(len(schemas)), [schema_label(s) for s in schemas], fontsize=8)
         ax.set_ylim(-0.6, len(schemas) - 0.4)
         ax.invert_yaxis()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 import gx_ray
@@ -33,6 +34,27 @@ COHORTS = {
     "gastric_x": "Gastric-X (the paper's dataset) — our own split, models and training; compare with care",
 }
 OURS_COLUMNS = ["task", "schema", "metric", "model", "ours", "mean", "sd", "n", "ci_low", "ci_high"]
+SAME_MODEL = "paper, same model"
+PAPER_VLMS = (
+    ("llava-med", "LLaVA-Med v1.5"),
+    ("med-flamingo", "Med-Flamingo"),
+    ("medvint", "MedVInT"),
+    ("x2-vlm", "X2-VLM-Med"),
+    ("llava-1.5", "LLaVA-1.5-7B"),
+    ("llava-v1.5", "LLaVA-1.5-7B"),
+    ("blip2", "BLIP-2"),
+)
+"""A VLM's name (hub name, folder or ``tiny:`` model, lower case) containing the first key → the paper's model it
+is (``search_spaces/paper_models.yaml``'s names and their tiny stand-ins): LLaVA-Med before LLaVA-1.5, which
+``llava-med-v1.5`` would also match."""
+
+
+def paper_model_of(model: str) -> str | None:
+    """The paper's model that our ``model`` (the runs' ``vlm:<vlm.name>``) is, or None (an encoder, another VLM)."""
+    if not model.startswith("vlm:"):
+        return None
+    name = model.removeprefix("vlm:").lower()
+    return next((paper for key, paper in PAPER_VLMS if key in name), None)
 
 
 def default_reference_path() -> Path:
@@ -84,6 +106,11 @@ def beside_paper(cells: pd.DataFrame, reference: pd.DataFrame, cohort: str) -> p
     models = list(reference["model"].drop_duplicates())
     paper = paper.reindex(columns=models).add_prefix(PAPER_PREFIX).reset_index()
     frame = ours.merge(paper, on=["task", "schema", "metric"], how="left")
+    same = [paper_model_of(str(m)) for m in frame["model"]]  # a paper model's own row: its printed number beside
+    frame[SAME_MODEL] = [
+        frame.at[i, PAPER_PREFIX + m] if m and PAPER_PREFIX + m in frame.columns else np.nan
+        for i, m in zip(frame.index, same, strict=True)
+    ]
     schemas_per_task = reference.groupby("task")["schema"].unique()
     unablated = {task for task, schemas in schemas_per_task.items() if set(schemas) == {"image_only"}}
     frame["note"] = [
@@ -103,6 +130,8 @@ def beside_paper_markdown(frame: pd.DataFrame) -> str:
     lines.append("Ours: test mean ± sd over seeds and 95 % CI; paper: the value printed in the Gastric-X paper.")
     for task, group in frame.groupby("task", sort=False):
         papers = [c for c in group.columns if c.startswith(PAPER_PREFIX) and group[c].notna().any()]
+        if SAME_MODEL in group.columns and group[SAME_MODEL].notna().any():  # the paper's models run here: theirs
+            papers = [SAME_MODEL, *papers]
         header = ["Setting", "Metric", "Our model", "Ours", "95 % CI", *papers, "Note"]
         lines += ["", f"### {task}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for row in group.to_dict("records"):
@@ -197,4 +226,5 @@ __all__ = [
     "default_reference_path",
     "load_reference",
     "load_related",
+    "paper_model_of",
 ]

@@ -166,7 +166,17 @@ def _importance(study: optuna.Study) -> dict[str, float]:
             MIN_TRIALS_FOR_IMPORTANCE,
         )
         return {}
-    return optuna.importance.get_param_importances(study, evaluator=_evaluator(study), params=varying)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        shares = optuna.importance.get_param_importances(study, evaluator=_evaluator(study), params=varying)
+    if any("select the same set of trials" in str(w.message) for w in said):  # tied scores: every share equal, empty
+        _log.info(
+            "No parameter importance for %s: its best trials are all its trials (tied scores)", study.user_attrs["task"]
+        )
+        return {}
+    for warning in said:  # anything else Optuna says stays said
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    return shares
 
 
 def importance(runs: pd.DataFrame, task: str, metric: str | None = None, split: str = "val") -> dict[str, float]:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from gx_ray.models.lora import apply_lora
+from gx_ray.models.tiny_vlms import local_weights
 from gx_ray.models.vlm import IGNORE, TEXT_TOKENS, VLMConfig
 
 SECOND_NAME = re.compile(r"lang_encoder\.model\.layers\.\d+\.gated_cross_attn_layer\.")
@@ -197,7 +198,7 @@ class FlamingoVLM(nn.Module):
     def from_config(cls, config: VLMConfig, device: torch.device, views: int = 1) -> FlamingoVLM:
         """The model ``config.name``'s ``flamingo.json`` describes, its checkpoint loaded, LoRA added; bf16 on a GPU.
         Any number of views: each is an image of the interleaved sequence."""
-        folder = Path(config.name)
+        folder = Path(local_weights(config.name))
         settings = FlamingoSettings.read(folder)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model = cls(folder, settings, dtype)

@@ -139,11 +139,13 @@ class VisionLanguageModel(nn.Module):
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
         from gx_ray.models.text import quiet_loading
+        from gx_ray.models.tiny_vlms import local_weights
 
         quiet_loading()
         self.name_or_path = name_or_path
-        self.processor = AutoProcessor.from_pretrained(name_or_path)
-        model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype)
+        weights = local_weights(name_or_path)
+        self.processor = AutoProcessor.from_pretrained(weights)
+        model = AutoModelForImageTextToText.from_pretrained(weights, dtype=dtype)
         model.requires_grad_(False)
         self.kind = model.config.model_type
         # an encoder-decoder language model (BLIP-2's Flan-T5): the prompt is encoded, the answer decoded
@@ -507,6 +509,14 @@ def _why_not_loadable(name: str) -> str | None:
         RepositoryNotFoundError,
     )
 
+    from gx_ray.models.tiny_vlms import PREFIX, local_weights
+
+    if name.startswith(PREFIX):  # built here, before any trial asks for it
+        try:
+            local_weights(name)
+            return None
+        except ValueError as err:
+            return str(err).removeprefix(f"{name}: ")
     if Path(name).is_dir():  # what transformers' from_pretrained loads first
         lacking = _missing_weights(Path(name))
         return f"the folder has {lacking}" if lacking else None

@@ -50,7 +50,15 @@ from gx_ray.sweep.share import named, refuse_a_live_twin, share_cluster, trial_f
 from gx_ray.sweep.signals import Interruption, signals_stop_the_sweep
 from gx_ray.sweep.spaces import SearchSpace, available_presets, load_space
 from gx_ray.sweep.study import dashboard_command, driver_seed, optuna_storage, study_location
-from gx_ray.sweep.summary import format_summary, result_rows, summarise, trial_dirname, trial_name, write_sweep_file
+from gx_ray.sweep.summary import (
+    POOLED_AXES,
+    format_summary,
+    result_rows,
+    summarise,
+    trial_dirname,
+    trial_name,
+    write_sweep_file,
+)
 from gx_ray.sweep.trial import SweepContext, run_trial, task_key
 from gx_ray.tasks import task_class
 from gx_ray.tracking import (
@@ -514,7 +522,8 @@ def _summarise(result: SweepResult, rows: list[dict[str, Any]], space: SearchSpa
     result.failed = sum(1 for r in rows if r["error"])
     result.finished = sum(1 for r in rows if r["completed"] and not r["error"])
     stopped = [r["trial"] for r in rows if r["stopped_early"]]
-    result.stopped_early, result.best = len(stopped), summarise(rows)
+    axes = [key for key in space.grid if key not in POOLED_AXES]  # a cell per model, fusion, ... the grid compares
+    result.stopped_early, result.best = len(stopped), summarise(rows, axes)
     # Tune's results hold only the trials it created: an interrupted or time-boxed sweep has more cells than that
     total = max(len(rows), space.trial_count())
     print(format_summary(result.best, result.finished, result.failed, total, len(stopped)))

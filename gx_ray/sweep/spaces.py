@@ -491,8 +491,9 @@ def _vlm_names(space: SearchSpace, probe: dict[str, Any]) -> set[str]:
     for cell in space.cells():
         for choice in itertools.product(*sampled):
             flat = space.resolve({**probe, **cell, **dict(choice)})
-            if flat.get("model.family") == "vlm" and flat.get("vlm.name") and not flat.get("vlm.plugin"):
-                names.add(str(flat["vlm.name"]))
+            name = str(flat.get("vlm.name") or "")
+            if flat.get("model.family") == "vlm" and name and (not flat.get("vlm.plugin") or name.startswith("tiny:")):
+                names.add(name)  # a plug-in's tiny model is built here too, before the trials ask for it
     return names
 
 

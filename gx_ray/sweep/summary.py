@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,14 +82,21 @@ def result_rows(grid: Any, trials: list[Any], context: SweepContext, cut_short: 
     return rows
 
 
-def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per task and schema: test primary metric over seeds (mean, sd, n) and the best trial by validation."""
-    cells: dict[tuple[str, str], list[dict]] = {}
+POOLED_AXES = ("task", "schema", "seed", "data.fold")
+"""Grid axes a summary cell pools (or is keyed by already): its seeds and folds are its repetitions."""
+
+
+def summarise(rows: list[dict[str, Any]], axes: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Per task, schema and setting (the values of the grid's other ``axes``: a model, a fusion): test primary metric
+    over seeds (mean, sd, n) and the best trial by validation. Sampled values (a searched learning rate) are pooled:
+    the best trial names them."""
+    cells: dict[tuple[str, str, str], list[dict]] = {}
     for row in rows:
         if row["task"] is not None:
-            cells.setdefault((row["task"], row["schema"]), []).append(row)
+            setting = ", ".join(f"{k}={row['chosen'][k]}" for k in axes if k in row["chosen"])
+            cells.setdefault((row["task"], row["schema"], setting), []).append(row)
     summary = []
-    for (task, schema), members in sorted(cells.items()):
+    for (task, schema, setting), members in sorted(cells.items()):
         done = [m for m in members if not m["error"] and m["completed"]]
         tests = np.array([m["test_primary"] for m in done], dtype=float)
         tests = tests[np.isfinite(tests)]  # a metric undefined on a split (one-class AUC) counts as no value
@@ -99,6 +107,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             {
                 "task": task,
                 "schema": schema,
+                "setting": setting,
                 "metric": primary_metric(task),
                 "trials": len(members),
                 "failed": len(members) - len(done),
@@ -129,8 +138,10 @@ def format_summary(
         + (f", {unfinished} unfinished (resume with --resume)" if unfinished else ""),
     ]
     width = max([22, *(len(cell["task"]) + 1 for cell in summary)])  # lesion QA's tasks carry their family
+    setting = max([0, *(len(cell["setting"]) + 1 for cell in summary if cell.get("setting"))])  # models, fusions
     lines.append(
-        f"{'task':<{width}} {'schema':<18} {'metric':<26} {'test mean ± sd (n)':<24} {'chance':>6}   best val → test"
+        f"{'task':<{width}} {'schema':<18} {'setting' if setting else '':<{setting}}{' ' if setting else ''}"
+        f"{'metric':<26} {'test mean ± sd (n)':<24} {'chance':>6}   best val → test"
     )
     for cell in summary:
         n = cell["trials"] - cell["failed"]
@@ -139,8 +150,9 @@ def format_summary(
         chance = "—" if cell.get("chance") is None else f"{cell['chance']:.1f}"
         best = "—" if cell["best_val"] is None else f"{cell['best_val']:.1f} → {cell['best_test']:.1f}"
         test = mean + sd + f" ({n})"
+        chosen = f"{cell.get('setting', ''):<{setting}} " if setting else ""
         lines.append(
-            f"{cell['task']:<{width}} {cell['schema']:<18} {cell['metric']:<26} {test:<24} {chance:>6}   {best}"
+            f"{cell['task']:<{width}} {cell['schema']:<18} {chosen}{cell['metric']:<26} {test:<24} {chance:>6}   {best}"
         )
     return "\n".join(lines)
 

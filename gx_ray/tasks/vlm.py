@@ -142,6 +142,9 @@ class VisionLanguageTask:
             record["target"] = item.answer if self.name != "stage_classification" else STAGE_GROUPS[item.label]
             if item.question:
                 record.update(question=item.question, category=item.category)
+            if self.name == "vqa":  # the cascade's verdict, as the metric gave it: the report re-scores from this
+                verdict = score_answer("close", record["prediction"], item.answer, question=item.question)
+                record["correct"] = bool(verdict.correct)
             if "option_scores" in outputs:
                 probabilities = outputs["option_scores"][k].softmax(-1)
                 record["probabilities"] = [round(float(p), 4) for p in probabilities]
