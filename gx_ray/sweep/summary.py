@@ -82,8 +82,9 @@ def result_rows(grid: Any, trials: list[Any], context: SweepContext, cut_short: 
     return rows
 
 
-POOLED_AXES = ("task", "schema", "seed", "data.fold")
-"""Grid axes a summary cell pools (or is keyed by already): its seeds and folds are its repetitions."""
+POOLED_AXES = ("task", "schema", "seed", "data.fold", "task_options.family")
+"""Grid axes a summary cell pools or is keyed by already: its seeds and folds are its repetitions, and a question
+family is in its task's label (``lesion_qa/size``)."""
 
 
 def summarise(rows: list[dict[str, Any]], axes: Sequence[str] = ()) -> list[dict[str, Any]]:
