@@ -182,4 +182,3 @@ def test_is_compiled_sees_a_module_compiled_in_place_and_not_its_deep_copy():
     assert not compat.is_compiled(model)
     model.compile()
     assert compat.is_compiled(model) and not compat.is_compiled(copy.deepcopy(model))
-

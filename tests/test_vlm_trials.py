@@ -414,6 +414,7 @@ PAPER_ADAPTATION = {  # vlm.name → (vlm.stack_views, vlm.plugin): the paper's 
     "Salesforce/blip2-opt-2.7b": (True, ""),
     "models/llava-med-v1.5-mistral-7b-hf": (False, ""),
     "models/med-flamingo": (False, "gx_ray.models.flamingo:FlamingoVLM"),
+    "models/medvint": (False, "gx_ray.models.medvint:MedVInTVLM"),
 }
 
 
@@ -426,7 +427,7 @@ def test_the_paper_models_space_gives_each_model_the_papers_recipe_and_adaptatio
     from gx_ray.sweep.spaces import available_presets, load_space
 
     space = load_space("paper_models", weights=False)
-    assert len(space.cells()) == 5 * 4 * 4
+    assert len(space.cells()) == 5 * 4 * len(PAPER_ADAPTATION)
     for cell in space.cells():
         config = TrialConfig.from_flat(space.resolve(cell))
         stack, plugin = PAPER_ADAPTATION[cell["vlm.name"]]
@@ -449,11 +450,11 @@ def test_the_paper_models_space_gives_each_model_the_papers_recipe_and_adaptatio
 def test_the_paper_models_smoke_sweep_runs_each_model_and_sets_the_papers_number_for_it_beside(
     ray_cluster, demo_prepared, tmp_path
 ):
-    """``python jobs/sweep.py --space paper_models --preset smoke`` cut to VQA, retrieval and lesion detection: the four
+    """``python jobs/sweep.py --space paper_models --preset smoke`` cut to VQA, retrieval and lesion detection: the five
     tiny models, built before Ray's trials ask for them, each finish every task (retrieval through its head on the
-    pooled states, detection as a written box, a Flamingo-style plug-in among them); the report's VQA rows put each
-    model's cell beside the paper's number for that same model (the report written whole: its interval plot once
-    failed on a mean outside its percentile interval)."""
+    pooled states, detection as a written box, the Flamingo-style and MedVInT-style plug-ins among them); the report's
+    VQA rows put each model's cell beside the paper's number for that same model (the report written whole: its
+    interval plot once failed on a mean outside its percentile interval)."""
     import pandas as pd
 
     from gx_ray.analysis.reference import load_reference
@@ -470,7 +471,7 @@ def test_the_paper_models_smoke_sweep_runs_each_model_and_sets_the_papers_number
             presets=("smoke",),
         )  # fmt: skip
         result = run_sweep(options)
-        assert (result.finished, result.failed) == (12, 0)
+        assert (result.finished, result.failed) == (15, 0)
         runs = load_runs(server.uri, result.sweep_id)
     names = document["presets"]["smoke"]["grid"]["vlm.name"]
     tested = runs[runs["split"] == "test"]
@@ -481,5 +482,5 @@ def test_the_paper_models_smoke_sweep_runs_each_model_and_sets_the_papers_number
     vqa = beside[(beside["task"] == "vqa") & (beside["metric"] == "accuracy")].set_index("model")
     paper = load_reference().query("task == 'vqa' and metric == 'accuracy' and schema == 'image_table_bbox'")
     printed = dict(zip(paper["model"], paper["value"], strict=True))
-    for name, model in zip(names, ("LLaVA-1.5-7B", "BLIP-2", "LLaVA-Med v1.5", "Med-Flamingo"), strict=True):
+    for name, model in zip(names, ("LLaVA-1.5-7B", "BLIP-2", "LLaVA-Med v1.5", "Med-Flamingo", "MedVInT"), strict=True):
         assert vqa.at[f"vlm:{name}", "paper, same model"] == printed[model], name

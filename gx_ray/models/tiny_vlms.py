@@ -1,8 +1,8 @@
 """Tiny random models of the Gastric-X paper's vision-language models, built offline from their architectures'
 config classes at toy sizes (width 32, one or two layers), with tokenizers trained by ``tokenizers`` on a few
 sentences and the models' prompt formats hand-written: what a smoke run, a test or a new machine without weights
-runs in place of LLaVA-1.5, LLaVA-Med v1.5, BLIP-2 and Med-Flamingo. Their numbers mean nothing; their code paths
-(load, LoRA, the 3D-to-2D views, a training step, generation, scoring) are the real models'.
+runs in place of LLaVA-1.5, LLaVA-Med v1.5, BLIP-2, Med-Flamingo and MedVInT. Their numbers mean nothing; their
+code paths (load, LoRA, the 3D-to-2D views, a training step, generation, scoring) are the real models'.
 
 ``vlm.name: tiny:<model>`` (:data:`TINY_VLMS`) names one: :func:`local_weights` builds it once under
 ``$XDG_CACHE_HOME/gx-ray/tiny-vlms/`` (``~/.cache`` by default; a build is deterministic, so every node builds the
@@ -204,15 +204,42 @@ def tiny_flamingo(folder: Path, checkpoint: str = "") -> Path:
     return folder
 
 
+def tiny_medvint(folder: Path) -> Path:
+    """A MedVInT-style model's folder (``gx_ray.models.medvint``): a one-layer CLIP vision model, a two-layer LLaMA
+    with :func:`trained_tokenizer`, and ``medvint.json`` (four queries, a one-layer query decoder of width 16)."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    vision = CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=SIZE, patch_size=8)  # fmt: skip
+    CLIPVisionModel(vision).save_pretrained(folder / "vision")
+    CLIPImageProcessor(size={"shortest_edge": SIZE}, crop_size={"height": SIZE, "width": SIZE}).save_pretrained(
+        folder / "vision"
+    )
+    tokenizer = trained_tokenizer()
+    language = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, initializer_range=INIT,
+    )  # fmt: skip
+    LlamaForCausalLM(language).save_pretrained(folder / "language")
+    tokenizer.save_pretrained(folder / "language")
+    settings = {"vision": "vision", "language": "language", "queries": 4, "width": 16, "layers": 1, "heads": 2}
+    (folder / "medvint.json").write_text(json.dumps(settings), encoding="utf-8")
+    return folder
+
+
 TINY_VLMS: dict[str, Callable[[Path], Path]] = {
     "llava-1.5": tiny_llava_15,
     "llava-med": tiny_llava_med,
     "blip2-opt": tiny_blip2_opt,
     "blip2-flan-t5": tiny_blip2_flan_t5,
     "med-flamingo": tiny_flamingo,
+    "medvint": tiny_medvint,
 }
-"""``tiny:<model>`` → its builder. ``med-flamingo`` is a folder for the Flamingo plug-in
-(``vlm.plugin: gx_ray.models.flamingo:FlamingoVLM``); the others load through transformers' Auto classes."""
+"""``tiny:<model>`` → its builder. ``med-flamingo`` and ``medvint`` are folders for their plug-ins
+(``vlm.plugin: gx_ray.models.flamingo:FlamingoVLM``, ``gx_ray.models.medvint:MedVInTVLM``); the others load through
+transformers' Auto classes."""
 
 
 BUILD_VERSION = 1
