@@ -229,6 +229,27 @@ def tiny_medvint(folder: Path) -> Path:
     return folder
 
 
+def tiny_llava_med_3d(folder: Path) -> Path:
+    """LLaVA-Med v1.5 as the paper adapts it (``gx_ray.models.swin_vlm``): a one-layer Mistral with
+    :func:`trained_tokenizer`, and ``swin_vlm.json`` (a 3D Swin of width 12, one block a stage, on 32³ volumes of four
+    phases; its second-deepest stage's eight tokens the prefix)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    tokenizer = trained_tokenizer()
+    language = MistralConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, initializer_range=INIT,
+    )  # fmt: skip
+    MistralForCausalLM(language).save_pretrained(folder / "language")
+    tokenizer.save_pretrained(folder / "language")
+    swin = {"feature_size": 12, "depths": [1, 1, 1, 1], "num_heads": [1, 2, 2, 4], "window_size": 4}
+    settings = {"language": "language", "phases": 4, "depth": 32, "size": 32, "stage": -2, "swin": swin}
+    (folder / "swin_vlm.json").write_text(json.dumps(settings), encoding="utf-8")
+    return folder
+
+
 TINY_VLMS: dict[str, Callable[[Path], Path]] = {
     "llava-1.5": tiny_llava_15,
     "llava-med": tiny_llava_med,
@@ -236,10 +257,11 @@ TINY_VLMS: dict[str, Callable[[Path], Path]] = {
     "blip2-flan-t5": tiny_blip2_flan_t5,
     "med-flamingo": tiny_flamingo,
     "medvint": tiny_medvint,
+    "llava-med-3d": tiny_llava_med_3d,
 }
-"""``tiny:<model>`` → its builder. ``med-flamingo`` and ``medvint`` are folders for their plug-ins
-(``vlm.plugin: gx_ray.models.flamingo:FlamingoVLM``, ``gx_ray.models.medvint:MedVInTVLM``); the others load through
-transformers' Auto classes."""
+"""``tiny:<model>`` → its builder. ``med-flamingo``, ``medvint`` and ``llava-med-3d`` are folders for their plug-ins
+(``vlm.plugin: gx_ray.models.flamingo:FlamingoVLM``, ``gx_ray.models.medvint:MedVInTVLM``,
+``gx_ray.models.swin_vlm:Swin3dVLM``); the others load through transformers' Auto classes."""
 
 
 BUILD_VERSION = 1
