@@ -447,6 +447,20 @@ def test_the_paper_models_space_gives_each_model_the_papers_recipe_and_adaptatio
     assert {c["task"] for c in smoke.cells()} == {c["task"] for c in space.cells()}
 
 
+def test_a_plug_in_models_folder_that_is_not_here_is_refused_before_ray_naming_it(tmp_path, monkeypatch):
+    """gx-ray's plug-ins read their weights from a folder (``medvint.json`` and its parts): a space naming one that is
+    not there is refused as it loads, naming the folder and the plug-in, not in every trial; once there, it loads."""
+    from gx_ray.models.tiny_vlms import tiny_medvint
+    from gx_ray.sweep.spaces import SpaceError, load_space
+
+    monkeypatch.chdir(tmp_path)  # the space names models/medvint relative to where the command runs
+    with pytest.raises(SpaceError, match=r"models/medvint \(the gx_ray.models.medvint:MedVInTVLM plug-in\): no such"):
+        load_space("paper_models", ("medvint",))
+    (tmp_path / "models").mkdir()
+    tiny_medvint(tmp_path / "models" / "medvint")
+    assert {c["vlm.name"] for c in load_space("paper_models", ("medvint",)).cells()} == {"models/medvint"}
+
+
 @pytest.mark.slow
 def test_the_paper_models_smoke_sweep_runs_each_model_and_sets_the_papers_number_for_it_beside(
     ray_cluster, demo_prepared, tmp_path

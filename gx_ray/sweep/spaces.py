@@ -474,27 +474,36 @@ def _validate_trials(space: SearchSpace, weights: bool = True) -> None:
         except ValueError as err:
             where = ", ".join(f"{k}={v}" for k, v in cell.items()) or "fixed"
             raise SpaceError(space.path, where, str(err)) from err
-    names = _vlm_names(space, probe) if weights else set()
+    names, folders = _vlm_names(space, probe) if weights else (set(), {})
     if names:
         try:
             check_weights(names)
         except ValueError as err:
             raise SpaceError(space.path, "vlm.name", str(err)) from err
+    if absent := sorted(name for name in folders if not Path(name).is_dir()):
+        named = "; ".join(f"{name} (the {folders[name]} plug-in)" for name in absent)
+        why = "no such folder here; gx-ray's plug-ins read their weights from a folder of their settings and parts"
+        raise SpaceError(space.path, "vlm.name", f'{named}: {why} (docs/how-to/vlm.md, "The paper\'s models")')
 
 
-def _vlm_names(space: SearchSpace, probe: dict[str, Any]) -> set[str]:
-    """``vlm.name`` of every trial whose model is a transformers VLM (a ``vlm.plugin`` loads its own weights), over
-    the grid and every choice Optuna may sample for the model's family, name and plug-in."""
+def _vlm_names(space: SearchSpace, probe: dict[str, Any]) -> tuple[set[str], dict[str, str]]:
+    """``vlm.name`` of every trial whose model is a transformers VLM or a tiny model, and (name → plug-in) of those
+    that gx-ray's own plug-ins read from a folder, over the grid and every choice Optuna may sample for the model's
+    family, name and plug-in. A user's plug-in loads its own weights, unchecked."""
     sampled = [[(key, c) for c in space.sample[key]["choices"]] for key in ("model.family", "vlm.name", "vlm.plugin")
                if space.sample.get(key, {}).get("type") == "categorical"]  # fmt: skip
-    names = set()
+    names, folders = set(), {}
     for cell in space.cells():
         for choice in itertools.product(*sampled):
             flat = space.resolve({**probe, **cell, **dict(choice)})
-            name = str(flat.get("vlm.name") or "")
-            if flat.get("model.family") == "vlm" and name and (not flat.get("vlm.plugin") or name.startswith("tiny:")):
+            name, plugin = str(flat.get("vlm.name") or ""), str(flat.get("vlm.plugin") or "")
+            if flat.get("model.family") != "vlm" or not name:
+                continue
+            if not plugin or name.startswith("tiny:"):
                 names.add(name)  # a plug-in's tiny model is built here too, before the trials ask for it
-    return names
+            elif plugin.startswith("gx_ray.models."):
+                folders[name] = plugin
+    return names, folders
 
 
 def _probe_value(spec: dict[str, Any]) -> Any:
