@@ -475,15 +475,18 @@ def _validate_trials(space: SearchSpace, weights: bool = True) -> None:
             where = ", ".join(f"{k}={v}" for k, v in cell.items()) or "fixed"
             raise SpaceError(space.path, where, str(err)) from err
     names, folders = _vlm_names(space, probe) if weights else (set(), {})
-    if names:
-        try:
-            check_weights(names)
-        except ValueError as err:
-            raise SpaceError(space.path, "vlm.name", str(err)) from err
+    problems = []  # every model whose weights are not here, said at once
     if absent := sorted(name for name in folders if not Path(name).is_dir()):
         named = "; ".join(f"{name} (the {folders[name]} plug-in)" for name in absent)
         why = "no such folder here; gx-ray's plug-ins read their weights from a folder of their settings and parts"
-        raise SpaceError(space.path, "vlm.name", f'{named}: {why} (docs/how-to/vlm.md, "The paper\'s models")')
+        problems.append(f'{named}: {why} (docs/how-to/vlm.md, "The paper\'s models")')
+    try:
+        if names:  # hub names only where a space has them: the check imports huggingface_hub
+            check_weights(names)
+    except ValueError as err:
+        problems.append(str(err))
+    if problems:
+        raise SpaceError(space.path, "vlm.name", ". ".join(problems))
 
 
 def _vlm_names(space: SearchSpace, probe: dict[str, Any]) -> tuple[set[str], dict[str, str]]:
