@@ -112,14 +112,17 @@ def small_stage_space(
 
 
 @contextmanager
-def run_smoke_sweep(space: str, data: Path | str, output: Path) -> Iterator[SweepResult]:
-    """``python jobs/sweep.py --space SPACE --preset smoke`` on prepared ``data`` (demo-sized models), logging to its
-    own MLflow server, which stays up inside the block so that the test can read the runs' artifacts."""
+def run_smoke_sweep(
+    space: str, data: Path | str, output: Path, presets: tuple[str, ...] = ("demo", "smoke")
+) -> Iterator[SweepResult]:
+    """``python jobs/sweep.py --space SPACE --preset smoke`` on prepared ``data`` (demo-sized models; a space without
+    a ``demo`` preset names its ``presets``), logging to its own MLflow server, which stays up inside the block so
+    that the test can read the runs' artifacts (``result.tracking_uri``)."""
     from gx_ray.sweep.driver import SweepOptions, run_sweep
     from gx_ray.tracking.server import LocalMlflowServer
 
     with LocalMlflowServer(output / "mlflow") as server:
-        options = SweepOptions(space=space, output=output, data=data, mlflow_uri=server.uri, presets=("demo", "smoke"))
+        options = SweepOptions(space=space, output=output, data=data, mlflow_uri=server.uri, presets=presets)
         yield run_sweep(options)
 
 

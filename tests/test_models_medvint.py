@@ -14,7 +14,7 @@ from gx_ray.modalities.views import ViewsConfig
 from gx_ray.models.tiny_vlms import tiny_medvint
 from gx_ray.models.vlm import VLMConfig, retrieval_problem, vlm_class, vlm_protocol_problems
 
-from .vlm_fixtures import scored, vlm_batch
+from .vlm_fixtures import scored, trained_losses
 
 CPU = torch.device("cpu")
 PLUGIN = "gx_ray.models.medvint:MedVInTVLM"
@@ -67,15 +67,7 @@ def test_the_medvint_plugin_trains_and_answers_every_vlm_task_through_the_trials
         options = {"max_new_tokens": 3, "max_report_tokens": 8} if task_name == "report_generation" else {}
         task = VisionLanguageTask(build_task(task_name, **options), 3)
         model = VisionLanguageTaskModel(task, vlm, recipe, schema).train()
-        trained = [p for p in model.parameters() if p.requires_grad]  # retrieval's head besides the plug-in's
-        optimiser = torch.optim.AdamW(trained, lr=1e-3 if task_name == "retrieval" else 1e-2)
-        losses = []
-        for _ in range(4):
-            loss = task.loss(model(vlm_batch()), vlm_batch())
-            optimiser.zero_grad()
-            loss.backward()
-            optimiser.step()
-            losses.append(float(loss.detach()))
+        losses = trained_losses(task, model, 4, 1e-3 if task_name == "retrieval" else 1e-2)
         assert losses[-1] < losses[0], (task_name, losses)
         assert 0 <= scored(model, task)[metric_name] <= 100, task_name
     assert all(torch.equal(p, frozen[n]) for n, p in vlm.named_parameters() if n in frozen)

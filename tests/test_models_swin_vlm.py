@@ -15,7 +15,7 @@ from gx_ray.models.swin_vlm import Swin3dVLM
 from gx_ray.models.tiny_vlms import tiny_llava_med_3d
 from gx_ray.models.vlm import VLMConfig, retrieval_problem, vlm_class, vlm_protocol_problems
 
-from .vlm_fixtures import scored, vlm_batch
+from .vlm_fixtures import scored, trained_losses
 
 CPU = torch.device("cpu")
 PLUGIN = "gx_ray.models.swin_vlm:Swin3dVLM"
@@ -84,14 +84,7 @@ def test_the_3d_swin_llava_med_trains_and_answers_every_vlm_task_through_the_tri
                                    ("retrieval", "image_to_text_recall_at_1")):  # fmt: skip
         task = VisionLanguageTask(build_task(task_name), 3)
         model = VisionLanguageTaskModel(task, vlm, recipe, schema).train()
-        optimiser = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR[task_name])
-        losses = []
-        for _ in range(4):
-            loss = task.loss(model(vlm_batch()), vlm_batch())
-            optimiser.zero_grad()
-            loss.backward()
-            optimiser.step()
-            losses.append(float(loss.detach()))
+        losses = trained_losses(task, model, 4, LR[task_name])
         assert losses[-1] < losses[0], (task_name, losses)
         assert 0 <= scored(model, task)[metric_name] <= 100, task_name
     assert all(torch.equal(p, frozen[n]) for n, p in vlm.named_parameters() if n in frozen)

@@ -19,7 +19,7 @@ from gx_ray.tasks.retrieval import RetrievalMetric
 from gx_ray.tasks.vlm import Item, VisionLanguageTask, VisionLanguageTaskModel, detections
 from gx_ray.train.config import TrialConfig
 
-from .vlm_fixtures import PAPER_MODELS, tiny_flamingo, vlm_batch
+from .vlm_fixtures import PAPER_MODELS, tiny_flamingo, trained_losses, vlm_batch
 
 FLAMINGO = "gx_ray.models.flamingo:FlamingoVLM"
 MODELS = ("llava_1_5", "blip2_flan_t5", "flamingo")
@@ -51,18 +51,6 @@ def _model(config: VLMConfig, task_name: str, schema_name: str) -> tuple[VisionL
     return task, VisionLanguageTaskModel(task, vlm, recipe, schema)
 
 
-def _losses(task: VisionLanguageTask, model: VisionLanguageTaskModel, steps: int, lr: float) -> list[float]:
-    optimiser = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    losses = []
-    for _ in range(steps):
-        loss = task.loss(model.train()(vlm_batch()), vlm_batch())
-        loss.backward()
-        optimiser.step()
-        optimiser.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def test_a_box_in_words_reads_back_as_the_box_and_is_scored_by_lesion_detections_metric():
     """The answer's form is the box prompt's; the written box read back is the case's one detection, scored by the
     encoder path's metric (AP at 3D IoU): the right box is found, an answer without a box is no detection."""
@@ -92,7 +80,7 @@ def test_retrieval_trains_a_head_on_the_models_pooled_states_scored_as_the_encod
     TrialConfig.from_flat({"model.family": "vlm", "vlm.name": "some/vlm", "task": "retrieval"})
     task, model = _model(configs[name], "retrieval", "image_table_bbox")
     assert {"head.image.weight", "head.text.weight", "head.logit_scale"} <= set(model.state_dict())
-    losses = _losses(task, model, 6, LR["retrieval"].get(name, 2e-2))
+    losses = trained_losses(task, model, 6, LR["retrieval"].get(name, 2e-2))
     assert losses[-1] < losses[0] - 0.05, losses
     metric = task.metric()
     assert isinstance(metric, RetrievalMetric)
@@ -113,7 +101,7 @@ def test_lesion_detection_teaches_the_box_in_words_and_scores_what_is_written(co
     task, model = _model(configs[name], "lesion_detection", "image_only")
     asked = task.items(vlm_batch(), training=True)
     assert [(item.case, item.answer) for item in asked] == [(0, "slices 2-4, rows 8-15, columns 8-15")]
-    losses = _losses(task, model, 5, LR["lesion_detection"].get(name, 5e-2))
+    losses = trained_losses(task, model, 5, LR["lesion_detection"].get(name, 5e-2))
     assert losses[-1] < losses[0] - 0.5, losses
     with torch.no_grad():
         outputs = model.eval()(vlm_batch())

@@ -25,6 +25,7 @@ from gx_ray.models.lora import LoraSettings
 from gx_ray.schema import PHASES
 from gx_ray.train.config import TrialConfig
 
+from .common import run_smoke_sweep
 from .vlm_fixtures import FAMILIES, vlm_batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -253,25 +254,17 @@ def test_the_vlm_lora_smoke_sweep_trains_generates_and_scores_every_task_on_both
     LLaVA and PaliGemma: every trial finishes; each task's generated answers reach MLflow scored (VQA: accuracy and the
     parse-failure rate; reports: ROUGE-L; stage: the cascade's accuracy and the option likelihoods' AUC); the LoRA
     adapters trained while every frozen weight kept its value."""
-    from gx_ray.sweep.driver import SweepOptions, run_sweep
-    from gx_ray.tracking.server import LocalMlflowServer
-
     document = yaml.safe_load((ROOT / "search_spaces" / "vlm_lora.yaml").read_text(encoding="utf-8"))
     document["presets"]["smoke"]["grid"]["vlm.name"] = sorted(vlm_folders.values())
     space = tmp_path / "vlm_lora.yaml"
     space.write_text(yaml.safe_dump(document), encoding="utf-8")
-    with LocalMlflowServer(tmp_path / "mlflow") as server:
-        options = SweepOptions(
-            space=str(space), output=tmp_path / "out", data=demo_prepared.shard_dir, mlflow_uri=server.uri,
-            presets=("smoke",),
-        )  # fmt: skip
-        result = run_sweep(options)
+    with run_smoke_sweep(str(space), demo_prepared.shard_dir, tmp_path / "out", presets=("smoke",)) as result:
         assert (result.finished, result.failed) == (6, 0)
         assert result.report is not None and "stage_classification" in result.report.read_text(encoding="utf-8")
         # the analysis tells the two models apart (its cells are per task, model and schema), not as encoder runs
-        runs = load_runs(server.uri, result.sweep_id)
+        runs = load_runs(result.tracking_uri, result.sweep_id)
         assert set(runs["model"]) == {f"vlm:{folder}" for folder in vlm_folders.values()}
-        client = MlflowClient(server.uri)
+        client = MlflowClient(result.tracking_uri)
         runs = client.search_runs([result.experiment_id], f"tags.`gx_ray.sweep_id` = '{result.sweep_id}'")
         children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
         assert sorted((r.data.tags["task"], r.data.params["vlm.name"]) for r in children) == sorted(
@@ -474,22 +467,15 @@ def test_the_paper_models_smoke_sweep_runs_each_model_and_sets_the_papers_number
     import pandas as pd
 
     from gx_ray.analysis.reference import load_reference
-    from gx_ray.sweep.driver import SweepOptions, run_sweep
-    from gx_ray.tracking.server import LocalMlflowServer
 
     document = yaml.safe_load((ROOT / "search_spaces" / "paper_models.yaml").read_text(encoding="utf-8"))
     smoke = document["presets"]["smoke"]["grid"]
     smoke.update(task=["retrieval", "lesion_detection"], schema=["image_only"])
     space = tmp_path / "paper_models.yaml"
     space.write_text(yaml.safe_dump(document), encoding="utf-8")
-    with LocalMlflowServer(tmp_path / "mlflow") as server:
-        options = SweepOptions(
-            space=str(space), output=tmp_path / "out", data=demo_prepared.shard_dir, mlflow_uri=server.uri,
-            presets=("smoke",),
-        )  # fmt: skip
-        result = run_sweep(options)
+    with run_smoke_sweep(str(space), demo_prepared.shard_dir, tmp_path / "out", presets=("smoke",)) as result:
         assert (result.finished, result.failed) == (10, 0)
-        runs = load_runs(server.uri, result.sweep_id)
+        runs = load_runs(result.tracking_uri, result.sweep_id)
     tested = runs[runs["split"] == "test"]
     assert {(t, m) for t, m in zip(tested["task"], tested["model"], strict=True)} == {
         (task, f"vlm:{name}") for task in smoke["task"] for name in smoke["vlm.name"]

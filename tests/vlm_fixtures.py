@@ -140,6 +140,19 @@ def vlm_batch() -> dict:
     }  # fmt: skip
 
 
+def trained_losses(task, model: torch.nn.Module, steps: int, lr: float) -> list[float]:
+    """``task``'s loss on :func:`vlm_batch` at each of ``steps`` AdamW steps of ``model``'s trainable parameters."""
+    optimiser = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = task.loss(model.train()(vlm_batch()), vlm_batch())
+        loss.backward()
+        optimiser.step()
+        optimiser.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def scored(model: torch.nn.Module, task) -> dict:
     """``task``'s metric of ``model`` in evaluation mode on :func:`vlm_batch`."""
     metric = task.metric()

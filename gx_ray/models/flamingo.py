@@ -13,10 +13,9 @@ resampler and the blocks train (Flamingo's recipe), with LoRA on the language mo
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,14 @@ from torch import nn
 
 from gx_ray.models.lora import apply_lora
 from gx_ray.models.tiny_vlms import local_weights
-from gx_ray.models.vlm import IGNORE, TEXT_TOKENS, VLMConfig
+from gx_ray.models.vlm import (
+    VLMConfig,
+    answer_log_likelihood,
+    answer_rows,
+    greedy_answer,
+    mean_text_state,
+    read_settings,
+)
 
 SECOND_NAME = re.compile(r"lang_encoder\.model\.layers\.\d+\.gated_cross_attn_layer\.")
 """OpenFlamingo's second name for each gated block (its wrapper of the decoder layer holds the block too)."""
@@ -52,14 +58,6 @@ class FlamingoSettings:
     head_dim: int = 64
     checkpoint: str = ""
     """An OpenFlamingo-format state dict (``torch.save``), read through :func:`openflamingo_names`; empty: none."""
-
-    @classmethod
-    def read(cls, folder: Path) -> FlamingoSettings:
-        values = json.loads((folder / "flamingo.json").read_text(encoding="utf-8"))
-        unknown = sorted(set(values) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"{folder / 'flamingo.json'}: unknown keys {unknown}")
-        return cls(**values)
 
 
 def feed_forward(dim: int, mult: int = 4) -> nn.Sequential:
@@ -199,7 +197,7 @@ class FlamingoVLM(nn.Module):
         """The model ``config.name``'s ``flamingo.json`` describes, its checkpoint loaded, LoRA added; bf16 on a GPU.
         Any number of views: each is an image of the interleaved sequence."""
         folder = Path(local_weights(config.name))
-        settings = FlamingoSettings.read(folder)
+        settings = read_settings(FlamingoSettings, folder / "flamingo.json")
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model = cls(folder, settings, dtype)
         if settings.checkpoint:
@@ -240,20 +238,10 @@ class FlamingoVLM(nn.Module):
         return self.perceiver(tokens.unflatten(0, (len(images), -1)))
 
     def _rows(self, views: int, questions: Sequence[str], answers: Sequence[str]) -> tuple[torch.Tensor, ...]:
-        """Right-padded input ids, attention mask and labels (the answers' tokens only): ``views`` image tokens, the
-        question in Med-Flamingo's ``Question: ... Answer:`` form, then the answer."""
-        tokenizer, rows, labels = self.tokenizer, [], []
-        for question, answer in zip(questions, answers, strict=True):
-            prompt = tokenizer(f"{MEDIA_TOKEN * views}Question: {question} Answer:")["input_ids"]
-            said = f" {answer}{tokenizer.eos_token}" if answer else ""  # generation's prompt: no answer yet
-            taught = tokenizer(said, add_special_tokens=False)["input_ids"]
-            rows.append(torch.tensor(prompt + taught))
-            labels.append(torch.tensor([IGNORE] * len(prompt) + taught))
-        pad = nn.utils.rnn.pad_sequence
-        ids = pad(rows, batch_first=True, padding_value=tokenizer.pad_token_id)
-        mask = pad([torch.ones(len(r), dtype=torch.long) for r in rows], batch_first=True)
-        device = self.perceiver.latents.device
-        return ids.to(device), mask.to(device), pad(labels, batch_first=True, padding_value=IGNORE).to(device)
+        """:func:`answer_rows` of ``views`` image tokens and the question in Med-Flamingo's ``Question: ... Answer:``
+        form."""
+        prompts = [f"{MEDIA_TOKEN * views}Question: {question} Answer:" for question in questions]
+        return answer_rows(self.tokenizer, prompts, answers, self.perceiver.latents.device)
 
     def _run(self, latents: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, labels: Any = None) -> Any:
         """The language model's output, its gated blocks conditioned on ``latents`` at the image tokens of ``ids``."""
@@ -272,23 +260,14 @@ class FlamingoVLM(nn.Module):
         latents averaged over its views and latents (the resampler trains), each text's last hidden states in the
         language model (no image: the gated blocks pass it through) averaged over its first ``TEXT_TOKENS``."""
         image = self._latents(images).float().mean((1, 2))
-        encoded = self.tokenizer(list(texts), return_tensors="pt", padding=True, truncation=True,
-                                 max_length=TEXT_TOKENS).to(self.perceiver.latents.device)  # fmt: skip
-        mask = encoded["attention_mask"]
-        output = self.language(input_ids=encoded["input_ids"], attention_mask=mask, output_hidden_states=True,
-                               use_cache=False)  # fmt: skip
-        hidden = output.hidden_states[-1].float()
-        return image, (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
+        return image, mean_text_state(self.language, self.tokenizer, texts, self.perceiver.latents.device)
 
     @torch.no_grad()
     def option_scores(self, images: Views, questions: Sequence[str], options: Sequence[Sequence[str]]) -> torch.Tensor:
         latents, columns = self._latents(images), []
         for k in range(len(options[0])):
             ids, mask, labels = self._rows(len(images[0]), questions, [choices[k] for choices in options])
-            logits = self._run(latents, ids, mask).logits[:, :-1].float()
-            targets = labels[:, 1:]
-            log_probs = logits.log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
-            columns.append((log_probs * (targets != IGNORE)).sum(1))
+            columns.append(answer_log_likelihood(self._run(latents, ids, mask).logits[:, :-1], labels[:, 1:]))
         return torch.stack(columns, 1)
 
     @torch.no_grad()
@@ -299,13 +278,8 @@ class FlamingoVLM(nn.Module):
         for k, question in enumerate(questions):
             latents = self._latents(images[k : k + 1])
             ids, mask, _ = self._rows(len(images[k]), [question], [""])
-            start = ids.shape[1]
-            for _ in range(max_new_tokens):
-                token = self._run(latents, ids, mask).logits[:, -1].argmax(-1, keepdim=True)
-                if int(token) == self.tokenizer.eos_token_id:
-                    break
-                ids, mask = torch.cat([ids, token], 1), torch.cat([mask, torch.ones_like(token)], 1)
-            answers.append(self.tokenizer.decode(ids[0, start:], skip_special_tokens=True))
+            logits_of = lambda ids, mask, latents=latents: self._run(latents, ids, mask).logits  # noqa: E731
+            answers.append(greedy_answer(logits_of, ids, mask, self.tokenizer, max_new_tokens))
         return answers
 
 

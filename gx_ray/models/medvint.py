@@ -15,8 +15,7 @@ MedVInT checkpoint is not read (its parameter names are not mapped here).
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,7 +24,7 @@ from torch import nn
 from gx_ray.models.lora import apply_lora
 from gx_ray.models.prefix import PrefixVLM, Views
 from gx_ray.models.tiny_vlms import local_weights
-from gx_ray.models.vlm import VLMConfig
+from gx_ray.models.vlm import VLMConfig, read_settings
 
 
 @dataclass(frozen=True)
@@ -42,14 +41,6 @@ class MedVInTSettings:
     heads: int = 4
     """MedVInT's query decoder: 32 queries, width 768, 12 layers of 4 heads (its feed-forward as wide as the layer)."""
 
-    @classmethod
-    def read(cls, folder: Path) -> MedVInTSettings:
-        values = json.loads((folder / "medvint.json").read_text(encoding="utf-8"))
-        unknown = sorted(set(values) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"{folder / 'medvint.json'}: unknown keys {unknown}")
-        return cls(**values)
-
 
 class MedVInTVLM(PrefixVLM):
     """The VLM plug-in: the vision encoder and the language model frozen; the query decoder and the two projections
@@ -59,21 +50,14 @@ class MedVInTVLM(PrefixVLM):
 
     def __init__(self, folder: Path, settings: MedVInTSettings, dtype: torch.dtype | None = None):
         super().__init__()
-        from transformers import AutoModelForCausalLM, AutoTokenizer, CLIPImageProcessor, CLIPVisionModel
-
-        from gx_ray.models.text import quiet_loading
-
-        quiet_loading()
+        from transformers import CLIPImageProcessor, CLIPVisionModel
 
         def located(name: str) -> str:  # a folder beside medvint.json, else a hub name
             return str(folder / name) if (folder / name).exists() else name
 
+        self._load_language(located(settings.language), dtype)
         self.image_processor = CLIPImageProcessor.from_pretrained(located(settings.vision))
         self.vision_encoder = CLIPVisionModel.from_pretrained(located(settings.vision), dtype=dtype)
-        self._tokenizer = AutoTokenizer.from_pretrained(located(settings.language))
-        if self._tokenizer.pad_token is None:
-            self._tokenizer.pad_token = self._tokenizer.eos_token
-        self.language = AutoModelForCausalLM.from_pretrained(located(settings.language), dtype=dtype)
         self.requires_grad_(False)
         width = settings.width
         self.image_embed = nn.Linear(self.vision_encoder.config.hidden_size, width)
@@ -90,7 +74,7 @@ class MedVInTVLM(PrefixVLM):
         each adds its queries to the prefix."""
         folder = Path(local_weights(config.name))
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model = cls(folder, MedVInTSettings.read(folder), dtype)
+        model = cls(folder, read_settings(MedVInTSettings, folder / "medvint.json"), dtype)
         if (lora := config.lora_settings()) is not None:
             model.language = apply_lora(model.language, lora)
         return model.to(device=device, dtype=dtype)

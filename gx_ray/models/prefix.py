@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from gx_ray.models.vlm import IGNORE, TEXT_TOKENS
+from gx_ray.models.vlm import IGNORE, answer_log_likelihood, answer_rows, greedy_answer, mean_text_state
 
 Views = Sequence[Sequence[np.ndarray]]
 """Each question's views: RGB ``(3, H, W)`` arrays in [0, 1]."""
@@ -42,21 +42,22 @@ class PrefixVLM(nn.Module):
     def trainable(self) -> dict[str, torch.Tensor]:
         return {n: p for n, p in self.named_parameters() if p.requires_grad}
 
+    def _load_language(self, name: str, dtype: torch.dtype | None) -> None:
+        """``self.language`` (frozen) and ``self._tokenizer`` from a causal language model's folder or hub name."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from gx_ray.models.text import quiet_loading
+
+        quiet_loading()
+        self._tokenizer = AutoTokenizer.from_pretrained(name)
+        if self._tokenizer.pad_token is None:
+            self._tokenizer.pad_token = self._tokenizer.eos_token
+        self.language = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).requires_grad_(False)
+
     def _rows(self, questions: Sequence[str], answers: Sequence[str]) -> tuple[torch.Tensor, ...]:
-        """Right-padded input ids, attention mask and labels (the answers' tokens only), the question in
-        :data:`PROMPT`'s form."""
-        tokenizer, rows, labels = self.tokenizer, [], []
-        for question, answer in zip(questions, answers, strict=True):
-            prompt = tokenizer(self.PROMPT.format(question=question))["input_ids"]
-            said = f" {answer}{tokenizer.eos_token}" if answer else ""  # generation's prompt: no answer yet
-            taught = tokenizer(said, add_special_tokens=False)["input_ids"]
-            rows.append(torch.tensor(prompt + taught))
-            labels.append(torch.tensor([IGNORE] * len(prompt) + taught))
-        pad = nn.utils.rnn.pad_sequence
-        ids = pad(rows, batch_first=True, padding_value=tokenizer.pad_token_id)
-        mask = pad([torch.ones(len(r), dtype=torch.long) for r in rows], batch_first=True)
-        device = self._device
-        return ids.to(device), mask.to(device), pad(labels, batch_first=True, padding_value=IGNORE).to(device)
+        """:func:`answer_rows` of the questions in ``PROMPT``'s form."""
+        prompts = [self.PROMPT.format(question=question) for question in questions]
+        return answer_rows(self.tokenizer, prompts, answers, self._device)
 
     def _run(self, prefix: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, labels: Any = None) -> Any:
         """The language model on the visual prefix, then the text; the prefix is never a target."""
@@ -77,23 +78,15 @@ class PrefixVLM(nn.Module):
         averaged (what makes it trains), each text's last hidden states in the language model averaged over its
         first ``TEXT_TOKENS``."""
         image = self._prefix(images).float().mean(1)
-        encoded = self.tokenizer(list(texts), return_tensors="pt", padding=True, truncation=True,
-                                 max_length=TEXT_TOKENS).to(self._device)  # fmt: skip
-        mask = encoded["attention_mask"]
-        output = self.language(input_ids=encoded["input_ids"], attention_mask=mask, output_hidden_states=True,
-                               use_cache=False)  # fmt: skip
-        hidden = output.hidden_states[-1].float()
-        return image, (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
+        return image, mean_text_state(self.language, self.tokenizer, texts, self._device)
 
     @torch.no_grad()
     def option_scores(self, images: Views, questions: Sequence[str], options: Sequence[Sequence[str]]) -> torch.Tensor:
         prefix, columns = self._prefix(images), []
         for k in range(len(options[0])):
             ids, mask, labels = self._rows(questions, [choices[k] for choices in options])
-            logits = self._run(prefix, ids, mask).logits[:, prefix.shape[1] : -1].float()
-            targets = labels[:, 1:]
-            log_probs = logits.log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
-            columns.append((log_probs * (targets != IGNORE)).sum(1))
+            logits = self._run(prefix, ids, mask).logits[:, prefix.shape[1] : -1]
+            columns.append(answer_log_likelihood(logits, labels[:, 1:]))
         return torch.stack(columns, 1)
 
     @torch.no_grad()
@@ -103,11 +96,6 @@ class PrefixVLM(nn.Module):
         for k, question in enumerate(questions):
             prefix = self._prefix(images[k : k + 1])
             ids, mask, _ = self._rows([question], [""])
-            start = ids.shape[1]
-            for _ in range(max_new_tokens):
-                token = self._run(prefix, ids, mask).logits[:, -1].argmax(-1, keepdim=True)
-                if int(token) == self.tokenizer.eos_token_id:
-                    break
-                ids, mask = torch.cat([ids, token], 1), torch.cat([mask, torch.ones_like(token)], 1)
-            answers.append(self.tokenizer.decode(ids[0, start:], skip_special_tokens=True))
+            logits_of = lambda ids, mask, prefix=prefix: self._run(prefix, ids, mask).logits  # noqa: E731
+            answers.append(greedy_answer(logits_of, ids, mask, self.tokenizer, max_new_tokens))
         return answers

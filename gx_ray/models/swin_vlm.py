@@ -14,8 +14,7 @@ SwinUNETR's ``swinViT.``), and LoRA on the language model under ``vlm.lora``.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from gx_ray.models.lora import apply_lora
 from gx_ray.models.prefix import PrefixVLM, Views
 from gx_ray.models.tiny_vlms import local_weights
 from gx_ray.models.vision import Swin3d
-from gx_ray.models.vlm import VLMConfig
+from gx_ray.models.vlm import VLMConfig, read_settings
 
 
 @dataclass(frozen=True)
@@ -49,14 +48,6 @@ class Swin3dVLMSettings:
     prompt: str = "[INST] {question} [/INST]"
     """LLaVA-Med v1.5's Mistral instruction format."""
 
-    @classmethod
-    def read(cls, folder: Path) -> Swin3dVLMSettings:
-        values = json.loads((folder / "swin_vlm.json").read_text(encoding="utf-8"))
-        unknown = sorted(set(values) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"{folder / 'swin_vlm.json'}: unknown keys {unknown}")
-        return cls(**values)
-
 
 class Swin3dVLM(PrefixVLM):
     """The VLM plug-in: the 3D Swin (frozen unless ``train_vision``), the projector, the language model frozen but
@@ -65,17 +56,8 @@ class Swin3dVLM(PrefixVLM):
     def __init__(self, folder: Path, settings: Swin3dVLMSettings, dtype: torch.dtype | None = None,
                  train_vision: bool = False):  # fmt: skip
         super().__init__()
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from gx_ray.models.text import quiet_loading
-
-        quiet_loading()
-
         language = str(folder / settings.language) if (folder / settings.language).exists() else settings.language
-        self._tokenizer = AutoTokenizer.from_pretrained(language)
-        if self._tokenizer.pad_token is None:
-            self._tokenizer.pad_token = self._tokenizer.eos_token
-        self.language = AutoModelForCausalLM.from_pretrained(language, dtype=dtype).requires_grad_(False)
+        self._load_language(language, dtype)
         self.settings, self.PROMPT = settings, settings.prompt
         self.vision = Swin3d(settings.phases, **settings.swin).requires_grad_(train_vision)
         if settings.checkpoint:
@@ -88,7 +70,7 @@ class Swin3dVLM(PrefixVLM):
         """The model ``config.name``'s ``swin_vlm.json`` describes, LoRA added; bf16 on a GPU. ``views`` must be
         the settings' phases times the slab's slices."""
         folder = Path(local_weights(config.name))
-        settings = Swin3dVLMSettings.read(folder)
+        settings = read_settings(Swin3dVLMSettings, folder / "swin_vlm.json")
         if views % settings.phases:
             raise ValueError(
                 f"{config.name}: a case's {views} views are not {settings.phases} phases of one slab each: set "

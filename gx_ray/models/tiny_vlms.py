@@ -17,6 +17,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -178,26 +179,42 @@ def tiny_blip2_flan_t5(folder: Path) -> Path:
     return _blip2(folder, seq2seq=True)
 
 
-def tiny_flamingo(folder: Path, checkpoint: str = "") -> Path:
-    """A Flamingo-style model's folder (``gx_ray.models.flamingo``): a one-layer CLIP vision model, a two-layer
-    LLaMA with :func:`trained_tokenizer`, and ``flamingo.json`` (a gated block before each layer, four latents)."""
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, LlamaConfig, LlamaForCausalLM
+def _clip_vision(folder: Path) -> None:
+    """A one-layer CLIP vision model of width 16 and its image processor, saved in ``folder``."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
-    torch.manual_seed(0)
     vision = CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                               image_size=SIZE, patch_size=8)  # fmt: skip
-    CLIPVisionModel(vision).save_pretrained(folder / "vision")
-    CLIPImageProcessor(size={"shortest_edge": SIZE}, crop_size={"height": SIZE, "width": SIZE}).save_pretrained(
-        folder / "vision"
-    )
+    CLIPVisionModel(vision).save_pretrained(folder)
+    CLIPImageProcessor(size={"shortest_edge": SIZE}, crop_size={"height": SIZE, "width": SIZE}).save_pretrained(folder)
+
+
+def _causal_lm(folder: Path, config_class: Any, model_class: Any, layers: int) -> None:
+    """A causal language model of width 32 (``config_class``/``model_class``: LLaMA's or Mistral's) with
+    :func:`trained_tokenizer`, saved in ``folder``."""
     tokenizer = trained_tokenizer()
-    language = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, initializer_range=INIT,
+    language = config_class(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, initializer_range=INIT,
     )  # fmt: skip
-    LlamaForCausalLM(language).save_pretrained(folder / "language")
-    tokenizer.save_pretrained(folder / "language")
+    model_class(language).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def _vision_and_llama(folder: Path) -> None:
+    """A plug-in's two parts: :func:`_clip_vision` in ``vision/``, a two-layer LLaMA in ``language/``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    _clip_vision(folder / "vision")
+    _causal_lm(folder / "language", LlamaConfig, LlamaForCausalLM, layers=2)
+
+
+def tiny_flamingo(folder: Path, checkpoint: str = "") -> Path:
+    """A Flamingo-style model's folder (``gx_ray.models.flamingo``): :func:`_vision_and_llama`, and ``flamingo.json``
+    (a gated block before each layer, four latents)."""
+    _vision_and_llama(folder)
     settings = {"vision": "vision", "language": "language", "every": 1, "latents": 4, "depth": 1, "heads": 2,
                 "head_dim": 8, "checkpoint": checkpoint}  # fmt: skip
     (folder / "flamingo.json").write_text(json.dumps(settings), encoding="utf-8")
@@ -205,25 +222,9 @@ def tiny_flamingo(folder: Path, checkpoint: str = "") -> Path:
 
 
 def tiny_medvint(folder: Path) -> Path:
-    """A MedVInT-style model's folder (``gx_ray.models.medvint``): a one-layer CLIP vision model, a two-layer LLaMA
-    with :func:`trained_tokenizer`, and ``medvint.json`` (four queries, a one-layer query decoder of width 16)."""
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    vision = CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                              image_size=SIZE, patch_size=8)  # fmt: skip
-    CLIPVisionModel(vision).save_pretrained(folder / "vision")
-    CLIPImageProcessor(size={"shortest_edge": SIZE}, crop_size={"height": SIZE, "width": SIZE}).save_pretrained(
-        folder / "vision"
-    )
-    tokenizer = trained_tokenizer()
-    language = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, initializer_range=INIT,
-    )  # fmt: skip
-    LlamaForCausalLM(language).save_pretrained(folder / "language")
-    tokenizer.save_pretrained(folder / "language")
+    """A MedVInT-style model's folder (``gx_ray.models.medvint``): :func:`_vision_and_llama`, and ``medvint.json``
+    (four queries, a one-layer query decoder of width 16)."""
+    _vision_and_llama(folder)
     settings = {"vision": "vision", "language": "language", "queries": 4, "width": 16, "layers": 1, "heads": 2}
     (folder / "medvint.json").write_text(json.dumps(settings), encoding="utf-8")
     return folder
@@ -236,14 +237,7 @@ def tiny_llava_med_3d(folder: Path) -> Path:
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
-    tokenizer = trained_tokenizer()
-    language = MistralConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, initializer_range=INIT,
-    )  # fmt: skip
-    MistralForCausalLM(language).save_pretrained(folder / "language")
-    tokenizer.save_pretrained(folder / "language")
+    _causal_lm(folder / "language", MistralConfig, MistralForCausalLM, layers=1)
     swin = {"feature_size": 12, "depths": [1, 1, 1, 1], "num_heads": [1, 2, 2, 4], "window_size": 4}
     settings = {"language": "language", "phases": 4, "depth": 32, "size": 32, "stage": -2, "swin": swin}
     (folder / "swin_vlm.json").write_text(json.dumps(settings), encoding="utf-8")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -340,9 +340,7 @@ class VisionLanguageModel(nn.Module):
                 logits, targets = self.model(**inputs, labels=labels).logits.float(), labels
             else:
                 logits, targets = self.model(**inputs).logits[:, :-1].float(), labels[:, 1:]
-            taught = targets != IGNORE
-            log_probs = logits.log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
-            columns.append((log_probs * taught).sum(1))
+            columns.append(answer_log_likelihood(logits, targets))
         return torch.stack(columns, 1)
 
     @torch.no_grad()
@@ -373,14 +371,8 @@ class VisionLanguageModel(nn.Module):
         features = base.get_image_features(pixel_values=pixels.to(self.device, base.dtype)).pooler_output
         image = torch.stack([f.float().mean(0) for f in features])  # a list (LLaVA) or (n, queries, d) (BLIP-2)
         image = image.reshape(len(pictures), -1, image.shape[-1]).mean(1)
-        tokenizer = self.processor.tokenizer
-        encoded = tokenizer(list(texts), return_tensors="pt", padding=True, truncation=True,
-                            max_length=min(TEXT_TOKENS, tokenizer.model_max_length)).to(self.device)  # fmt: skip
         language = base.get_encoder() if self.seq2seq else base.get_decoder()
-        mask = encoded["attention_mask"]
-        hidden = language(input_ids=encoded["input_ids"], attention_mask=mask, output_hidden_states=True,
-                          use_cache=False).hidden_states[-1].float()  # fmt: skip
-        return image, (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
+        return image, mean_text_state(language, self.processor.tokenizer, texts, self.device)
 
     def trainable(self) -> dict[str, torch.Tensor]:
         return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
@@ -629,3 +621,69 @@ def to_pil(image: np.ndarray) -> Any:
     if array.dtype != np.uint8:
         array = (np.clip(array, 0.0, 1.0) * 255).round().astype(np.uint8)
     return Image.fromarray(array.squeeze(-1) if array.shape[-1] == 1 else array)
+
+
+# --- what the plug-ins built on a causal language model share (gx_ray.models.flamingo, gx_ray.models.prefix) ---------
+
+
+def read_settings(cls: Any, path: Path) -> Any:
+    """A plug-in's settings dataclass ``cls`` from the JSON file ``path``; unknown keys refused, naming the file."""
+    values = json.loads(path.read_text(encoding="utf-8"))
+    unknown = sorted(set(values) - set(cls.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {unknown}")
+    return cls(**values)
+
+
+def answer_rows(
+    tokenizer: Any, prompts: Sequence[str], answers: Sequence[str], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded input ids, attention mask and labels of each prompt followed by its answer and the end of text,
+    the answers' tokens alone taught; an empty answer gives the prompt alone (generation's start)."""
+    rows, labels = [], []
+    for prompt_text, answer in zip(prompts, answers, strict=True):
+        prompt = tokenizer(prompt_text)["input_ids"]
+        said = f" {answer}{tokenizer.eos_token}" if answer else ""
+        taught = tokenizer(said, add_special_tokens=False)["input_ids"]
+        rows.append(torch.tensor(prompt + taught))
+        labels.append(torch.tensor([IGNORE] * len(prompt) + taught))
+    pad = nn.utils.rnn.pad_sequence
+    ids = pad(rows, batch_first=True, padding_value=tokenizer.pad_token_id)
+    mask = pad([torch.ones(len(r), dtype=torch.long) for r in rows], batch_first=True)
+    return ids.to(device), mask.to(device), pad(labels, batch_first=True, padding_value=IGNORE).to(device)
+
+
+def answer_log_likelihood(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per row, the summed log-probability of its taught tokens (``targets`` other than ``IGNORE``) under ``logits``
+    at the same positions: an option's score."""
+    log_probs = logits.float().log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    return (log_probs * (targets != IGNORE)).sum(1)
+
+
+def mean_text_state(language: nn.Module, tokenizer: Any, texts: Sequence[str], device: torch.device) -> torch.Tensor:
+    """Each text's last hidden states in ``language``, averaged over its first :data:`TEXT_TOKENS` tokens: retrieval's
+    text side."""
+    encoded = tokenizer(list(texts), return_tensors="pt", padding=True, truncation=True,
+                        max_length=min(TEXT_TOKENS, tokenizer.model_max_length)).to(device)  # fmt: skip
+    mask = encoded["attention_mask"]
+    hidden = language(input_ids=encoded["input_ids"], attention_mask=mask, output_hidden_states=True,
+                      use_cache=False).hidden_states[-1].float()  # fmt: skip
+    return (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
+
+
+def greedy_answer(
+    logits_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    tokenizer: Any,
+    max_new_tokens: int,
+) -> str:
+    """One prompt's greedy answer, decoded: ``logits_of(ids, mask)`` run on the whole sequence again for each token
+    (no key-value cache) until the end of text."""
+    start = ids.shape[1]
+    for _ in range(max_new_tokens):
+        token = logits_of(ids, mask)[:, -1].argmax(-1, keepdim=True)
+        if int(token) == tokenizer.eos_token_id:
+            break
+        ids, mask = torch.cat([ids, token], 1), torch.cat([mask, torch.ones_like(token)], 1)
+    return tokenizer.decode(ids[0, start:], skip_special_tokens=True)
