@@ -142,7 +142,9 @@ def test_the_runs_table_holds_every_trial_metric_and_the_searched_nothing(smoke_
 # --- failures and resume ----------------------------------------------------------------------------------
 
 
-def _small_space(tmp_path: Path, vision_kwargs: list, name: str = "small", seeds: tuple[int, ...] = (0, 1)) -> Path:
+def _small_space(
+    tmp_path: Path, vision_kwargs: list, name: str = "small", seeds: tuple[int, ...] = (0, 1), exclude: list = ()
+) -> Path:
     document = {
         "description": "small stage-classification trials",
         "fixed": {
@@ -156,6 +158,7 @@ def _small_space(tmp_path: Path, vision_kwargs: list, name: str = "small", seeds
             "data.effective_batch": 4,
         },
         "grid": {"model.vision_kwargs": vision_kwargs, "seed": list(seeds)},
+        **({"exclude": list(exclude)} if exclude else {}),
     }
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(document), encoding="utf-8")
@@ -164,8 +167,11 @@ def _small_space(tmp_path: Path, vision_kwargs: list, name: str = "small", seeds
 
 @pytest.mark.slow
 def test_a_failing_trial_is_reported_and_the_others_finish(ray_cluster, demo_prepared, mlflow_server, tmp_path, capfd):
-    # three block widths where MONAI's ResNet needs four: the model fails to build inside the trial
-    path = _small_space(tmp_path, [{"block_inplanes": [8, 16, 32, 64]}, {"block_inplanes": [8, 16, 32]}], seeds=(0,))
+    # three block widths where MONAI's ResNet needs four: the model fails to build inside the trial. The grid leaves
+    # out its seed-1 cells (`exclude`, Tune given the cells one by one): each width runs once
+    good, bad = {"block_inplanes": [8, 16, 32, 64]}, {"block_inplanes": [8, 16, 32]}
+    exclude = [{"seed": 1, "model.vision_kwargs": [good, bad]}]
+    path = _small_space(tmp_path, [good, bad], seeds=(0, 1), exclude=exclude)
     options = SweepOptions(space=str(path), output=tmp_path, data=demo_prepared.shard_dir, mlflow_uri=mlflow_server.uri)
     result = run_sweep(options)
     assert (result.finished, result.failed) == (1, 1)
@@ -176,8 +182,12 @@ def test_a_failing_trial_is_reported_and_the_others_finish(ray_cluster, demo_pre
     failed = [line for line in lines if "failed; the traceback: " in line]
     assert len(failed) == 1 and all(Path(line.rsplit(": ", 1)[1]).is_file() for line in failed), err[-4000:]
     assert "RayTaskError" not in err and "Traceback" not in err, err[-4000:]
-    statuses = sorted(c.info.status for c in _children(mlflow_server.uri, result.sweep_id))
-    assert statuses == ["FAILED", "FINISHED"]
+    client = MlflowClient(mlflow_server.uri)
+    children = _children(mlflow_server.uri, result.sweep_id)
+    assert sorted(c.info.status for c in children) == ["FAILED", "FINISHED"]
+    assert {c.data.params["seed"] for c in children} == {"0"}
+    parent = client.get_run(children[0].data.tags["mlflow.parentRunId"])
+    assert json.loads(parent.data.params["exclude"]) == [{"seed": [1], "model.vision_kwargs": [good, bad]}]
 
 
 @pytest.mark.slow

@@ -123,3 +123,30 @@ def test_a_declared_primary_family_names_schemas_the_space_trains(tmp_path):
     )
     with pytest.raises(SpaceError, match=r"analysis\.primary: 'image_table': a list of schema names"):
         load_space(str(ablation_space_with(tmp_path, analysis={"primary": "image_table"})), weights=False)
+
+
+def test_exclude_leaves_out_the_cells_its_rules_match_and_refuses_what_names_no_axis_or_value(tmp_path):
+    """``exclude`` drops every cell that matches all of a rule's axes (a value or a list of them); a preset with fewer
+    seeds may meet a rule about seeds another preset adds; a key that is no grid axis, a value the file never gives
+    the axis (a typo), or rules that leave nothing are refused naming the rule and key."""
+    rule = {"task": "report_generation", "seed": [2, 3]}
+    presets = {"more": {"grid": {"seed": [0, 1, 2, 3]}}, "one": {"grid": {"seed": [0]}}}
+    path = ablation_space_with(tmp_path, exclude=[rule], presets=presets)
+    grid = load_space(str(path), ("more",), weights=False)
+    cells = grid.cells()
+    every = [(t, s, k) for t in grid.grid["task"] for s in grid.grid["schema"] for k in grid.grid["seed"]]
+    kept = [(t, s, k) for t, s, k in every if not (t == "report_generation" and k in (2, 3))]
+    assert sorted((c["task"], c["schema"], c["seed"]) for c in cells) == sorted(kept)
+    assert grid.trial_count() == len(every) - 2 * len(grid.grid["schema"])
+    assert len(load_space(str(path), ("one",), weights=False).cells()) == len(TASKS) * len(grid.grid["schema"])
+    bad = [
+        ([{"model.fusion": "concat"}], "exclude[0].model.fusion", "not a grid axis; valid: schema, seed, task"),
+        ([{"task": "report_generation"}, {"task": "report_gen"}], "exclude[1].task", "'report_gen' is no value"),
+        ([{"seed": [0, 1, 2]}], "exclude", "leaves out every cell"),
+        ([[]], "exclude[0]", "a non-empty mapping"),
+    ]
+    for rules, key, message in bad:
+        path = ablation_space_with(tmp_path, exclude=rules)
+        with pytest.raises(SpaceError) as info:
+            load_space(str(path), weights=False)
+        assert f"{path}: {key}: " in str(info.value) and message in str(info.value), info.value

@@ -222,7 +222,8 @@ def _budget_left(budget_s: float | None, launched_at: float) -> float | None:
 
 
 def _param_space(space: SearchSpace) -> dict[str, Any]:
-    params: dict[str, Any] = {key: tune.grid_search(values) for key, values in space.grid.items()}
+    grid = {} if space.exclude else space.grid  # a grid that leaves cells out: its searcher gives the cells
+    params: dict[str, Any] = {key: tune.grid_search(values) for key, values in grid.items()}
     return {**params, **{key: tune_domain(spec) for key, spec in space.sample.items()}}
 
 
@@ -402,6 +403,7 @@ def _parent_run(run: SweepRun, context: SweepContext, client: MlflowClient) -> s
         "data": context.shards,  # the report reads its manifest (which cohort) from anywhere
         **{f"fixed.{k}": v for k, v in space.fixed.items()},
         **{f"grid.{k}": v for k, v in space.grid.items()},
+        **({"exclude": json.dumps(space.exclude)} if space.exclude else {}),
     }
     for key, value in space.analysis.items():  # the report reads the margin(s) and the declared family here
         params[f"analysis.{key}"] = json.dumps(value)
@@ -435,12 +437,14 @@ def _tune_config(run: SweepRun, context: SweepContext, search_alg: Any, schedule
     space = run.space
     metric, mode = search_metric(space.metric, space.fixed.get("task"))
     given = search_alg or scheduler  # they carry their own metric; Tune refuses it given twice
+    # a grid with exclude rules: its searcher gives each cell's trials (Tune's num_samples counts them all)
+    samples = space.trial_count() if space.searcher == "grid" and space.exclude else space.samples
     config = tune.TuneConfig(
         metric=None if given else metric,
         mode=None if given else mode,
         search_alg=search_alg,
         scheduler=scheduler,
-        num_samples=space.samples,
+        num_samples=samples,
         max_concurrent_trials=at_once,
         time_budget_s=_budget_left(run.options.time_budget_s or space.time_s, run.timings["launched_at"]),
         trial_name_creator=functools.partial(trial_name, space.fixed),

@@ -46,6 +46,7 @@ def sweep_inputs(space: SearchSpace, shards: str, study: dict[str, str] | None =
             "resources": space.resource_keys(),
             **({space.scheduler: space.scheduler_options} if space.scheduler_options else {}),
             **({"cv": space.cv} if space.cv else {}),
+            **({"exclude": space.exclude} if space.exclude else {}),
         },
         "data": storage.normalize(shards),
         "manifest_sha256": hashlib.sha256(storage.read_bytes(manifest)).hexdigest() if present else None,

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ray import tune
+from ray.tune.search import Searcher
 
 from gx_ray import storage
 from gx_ray.compat import DonorCheckpointPBT, ScheduleReplay, resumable_bohb
@@ -97,10 +98,42 @@ def scheduler_for(space: SearchSpace) -> Any:
 
 def searcher_for(space: SearchSpace, seed: int) -> Any:
     """The space's Tune searcher where it is not Optuna's (the driver keeps Optuna's study): TuneBOHB for ``bohb``,
-    None for ``grid`` and ``random`` (Tune's variant generator)."""
+    :class:`ListedCells` for a grid with ``exclude`` rules, None for the other grids and ``random`` (Tune's variant
+    generator)."""
+    if space.searcher == "grid" and space.exclude:
+        return ListedCells(space.cells(), space.samples)
     if space.searcher != "bohb":
         return None
     return resumable_bohb(METRIC, "max", seed)
+
+
+class ListedCells(Searcher):
+    """A grid's cells given to Tune one by one, ``samples`` times each: a grid that leaves cells out (Tune's
+    ``grid_search`` is every combination of its axes). Its place in the list is saved with Tune's state, so a
+    resumed sweep goes on from the next cell."""
+
+    def __init__(self, cells: list[dict[str, Any]], samples: int = 1):
+        super().__init__()
+        self.cells, self.given = [cell for cell in cells for _ in range(samples)], 0
+
+    def set_search_properties(self, metric: str | None, mode: str | None, config: dict, **spec: Any) -> bool:
+        return True  # the metric is the sweep's (it ranks nothing here); the cells are the whole space
+
+    def suggest(self, trial_id: str) -> dict[str, Any] | str:
+        if self.given == len(self.cells):
+            return Searcher.FINISHED
+        self.given += 1
+        return dict(self.cells[self.given - 1])
+
+    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+        pass
+
+    def save(self, checkpoint_path: str) -> None:
+        Path(checkpoint_path).write_text(json.dumps({"cells": self.cells, "given": self.given}), encoding="utf-8")
+
+    def restore(self, checkpoint_path: str) -> None:
+        state = json.loads(Path(checkpoint_path).read_text(encoding="utf-8"))
+        self.cells, self.given = state["cells"], state["given"]
 
 
 def mutations(space: SearchSpace) -> dict[str, Any]:

@@ -5,6 +5,7 @@ A space file is data::
     description: what the sweep answers
     fixed:    {dotted.key: value}                  # every trial
     grid:     {dotted.key: [values]}               # Tune's grid: every combination (seeds are an axis)
+    exclude:  [{task: report_generation, seed: [5, 6]}]   # grid cells left out: each rule's values, all its axes
     sample:   {dotted.key: {type: loguniform, low: 1e-5, high: 1e-3}}   # Optuna samples these
     searcher: grid | random | optuna | bohb        # optuna: TPE, multi-objective when `metric` lists several
     scheduler: none | asha | pbt | bohb            # pbt: with searcher random; bohb: with searcher bohb
@@ -45,6 +46,7 @@ TOP_LEVEL_KEYS = (
     "description",
     "fixed",
     "grid",
+    "exclude",
     "sample",
     "overrides",
     "searcher",
@@ -113,6 +115,8 @@ class SearchSpace:
     """The ``analysis`` section: the equivalence margin(s) and the declared primary schemas."""
     scheduler_options: dict[str, Any] = field(default_factory=dict)
     """The ``pbt`` or ``bohb`` section of the space's scheduler, its defaults filled in (empty for the others)."""
+    exclude: list[dict[str, list[Any]]] = field(default_factory=list)
+    """Grid cells left out: a cell matching every axis of a rule (its value among the rule's) is not run."""
 
     def resolve(self, chosen: dict[str, Any]) -> dict[str, Any]:
         """A trial's flat config: what the ``resources`` section says, the fixed values (which may refine it), the
@@ -144,9 +148,10 @@ class SearchSpace:
         return isinstance(self.metric, list) and len(self.metric) > 1
 
     def cells(self) -> list[dict[str, Any]]:
-        """Every grid combination (one dict of dotted key → value per cell)."""
+        """Every grid combination (one dict of dotted key → value per cell) that no ``exclude`` rule leaves out."""
         keys = list(self.grid)
-        return [dict(zip(keys, values, strict=True)) for values in itertools.product(*self.grid.values())]
+        cells = [dict(zip(keys, values, strict=True)) for values in itertools.product(*self.grid.values())]
+        return [c for c in cells if not any(all(c[k] in v for k, v in r.items()) for r in self.exclude)]
 
     def trial_count(self) -> int:
         return len(self.cells()) * self.samples if self.searcher in ("grid", "random") else self.samples
@@ -180,12 +185,13 @@ def load_space(name_or_path: str, presets: tuple[str, ...] = (), weights: bool =
         raise SpaceError(path, "top level", "expected a mapping")
     _check_keys(path, "top level", document, TOP_LEVEL_KEYS)
     available = document.pop("presets", None) or {}
+    axis_values = _axis_values([document, *available.values()])  # the file's, before a preset replaces an axis
     for preset in presets:
         if preset not in available:
             raise SpaceError(path, "presets", f"no preset {preset!r}; valid: {', '.join(available) or 'none'}")
         _check_keys(path, f"presets.{preset}", available[preset], TOP_LEVEL_KEYS)
         document = _overlay(document, available[preset])
-    space = _parse(path, document, presets)
+    space = _parse(path, document, presets, axis_values)
     _validate_trials(space, weights)
     return space
 
@@ -207,6 +213,39 @@ def _overlay(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def _axis_values(documents: list[Any]) -> dict[str, list[Any]]:
+    """Each grid axis's values across a space file's documents (the file's and its presets'): a preset of fewer
+    seeds may meet a rule about seeds another preset adds."""
+    values: dict[str, list[Any]] = {}
+    for document in documents:
+        grid = document.get("grid") if isinstance(document, dict) else None
+        for key, axis in (grid if isinstance(grid, dict) else {}).items():
+            values.setdefault(key, []).extend(axis if isinstance(axis, list) else [])
+    return values
+
+
+def _exclude(
+    path: Path, rules: Any, grid: dict[str, list[Any]], axis_values: dict[str, list[Any]]
+) -> list[dict[str, list[Any]]]:
+    """The ``exclude`` rules, each axis's value(s) as a list: grid axes only, values the file gives that axis (a
+    typo is an error, not a rule that leaves nothing out), and a cell left to run."""
+    if not isinstance(rules, list):
+        raise SpaceError(path, "exclude", "expected a list of {grid axis: value or [values]}")
+    parsed = []
+    for i, rule in enumerate(rules):
+        if not isinstance(rule, dict) or not rule:
+            raise SpaceError(path, f"exclude[{i}]", "expected a non-empty mapping of grid axes to values")
+        parsed.append({})
+        for key, value in rule.items():
+            if key not in grid:
+                raise SpaceError(path, f"exclude[{i}].{key}", f"not a grid axis; valid: {', '.join(grid) or 'none'}")
+            parsed[-1][key] = value if isinstance(value, list) else [value]
+            if unknown := [v for v in parsed[-1][key] if v not in axis_values.get(key, [])]:
+                valid = ", ".join(map(str, dict.fromkeys(axis_values.get(key, []))))
+                raise SpaceError(path, f"exclude[{i}].{key}", f"{unknown[0]!r} is no value of the axis; valid: {valid}")
+    return parsed
+
+
 def _check_keys(path: Path, where: str, mapping: Any, valid: tuple[str, ...]) -> None:
     if not isinstance(mapping, dict):
         raise SpaceError(path, where, "expected a mapping")
@@ -223,10 +262,14 @@ def _check_config_key(path: Path, section: str, key: str) -> None:
         raise SpaceError(path, f"{section}.{key}", f"not a trial config key; valid: {', '.join(keys)}")
 
 
-def _parse(path: Path, doc: dict[str, Any], presets: tuple[str, ...]) -> SearchSpace:
-    """A space's document (its presets overlaid) as a :class:`SearchSpace`, each section checked in turn."""
+def _parse(path: Path, doc: dict[str, Any], presets: tuple[str, ...], axis_values: dict[str, list[Any]]) -> SearchSpace:
+    """A space's document (its presets overlaid) as a :class:`SearchSpace`, each section checked in turn;
+    ``axis_values``: each grid axis's values in the file, its presets' included (what ``exclude`` may name)."""
     fixed, grid, sample = _parameters(path, doc)
     searcher, scheduler, scheduler_options = _search_kind(path, doc, grid, sample)
+    if doc.get("exclude") and searcher != "grid":
+        raise SpaceError(path, "exclude", f"leaves cells out of a grid: searcher grid, not {searcher}")
+    exclude = _exclude(path, doc.get("exclude") or [], grid, axis_values)
     if "task" not in fixed and "task" not in grid and "task" not in sample:
         raise SpaceError(
             path,
@@ -257,7 +300,7 @@ def _parse(path: Path, doc: dict[str, Any], presets: tuple[str, ...]) -> SearchS
                          "side by side in one process: resources.workers must be 1")  # fmt: skip
     analysis = _analysis(path, doc.get("analysis") or {}, [*TASKS, *_plugin_names(fixed, grid, sample)])
     _primary(path, analysis.get("primary"), _values("schema", fixed, grid, sample))
-    return SearchSpace(
+    space = SearchSpace(
         name=path.stem,
         path=path,
         description=str(doc.get("description", "")),
@@ -277,7 +320,11 @@ def _parse(path: Path, doc: dict[str, Any], presets: tuple[str, ...]) -> SearchS
         cv=cv,
         analysis=analysis,
         scheduler_options=scheduler_options,
+        exclude=exclude,
     )
+    if exclude and not space.cells():
+        raise SpaceError(path, "exclude", "leaves out every cell of the grid")
+    return space
 
 
 def _parameters(path: Path, doc: dict[str, Any]) -> tuple[dict, dict, dict]:
