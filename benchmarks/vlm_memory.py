@@ -9,6 +9,14 @@ family targets (:func:`gx_ray.models.lora.family_targets`), the base frozen, gra
 :data:`PROMPT_TOKENS` text tokens with a 4-token answer, the image tokens in the sequence as each model places them.
 The processors are left out (they run on the CPU and cost no GPU memory). ``--tiny`` runs one-layer versions on the
 CPU, to check the script.
+
+``--estimate`` needs no GPU: the same step's peak, ESTIMATED. The parameters are counted exactly (the model built on
+the meta device, LoRA applied); the rest is arithmetic, in bytes (B batch, T tokens, H width, I the MLP's, L layers,
+V vocabulary): the bf16 weights; LoRA's trainable parameters in float32 with their gradients and AdamW's two moments
+(16 a parameter: peft keeps adapters in float32); the checkpointed input of every language-model layer (L·B·T·H·2);
+and the larger of the logits (B·T·V·10: bf16, the loss's float32 copy and its float32 gradient) and one layer
+recomputed with its gradients (B·T·(6H + 3I)·4). The frozen vision tower keeps nothing for the backward pass. CUDA's
+context and the allocator's fragmentation are not counted; a measured figure replaces an estimate where a GPU ran.
 """
 
 from __future__ import annotations
@@ -146,14 +154,44 @@ def measure(name: str, batches: tuple[int, ...], tiny: bool, steps: int = 3) -> 
     return result
 
 
+def estimate(name: str, batches: tuple[int, ...]) -> dict[str, Any]:
+    """The step's peak memory at each batch size, estimated (the module's docstring gives the arithmetic)."""
+    model, image_tokens = build(name, False, torch.device("meta"))
+    model.requires_grad_(False)
+    model = apply_lora(model, LoraSettings(rank=16, alpha=32, dropout=0.05), exclude=r".*vision.*")
+    parameters = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    text = model.config.get_text_config()
+    width, layers = _size(text, "hidden_size", "d_model"), _size(text, "num_hidden_layers", "num_layers")
+    mlp = _size(text, "intermediate_size", "ffn_dim", "d_ff")
+    prompt = image_tokens + PROMPT_TOKENS
+    # T5: the prompt is encoded (its layers checkpointed), the answer decoded (its logits only the answer's)
+    tokens, logit_rows = (prompt, ANSWER_TOKENS) if text.is_encoder_decoder else (prompt + ANSWER_TOKENS,) * 2
+    fixed = (parameters - trainable) * 2 + trainable * 16
+    result: dict[str, Any] = {"model": name, "parameters": parameters, "trainable": trainable, "estimate": True}
+    for batch in batches:
+        saved = layers * batch * tokens * width * 2
+        working = max(batch * logit_rows * text.vocab_size * 10, batch * tokens * (6 * width + 3 * mlp) * 4)
+        result[f"batch_{batch}"] = {"peak_gib": round((fixed + saved + working) / 2**30, 1)}
+    return result
+
+
+def _size(config: Any, *names: str) -> int:
+    """The first of ``names`` that ``config`` has (the families name their sizes differently)."""
+    return next(int(getattr(config, n)) for n in names if getattr(config, n, None) is not None)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(REAL), choices=list(REAL))
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 32])
     parser.add_argument("--tiny", action="store_true", help="one-layer models on the CPU (a check of the script)")
+    parser.add_argument("--estimate", action="store_true", help="no GPU: the peak estimated from the sizes")
     args = parser.parse_args(argv)
     for name in args.models:
-        print(json.dumps(measure(name, tuple(args.batches), args.tiny)), flush=True)
+        batches = tuple(args.batches)
+        figures = estimate(name, batches) if args.estimate else measure(name, batches, args.tiny)
+        print(json.dumps(figures), flush=True)
 
 
 if __name__ == "__main__":

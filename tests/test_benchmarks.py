@@ -314,3 +314,19 @@ def test_the_startup_parts_add_up_to_launch_to_first_step_with_imports_done_ahea
     assert parts["the trial process: Ray starts it"] == 0 and parts["the trial process: its imports"] == 0
     assert parts["Tune's trial set-up"] == pytest.approx(7.0)  # Tune's start → the trial function
     assert summed(parts, 32.0)["unaccounted"] == pytest.approx(0.0)
+
+
+def test_the_vlm_memory_estimate_counts_the_released_sizes_and_grows_by_each_samples_activations():
+    """Without a GPU the LoRA step's peak is estimated: the parameters counted on the meta device (LLaVA-1.5-7B's
+    7.06 B without the adapters, as released), and a sample more adds its checkpointed layer inputs and logits."""
+    from benchmarks.vlm_memory import ANSWER_TOKENS, PROMPT_TOKENS, estimate
+
+    figures = estimate("llava_1_5", (1, 2, 32))
+    base = figures["parameters"] - figures["trainable"]
+    assert round(base / 1e9, 2) == 7.06 and figures["trainable"] == 32 * 2 * 2 * 16 * 4096  # q and v, rank 16
+    weights = base * 2 / 2**30
+    one, two, many = (figures[f"batch_{b}"]["peak_gib"] for b in (1, 2, 32))
+    tokens = 576 + PROMPT_TOKENS + ANSWER_TOKENS
+    per_sample = (32 * tokens * 4096 * 2 + tokens * 32064 * 10) / 2**30  # layer inputs and logits (they dominate)
+    assert weights < one < two < many and two - one == pytest.approx(per_sample, abs=0.1)
+    assert many - one == pytest.approx(31 * per_sample, abs=0.1)
