@@ -4,7 +4,7 @@ benchmarks/results/ (--results DIR elsewhere), named by their conditions (docs/b
 python jobs/benchmark.py ingest [--cpus 4] [--consumers 1]     # preprocessing and the Ray Data stream
 python jobs/benchmark.py model --model swin3d --shape 4,64,128,128 --batch 8 [--steps 10] [--amp bf16|off]
                                                                # training samples/s: registry model vs raw MONAI
-python jobs/benchmark.py vlm [--size 2b|tiny] [--batch 8] [--packing] [--varied]  # VLM LoRA step: gx-ray's vs raw
+python jobs/benchmark.py vlm [--size 2b|tiny|llava_1_5|...] [--batch 8] [--packing] [--varied]  # LoRA: gx-ray vs raw
     [--trials stage_classification,vqa]                        # then whole trials through the sweep
 python jobs/benchmark.py sweep [--space modality_ablation]    # a sweep's wall time: data, start-up, training
     [--cpu-hours 1 | --gpu-hours 1]                            # and a budget's forecast against the ledger
@@ -29,6 +29,7 @@ from pathlib import Path
 from benchmarks.ingest import IngestBenchmarkConfig, format_ingest_result, run_ingest_benchmark
 from benchmarks.model import AMP_MODES, ModelBenchmarkConfig, format_model_result, run_model_benchmark
 from benchmarks.results import write_results
+from benchmarks.vlm_memory import REAL
 from gx_ray.models.fusion import FUSIONS
 from gx_ray.models.vision import SWIN_ATTENTION, VISION_ENCODERS
 from gx_ray.runtime import tolerant_console
@@ -142,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     vlm = commands.add_parser(
         "vlm", parents=[common], help="VLM LoRA training samples/s and peak memory: gx-ray's step vs raw"
     )
-    vlm.add_argument("--size", default="2b", choices=["2b", "tiny"])
+    vlm.add_argument("--size", default="2b", choices=["2b", "tiny", *REAL], help="2b, tiny, or a paper model")
     vlm.add_argument("--batch", type=int, default=8)
     vlm.add_argument("--steps", type=int, default=10, help="timed steps")
     vlm.add_argument("--rank", type=int, default=16, help="LoRA rank")

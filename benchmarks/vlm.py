@@ -19,6 +19,11 @@ device is synchronised before every clock read.
 step on the padded batch as well (``raw_padded``): packed against padded within one run. ``varied`` gives the samples
 questions of different lengths (a padded batch of equal questions has no padding to remove); the result tells the
 tokens a sample and the share of a padded batch that is padding.
+
+``--size llava_1_5|llava_med|blip2_opt|blip2_flan_t5``: the Gastric-X paper's transformers models at their released
+sizes (:data:`benchmarks.vlm_memory.REAL`), random weights, each with its tiny namesake's processor, tokenizer and
+prompt format (:mod:`gx_ray.models.tiny_vlms`) at the real image size and image-token count: the LoRA targets are
+the model's family's (the trial's), so gx-ray's step is the trial's for that model.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import numpy as np
 import torch
 
 from benchmarks.model import peak_memory, synchronize
+from benchmarks.vlm_memory import REAL
 from gx_ray.metrics.cascade import question_prompt
 from gx_ray.modalities.views import ViewRecipe, ct_images
 from gx_ray.models.vlm import VLM_LORA, VisionLanguageModel, VLMConfig
@@ -78,8 +84,8 @@ class VlmBenchmarkConfig:
     """Default: cuda when available (bf16 weights), else cpu (fp32)."""
 
     def __post_init__(self) -> None:
-        if self.size not in SIZES:
-            raise ValueError(f"unknown VLM size {self.size!r}; valid: {', '.join(SIZES)}")
+        if self.size not in SIZES and self.size not in REAL:
+            raise ValueError(f"unknown VLM size {self.size!r}; valid: {', '.join([*SIZES, *REAL])}")
 
 
 def offline_vlm_tokenizer(image_token: str) -> Any:
@@ -132,6 +138,40 @@ def build_llava(folder: Path, size: str, dtype: torch.dtype, device: torch.devic
     return folder
 
 
+def build_paper_model(
+    folder: Path, name: str, dtype: torch.dtype, device: torch.device | str = "cpu", tiny: bool = False
+) -> Path:
+    """The paper's model ``name`` at its released size with random weights (:func:`benchmarks.vlm_memory.build`;
+    ``tiny``: one layer, as its ``--tiny``), saved with its tiny namesake's processor set to the model's image size and
+    image-token count."""
+    from transformers import AutoProcessor
+
+    from benchmarks.vlm_memory import build
+    from gx_ray.models import tiny_vlms
+
+    namesake = {"llava_1_5": "llava-1.5", "llava_med": "llava-med", "blip2_opt": "blip2-opt",
+                "blip2_flan_t5": "blip2-flan-t5"}[name]  # fmt: skip
+    processor = AutoProcessor.from_pretrained(tiny_vlms.local_weights(tiny_vlms.PREFIX + namesake))
+    model, image_tokens = build(name, tiny, torch.device(device))
+    side = model.config.vision_config.image_size
+    images = processor.image_processor
+    if name.startswith("llava"):
+        processor.patch_size = model.config.vision_config.patch_size
+        images.size, images.crop_size = {"shortest_edge": side}, {"height": side, "width": side}
+    else:
+        processor.num_query_tokens, images.size = image_tokens, {"height": side, "width": side}
+    tokenizer = processor.tokenizer
+    model.config.image_token_index = model.config.image_token_id = tokenizer.convert_tokens_to_ids("<image>")
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if (value := getattr(tokenizer, key)) is not None:
+            setattr(model.config.get_text_config(), key, value)
+    model.to(dtype).save_pretrained(folder)
+    processor.save_pretrained(folder)
+    del model
+    gc.collect()
+    return folder
+
+
 LAB_FINDING = "CEA 12.4 ng/mL, 2.5x above upper limit."
 """An abnormal lab finding as ``schema.table: text`` puts it before a question (``varied`` batches)."""
 
@@ -161,7 +201,8 @@ def run_vlm_benchmark(config: VlmBenchmarkConfig = VlmBenchmarkConfig()) -> dict
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as VisionLanguageModel.from_config picks
     with tempfile.TemporaryDirectory(prefix="gx-vlm-") as folder:
         started = time.perf_counter()
-        build_llava(Path(folder), config.size, dtype, device)
+        builder = build_paper_model if config.size in REAL else build_llava
+        builder(Path(folder), config.size, dtype, device)
         built = time.perf_counter() - started
         vlm = VisionLanguageModel.from_config(  # as a trial builds it
             VLMConfig(
@@ -216,7 +257,8 @@ def run_vlm_benchmark(config: VlmBenchmarkConfig = VlmBenchmarkConfig()) -> dict
 def format_vlm_result(result: dict[str, Any]) -> str:
     c = result["config"]
     lines = [
-        f"VLM {c['size']} (LLaVA: SigLIP + Qwen2, {result['parameters'] / 1e6:,.1f} M parameters, LoRA rank "
+        f"VLM {c['size']} ({'LLaVA: SigLIP + Qwen2, ' if c['size'] in SIZES else ''}"
+        f"{result['parameters'] / 1e6:,.1f} M parameters, LoRA rank "
         f"{c['rank']}: {result['trainable'] / 1e6:.2f} M trainable) on {result['device']}, {result['dtype']}, "
         f"batch {c['batch']}, {result['tokens_per_sample']:.1f} tokens a sample",
         f"  {'packed: one row' if c.get('packing') else 'padded'}, {result['row_tokens']} tokens given "

@@ -52,6 +52,22 @@ def test_the_vlm_benchmark_sides_compute_the_same_loss_and_train_only_lora(tmp_p
     assert result["tokens_per_sample"] > (56 // 14) ** 2  # the image's tokens and the question's
 
 
+@pytest.mark.parametrize("name", ["llava_1_5", "llava_med", "blip2_opt", "blip2_flan_t5"])
+def test_the_vlm_benchmark_builds_each_paper_model_whose_step_is_the_raw_models(tmp_path, name):
+    """``--size <paper model>`` (here one layer of it): the released architecture with its tiny namesake's processor at
+    the model's image size; gx-ray's loss is the raw model's on the same batch, and only LoRA's adapters train."""
+    from benchmarks.vlm import build_paper_model
+
+    folder = build_paper_model(tmp_path / name, name, torch.float32, tiny=True)
+    vlm = VisionLanguageModel(str(folder))
+    images, questions, answers = benchmark_batch(2)
+    inputs, labels = vlm._taught(images, questions, answers)
+    vlm.eval()
+    torch.testing.assert_close(vlm.loss(images, questions, answers), vlm.model(**inputs, labels=labels).loss)
+    assert inputs["pixel_values"].shape[-1] == vlm.model.config.vision_config.image_size
+    assert 0 < sum(p.numel() for p in vlm.trainable().values()) < sum(p.numel() for p in vlm.parameters()) / 10
+
+
 def test_the_vlm_benchmark_packs_its_batch_with_the_padded_batchs_loss_and_measures_both(tmp_path, capsys):
     """``--packing --varied``: the benchmark's LLaVA (a Qwen2 language model) packs questions of different lengths
     with the padded batch's loss, and the command times the packed steps beside the raw padded one."""
