@@ -34,7 +34,6 @@ from gx_ray.tasks import (
     task_of,
 )
 from gx_ray.tasks.stage_classification import StageClassification
-from gx_ray.tracking.server import LocalMlflowServer
 from gx_ray.train.config import TrialConfig
 from tests.common import ROOT, run_smoke_sweep
 from tests.plugins.tumour_volume import TumourVolume, volume_metrics
@@ -324,35 +323,35 @@ def test_a_plug_in_task_runs_through_a_sweep_and_its_report(ray_cluster, demo_pr
         assert set(records[0]) == {"case_id", "prediction", "target"} and records[0]["prediction"] > 0
         params = client.get_run(run_id).data.params
         assert json.loads(params["task_options.spacing_zyx_mm"]) == list(SPACING)  # the sweep read the manifest
-    report = result.output / "report"
-    summary = result.report.read_text(encoding="utf-8")
-    assert "tests.plugins" not in summary  # the reference heads no table
-    headline = [line for line in summary.splitlines() if line.startswith("| tumour_volume |")]
-    assert any("| mae_ml ↓ |" in line and "t over seeds" in line for line in headline), headline
-    cells = pd.read_csv(report / "cells.csv")
-    volume = cells[cells["task"] == "tumour_volume"]
-    assert set(volume["schema"]) == {"image_only", "image_table"}
-    mae = volume[volume["metric"] == "mae_ml"]
-    assert (mae["mean"] > 0).all() and not mae["higher_is_better"].any()  # scored as an error, lower is better
-    assert set(volume.loc[volume["metric"] == "r2", "higher_is_better"]) == {True}
-    table = (report / "tables" / "table_tumour_volume.md").read_text(encoding="utf-8").splitlines()[0]
-    assert "Image Only · mae_ml ↓" in table and "Image Only · r2 ↑" in table
-    assert "Image Only · chance ↓" in table  # a chance level is an error in mL here, too
-    significance = pd.read_csv(report / "significance.csv")
-    (row,) = significance.itertuples()
-    assert (row.task, row.metric, row.schema_a) == ("tumour_volume", "mae_ml", "image_table")
-    # (the smoke cohort's test split has too few labelled patients for the bootstrap over them: the seeds' test)
+        report = result.output / "report"
+        summary = result.report.read_text(encoding="utf-8")
+        assert "tests.plugins" not in summary  # the reference heads no table
+        headline = [line for line in summary.splitlines() if line.startswith("| tumour_volume |")]
+        assert any("| mae_ml ↓ |" in line and "t over seeds" in line for line in headline), headline
+        cells = pd.read_csv(report / "cells.csv")
+        volume = cells[cells["task"] == "tumour_volume"]
+        assert set(volume["schema"]) == {"image_only", "image_table"}
+        mae = volume[volume["metric"] == "mae_ml"]
+        assert (mae["mean"] > 0).all() and not mae["higher_is_better"].any()  # scored as an error, lower is better
+        assert set(volume.loc[volume["metric"] == "r2", "higher_is_better"]) == {True}
+        table = (report / "tables" / "table_tumour_volume.md").read_text(encoding="utf-8").splitlines()[0]
+        assert "Image Only · mae_ml ↓" in table and "Image Only · r2 ↑" in table
+        assert "Image Only · chance ↓" in table  # a chance level is an error in mL here, too
+        significance = pd.read_csv(report / "significance.csv")
+        (row,) = significance.itertuples()
+        assert (row.task, row.metric, row.schema_a) == ("tumour_volume", "mae_ml", "image_table")
+        # (the smoke cohort's test split has too few labelled patients for the bootstrap over them: the seeds' test)
 
-    # finalized and predicting: the registered model gives its own test predictions; the external evaluation has
-    # the plug-in's metrics with intervals
-    from gx_ray.deploy.finalize import FinalizeOptions, finalize
-    from gx_ray.deploy.predict import PredictOptions, predict_cohort
+        # finalized and predicting: the registered model gives its own test predictions; the external evaluation has
+        # the plug-in's metrics with intervals. Through the sweep's own server on its store, still up in this block
+        # (a second server on the same store after it cost a server's start-up)
+        from gx_ray.deploy.finalize import FinalizeOptions, finalize
+        from gx_ray.deploy.predict import PredictOptions, predict_cohort
 
-    with LocalMlflowServer(tmp_path / "mlflow") as server:
-        final = finalize(FinalizeOptions(str(result.output), "tumour_volume", mlflow_uri=server.uri))
-        own = {r["case_id"]: r["prediction"] for r in logged_records(server.uri, final.run_id)}
+        final = finalize(FinalizeOptions(str(result.output), "tumour_volume", mlflow_uri=result.tracking_uri))
+        own = {r["case_id"]: r["prediction"] for r in logged_records(result.tracking_uri, final.run_id)}
         out = tmp_path / "predicted"
-        options = PredictOptions(final.model_uri, str(demo_prepared.shard_dir), out, mlflow_uri=server.uri)
+        options = PredictOptions(final.model_uri, str(demo_prepared.shard_dir), out, mlflow_uri=result.tracking_uri)
         predicted = predict_cohort(options)
     records = json.loads((out / "predictions.json").read_text(encoding="utf-8"))
     assert {r["case_id"]: r["prediction"] for r in records if r["split"] == "test"} == pytest.approx(own, rel=1e-5)
