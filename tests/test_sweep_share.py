@@ -337,7 +337,10 @@ def test_a_node_told_to_go_checkpoints_its_trial_which_finishes_on_another(clust
     drains, the trial checkpoints within its epoch after the signal and goes on on the node that stays, from that
     checkpoint; every epoch and every optimiser step logged once, no failure counted, the drained node gone."""
     epochs = 4
-    watcher = (sys.executable, "-m", "gx_ray.preemption", "--grace", "60")
+    # the drained node's raylet does not exit of itself, so its watcher stops it when the grace is up: the trial
+    # checkpoints within seconds of the notice, and 20 s leaves it ample time without the test then waiting for the
+    # watcher (60 s made it wait some 40 s after the sweep had ended)
+    watcher = (sys.executable, "-m", "gx_ray.preemption", "--grace", "20")
     cluster.start("spot", cpus=1, under=watcher)
     space = small_stage_space(tmp_path / "space.yaml", epochs, [0], "a trial on a preempted node")
     driver = tmp_path / "driver"
