@@ -225,7 +225,8 @@ def tiny_medvint(folder: Path) -> Path:
     """A MedVInT-style model's folder (``gx_ray.models.medvint``): :func:`_vision_and_llama`, and ``medvint.json``
     (four queries, a one-layer query decoder of width 16)."""
     _vision_and_llama(folder)
-    settings = {"vision": "vision", "language": "language", "queries": 4, "width": 16, "layers": 1, "heads": 2}
+    settings = {"vision": "vision", "language": "language", "queries": 4, "width": 16, "layers": 1, "heads": 2,
+                "feedforward": 32}  # fmt: skip
     (folder / "medvint.json").write_text(json.dumps(settings), encoding="utf-8")
     return folder
 
