@@ -209,8 +209,9 @@ def _run(command: list[str], cwd: Path, log: Path) -> subprocess.Popen:
 
 def _prepare(nodes: RayNodes, tmp_path: Path) -> None:
     log = tmp_path / "prepare.log"
+    # six cases: training rows for the trials' two steps an epoch, and a case each to validate and test
     command = [
-        sys.executable, str(ROOT / "jobs" / "prepare_data.py"), "--source", "demo", "--cases", "10",
+        sys.executable, str(ROOT / "jobs" / "prepare_data.py"), "--source", "demo", "--cases", "6",
         "--endoscopy-size", "32", "--out", "s3://gx-data/cohort", "--address", nodes.address,
     ]  # fmt: skip
     assert _run(command, tmp_path / "driver", log).wait(timeout=600) == 0, log.read_text(errors="replace")[-3000:]
