@@ -34,6 +34,13 @@ def pilots(tmp_path_factory):
         yield folder
 
 
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """One MLflow server for this file's sweeps, as a team's would be (each server's start-up costs seconds of CPU)."""
+    with LocalMlflowServer(tmp_path_factory.mktemp("mlflow")) as server:
+        yield server
+
+
 def _epochs_logged(client: MlflowClient, run_id: str, metric: str = "val_primary") -> list[int]:
     return sorted(m.step for m in client.get_metric_history(run_id, metric))
 
@@ -76,7 +83,7 @@ def test_a_trials_cost_is_its_reservation_times_its_wall_seconds_going_on_from_i
 
 @pytest.mark.slow
 def test_a_forecast_from_its_pilot_a_ledger_of_every_trial_and_a_multi_objective_searchs_pareto_front(
-    ray_cluster, demo_prepared, tmp_path, pilots
+    ray_cluster, demo_prepared, tmp_path, pilots, mlflow_server
 ):
     path = small_stage_space(tmp_path / "space.yaml", 2, [0], "two objectives")
     document = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -89,7 +96,7 @@ def test_a_forecast_from_its_pilot_a_ledger_of_every_trial_and_a_multi_objective
     document["fixed"]["seed"] = 0
     path.write_text(yaml.safe_dump(document), encoding="utf-8")
     result = run_sweep(SweepOptions(space=str(path), output=tmp_path / "out", data=str(demo_prepared.shard_dir),
-                                    cpu_hours=1.0, max_concurrent=1))  # fmt: skip
+                                    cpu_hours=1.0, max_concurrent=1, mlflow_uri=mlflow_server.uri))  # fmt: skip
     assert (result.finished, result.failed) == (3, 0)
     output = tmp_path / "out" / result.sweep_id
     sweep = json.loads((output / "sweep.json").read_text(encoding="utf-8"))
@@ -139,16 +146,14 @@ def test_a_forecast_from_its_pilot_a_ledger_of_every_trial_and_a_multi_objective
 
 @pytest.mark.slow
 def test_the_budget_stops_the_sweep_and_resume_continues_it_nothing_counted_twice(
-    ray_cluster, demo_prepared, tmp_path, pilots, request
+    ray_cluster, demo_prepared, tmp_path, pilots, mlflow_server
 ):
     path = small_stage_space(tmp_path / "space.yaml", 3, [0, 1], "a budget", **{"model.hidden": 16})  # piloted
-    server = LocalMlflowServer(tmp_path / "mlflow").start()  # one server for the three runs, as a team's would be
 
-    def sweep(**given):
-        given = {"data": str(demo_prepared.shard_dir), "mlflow_uri": server.uri, "max_concurrent": 1, **given}
+    def sweep(**given):  # one server for the three runs, as a team's would be
+        given = {"data": str(demo_prepared.shard_dir), "mlflow_uri": mlflow_server.uri, "max_concurrent": 1, **given}
         return run_sweep(SweepOptions(space=str(path), output=tmp_path / "out", **given))
 
-    request.addfinalizer(server.stop)
     # a budget the first epoch of the first trial spends: once that epoch's checkpoint is saved the sweep stops; the
     # trial ends there (a tiny one may finish the epochs it trains while Tune stops) and no other trial starts
     first = sweep(cpu_hours=1e-6)
