@@ -259,7 +259,7 @@ TINY_VLMS: dict[str, Callable[[Path], Path]] = {
 ``gx_ray.models.swin_vlm:Swin3dVLM``); the others load through transformers' Auto classes."""
 
 
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 """Bump when a builder changes what it writes: cached models of another version are never read."""
 
 
