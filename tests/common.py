@@ -113,17 +113,15 @@ def small_stage_space(
 
 @contextmanager
 def run_smoke_sweep(
-    space: str, data: Path | str, output: Path, presets: tuple[str, ...] = ("demo", "smoke")
+    space: str, data: Path | str, output: Path, mlflow_uri: str, presets: tuple[str, ...] = ("demo", "smoke")
 ) -> Iterator[SweepResult]:
     """``python jobs/sweep.py --space SPACE --preset smoke`` on prepared ``data`` (demo-sized models; a space without
-    a ``demo`` preset names its ``presets``), logging to its own MLflow server, which stays up inside the block so
-    that the test can read the runs' artifacts (``result.tracking_uri``)."""
+    a ``demo`` preset names its ``presets``), logging to the MLflow server at ``mlflow_uri`` (the session's
+    ``mlflow_server``: one server's start-up for every such sweep of a test process), which the block reads the runs'
+    artifacts through (``result.tracking_uri``)."""
     from gx_ray.sweep.driver import SweepOptions, run_sweep
-    from gx_ray.tracking.server import LocalMlflowServer
 
-    with LocalMlflowServer(output / "mlflow") as server:
-        options = SweepOptions(space=space, output=output, data=data, mlflow_uri=server.uri, presets=presets)
-        yield run_sweep(options)
+    yield run_sweep(SweepOptions(space=space, output=output, data=data, mlflow_uri=mlflow_uri, presets=presets))
 
 
 def process_alive(pid: int) -> bool:

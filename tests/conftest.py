@@ -126,6 +126,17 @@ def demo_prepared(demo_raw, tmp_path_factory):
     return pickle.loads(record.read_bytes())
 
 
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """One MLflow server per test process for the in-process sweeps that only need somewhere to log (each sweep's
+    runs are told apart by its sweep id): a server's start-up costs ~5 s of CPU on 2 cores. Sweeps whose own server
+    is what a test checks start it themselves."""
+    from gx_ray.tracking.server import LocalMlflowServer
+
+    with LocalMlflowServer(tmp_path_factory.mktemp("mlflow")) as server:
+        yield server
+
+
 def find_real_ct_dir() -> Path:
     for folder in REAL_CT_CANDIDATES:
         if (folder / "example_ct_sm.nii.gz").is_file():

@@ -20,7 +20,6 @@ from gx_ray.sweep.budget import BUDGET_FILE, Budget, BudgetError, read_ledger, s
 from gx_ray.sweep.driver import SweepOptions, run_sweep
 from gx_ray.sweep.spaces import load_space
 from gx_ray.sweep.study import JOURNAL_FILE, optuna_storage
-from gx_ray.tracking.server import LocalMlflowServer
 from gx_ray.train.ledger import Ledger
 from tests.common import small_stage_space
 
@@ -32,13 +31,6 @@ def pilots(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("XDG_CACHE_HOME", str(folder))
         yield folder
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    """One MLflow server for this file's sweeps, as a team's would be (each server's start-up costs seconds of CPU)."""
-    with LocalMlflowServer(tmp_path_factory.mktemp("mlflow")) as server:
-        yield server
 
 
 def _epochs_logged(client: MlflowClient, run_id: str, metric: str = "val_primary") -> list[int]:

@@ -239,14 +239,14 @@ def test_no_report_is_an_endoscopy_input_and_families_are_checked():
 
 
 @pytest.mark.slow
-def test_the_endoscopy_smoke_sweep_runs_end_to_end(demo_prepared, tmp_path):
+def test_the_endoscopy_smoke_sweep_runs_end_to_end(demo_prepared, tmp_path, mlflow_server):
     """``python jobs/sweep.py --space endoscopy --preset smoke``: every family finishes, apart in the summary, scored
     against its chance level, with the frames it asked logged."""
     from mlflow.tracking import MlflowClient
 
     from gx_ray.analysis.runs import load_runs
 
-    with run_smoke_sweep("endoscopy", demo_prepared.shard_dir, tmp_path) as result:
+    with run_smoke_sweep("endoscopy", demo_prepared.shard_dir, tmp_path, mlflow_server.uri) as result:
         assert (result.finished, result.failed) == (4, 0)
         assert {b["task"] for b in result.best} == {f"endoscopy.{f}" for f in ("cls", "reg", "rec", "cap")}
         assert {b["task"]: b["metric"] for b in result.best}["endoscopy.cap"] == "rouge_l"

@@ -301,10 +301,10 @@ def qa_cohort(ray_cluster, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_the_ct_bench_smoke_sweep_runs_end_to_end(qa_cohort, tmp_path):
+def test_the_ct_bench_smoke_sweep_runs_end_to_end(qa_cohort, tmp_path, mlflow_server):
     """``python jobs/sweep.py --space ct_bench --preset smoke`` on a small demo cohort: every cell finishes, families
     stay apart in the summary and the report, and the test split is scored against 25 % chance with its interval."""
-    with run_smoke_sweep("ct_bench", qa_cohort.shard_dir, tmp_path) as result:
+    with run_smoke_sweep("ct_bench", qa_cohort.shard_dir, tmp_path, mlflow_server.uri) as result:
         _check_ct_bench_smoke(result, tmp_path)
 
 

@@ -20,14 +20,7 @@ from gx_ray.schema import PAPER_TASKS as TASKS
 from gx_ray.sweep.driver import EXPERIMENT, SweepOptions, run_sweep
 from gx_ray.sweep.spaces import load_space
 from gx_ray.tracking import SHARED_VIEW_TAG, TRIAL_TAG
-from gx_ray.tracking.server import LocalMlflowServer
 from tests.common import ROOT, SCHEMAS
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    with LocalMlflowServer(tmp_path_factory.mktemp("mlflow")) as server:
-        yield server
 
 
 def _children(uri: str, sweep_id: str) -> list:

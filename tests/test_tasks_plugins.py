@@ -306,8 +306,8 @@ def test_a_margin_goes_under_the_plug_ins_name(fresh_registry, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_plug_in_task_runs_through_a_sweep_and_its_report(ray_cluster, demo_prepared, tmp_path):
-    with run_smoke_sweep(str(SPACE), demo_prepared.shard_dir, tmp_path) as result:
+def test_a_plug_in_task_runs_through_a_sweep_and_its_report(ray_cluster, demo_prepared, tmp_path, mlflow_server):
+    with run_smoke_sweep(str(SPACE), demo_prepared.shard_dir, tmp_path, mlflow_server.uri) as result:
         assert (result.finished, result.failed) == (2, 0)
         client = MlflowClient(result.tracking_uri)
         runs = load_runs(result.tracking_uri, result.sweep_id)

@@ -248,7 +248,7 @@ def test_vlm_weights_in_a_folder_or_in_the_cache_pass_offline_and_partial_ones_d
 
 @pytest.mark.slow
 def test_the_vlm_lora_smoke_sweep_trains_generates_and_scores_every_task_on_both_families(
-    ray_cluster, demo_prepared, vlm_folders, tmp_path
+    ray_cluster, demo_prepared, vlm_folders, tmp_path, mlflow_server
 ):
     """``python jobs/sweep.py --space vlm_lora --preset smoke`` with the space's models pointed at the tiny offline
     LLaVA and PaliGemma: every trial finishes; each task's generated answers reach MLflow scored (VQA: accuracy and the
@@ -258,7 +258,9 @@ def test_the_vlm_lora_smoke_sweep_trains_generates_and_scores_every_task_on_both
     document["presets"]["smoke"]["grid"]["vlm.name"] = sorted(vlm_folders.values())
     space = tmp_path / "vlm_lora.yaml"
     space.write_text(yaml.safe_dump(document), encoding="utf-8")
-    with run_smoke_sweep(str(space), demo_prepared.shard_dir, tmp_path / "out", presets=("smoke",)) as result:
+    with run_smoke_sweep(
+        str(space), demo_prepared.shard_dir, tmp_path / "out", mlflow_server.uri, presets=("smoke",)
+    ) as result:
         assert (result.finished, result.failed) == (6, 0)
         assert result.report is not None and "stage_classification" in result.report.read_text(encoding="utf-8")
         # the analysis tells the two models apart (its cells are per task, model and schema), not as encoder runs
@@ -456,7 +458,7 @@ def test_a_plug_in_models_folder_that_is_not_here_is_refused_before_ray_naming_i
 
 @pytest.mark.slow
 def test_the_paper_models_smoke_sweep_runs_each_model_and_sets_the_papers_number_for_it_beside(
-    ray_cluster, demo_prepared, tmp_path
+    ray_cluster, demo_prepared, tmp_path, mlflow_server
 ):
     """``python jobs/sweep.py --space paper_models --preset smoke`` cut to retrieval and lesion detection under image
     only (the paper's setting for both): the five tiny models, built before Ray's trials ask for them, each finish
@@ -473,7 +475,9 @@ def test_the_paper_models_smoke_sweep_runs_each_model_and_sets_the_papers_number
     smoke.update(task=["retrieval", "lesion_detection"], schema=["image_only"])
     space = tmp_path / "paper_models.yaml"
     space.write_text(yaml.safe_dump(document), encoding="utf-8")
-    with run_smoke_sweep(str(space), demo_prepared.shard_dir, tmp_path / "out", presets=("smoke",)) as result:
+    with run_smoke_sweep(
+        str(space), demo_prepared.shard_dir, tmp_path / "out", mlflow_server.uri, presets=("smoke",)
+    ) as result:
         assert (result.finished, result.failed) == (10, 0)
         runs = load_runs(result.tracking_uri, result.sweep_id)
     tested = runs[runs["split"] == "test"]
