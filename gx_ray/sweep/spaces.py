@@ -151,10 +151,15 @@ class SearchSpace:
         """Every grid combination (one dict of dotted key → value per cell) that no ``exclude`` rule leaves out."""
         keys = list(self.grid)
         cells = [dict(zip(keys, values, strict=True)) for values in itertools.product(*self.grid.values())]
-        return [c for c in cells if not any(all(c[k] in v for k, v in r.items()) for r in self.exclude)]
+        return [c for c in cells if not excluded(c, self.exclude)]
 
     def trial_count(self) -> int:
         return len(self.cells()) * self.samples if self.searcher in ("grid", "random") else self.samples
+
+
+def excluded(cell: dict[str, Any], rules: list[dict[str, list[Any]]]) -> bool:
+    """Whether an ``exclude`` rule matches ``cell``: each axis it names holds one of the rule's values."""
+    return any(all(cell[k] in values for k, values in rule.items()) for rule in rules)
 
 
 def space_path(name_or_path: str) -> Path:
@@ -225,10 +230,12 @@ def _axis_values(documents: list[Any]) -> dict[str, list[Any]]:
 
 
 def _exclude(
-    path: Path, rules: Any, grid: dict[str, list[Any]], axis_values: dict[str, list[Any]]
+    path: Path, rules: Any, grid: dict[str, list[Any]], axis_values: dict[str, list[Any]], searcher: str
 ) -> list[dict[str, list[Any]]]:
     """The ``exclude`` rules, each axis's value(s) as a list: grid axes only, values the file gives that axis (a
     typo is an error, not a rule that leaves nothing out), and a cell left to run."""
+    if rules and searcher != "grid":
+        raise SpaceError(path, "exclude", f"leaves cells out of a grid: searcher grid, not {searcher}")
     if not isinstance(rules, list):
         raise SpaceError(path, "exclude", "expected a list of {grid axis: value or [values]}")
     parsed = []
@@ -243,6 +250,9 @@ def _exclude(
             if unknown := [v for v in parsed[-1][key] if v not in axis_values.get(key, [])]:
                 valid = ", ".join(map(str, dict.fromkeys(axis_values.get(key, []))))
                 raise SpaceError(path, f"exclude[{i}].{key}", f"{unknown[0]!r} is no value of the axis; valid: {valid}")
+    cells = itertools.product(*[[(k, v) for v in values] for k, values in grid.items()])
+    if parsed and all(excluded(dict(c), parsed) for c in cells):
+        raise SpaceError(path, "exclude", "leaves out every cell of the grid")
     return parsed
 
 
@@ -267,9 +277,7 @@ def _parse(path: Path, doc: dict[str, Any], presets: tuple[str, ...], axis_value
     ``axis_values``: each grid axis's values in the file, its presets' included (what ``exclude`` may name)."""
     fixed, grid, sample = _parameters(path, doc)
     searcher, scheduler, scheduler_options = _search_kind(path, doc, grid, sample)
-    if doc.get("exclude") and searcher != "grid":
-        raise SpaceError(path, "exclude", f"leaves cells out of a grid: searcher grid, not {searcher}")
-    exclude = _exclude(path, doc.get("exclude") or [], grid, axis_values)
+    exclude = _exclude(path, doc.get("exclude") or [], grid, axis_values, searcher)
     if "task" not in fixed and "task" not in grid and "task" not in sample:
         raise SpaceError(
             path,
@@ -300,7 +308,7 @@ def _parse(path: Path, doc: dict[str, Any], presets: tuple[str, ...], axis_value
                          "side by side in one process: resources.workers must be 1")  # fmt: skip
     analysis = _analysis(path, doc.get("analysis") or {}, [*TASKS, *_plugin_names(fixed, grid, sample)])
     _primary(path, analysis.get("primary"), _values("schema", fixed, grid, sample))
-    space = SearchSpace(
+    return SearchSpace(
         name=path.stem,
         path=path,
         description=str(doc.get("description", "")),
@@ -322,9 +330,6 @@ def _parse(path: Path, doc: dict[str, Any], presets: tuple[str, ...], axis_value
         scheduler_options=scheduler_options,
         exclude=exclude,
     )
-    if exclude and not space.cells():
-        raise SpaceError(path, "exclude", "leaves out every cell of the grid")
-    return space
 
 
 def _parameters(path: Path, doc: dict[str, Any]) -> tuple[dict, dict, dict]:
